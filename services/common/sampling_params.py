@@ -1,0 +1,161 @@
+"""vLLM-compatible `SamplingParams`: the user-facing knobs of one generation.
+
+Validation lives here once, for the offline `LLM` and the HTTP gateway alike: a bad
+value raises `SamplingParamsError` whose `param` names the field (the gateway turns it
+into an OpenAI 400 with that `param`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.proto import myvllm_pb2 as pb
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; `param` is the offending field's name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check_type(name: str, value: Any, types: tuple[type, ...], allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    # bool is an int subclass; a JSON `true` is never a valid number here.
+    if isinstance(value, bool) and bool not in types:
+        raise SamplingParamsError(name, f"{name} must be of type {types[0].__name__}, got bool")
+    if not isinstance(value, types):
+        raise SamplingParamsError(
+            name, f"{name} must be of type {types[0].__name__}, got {type(value).__name__}"
+        )
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion (names and defaults as in vLLM)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Token-id sequences for bad_words, filled from `bad_words` by whoever holds the tokenizer.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.logit_bias is None:
+            self.logit_bias = {}
+        if self.bad_words is None:
+            self.bad_words = []
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `SamplingParamsError` naming the first invalid field."""
+        _check_type("n", self.n, (int,))
+        if self.n < 1:
+            raise SamplingParamsError("n", f"n must be at least 1, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            _check_type(name, getattr(self, name), (float, int))
+        _check_type("top_k", self.top_k, (int,))
+        _check_type("seed", self.seed, (int,), allow_none=True)
+        _check_type("max_tokens", self.max_tokens, (int,), allow_none=True)
+        _check_type("min_tokens", self.min_tokens, (int,))
+        _check_type("logprobs", self.logprobs, (int,), allow_none=True)
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise SamplingParamsError("top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise SamplingParamsError(
+                "repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop", "stop must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise SamplingParamsError("stop", "stop strings must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers")
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError("logit_bias", "logit_bias must map token ids to numbers")
+        for k, v in self.logit_bias.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SamplingParamsError("logit_bias", f"logit_bias value for {k!r} must be a number")
+            if not -100 <= v <= 100:
+                raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {v}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def to_proto(self, vocab_size: int | None = None) -> pb.SamplingParams:
+        """The engine-level part of these params, as sent to the scheduler."""
+        bias = {}
+        for k, v in self.logit_bias.items():
+            try:
+                token = int(k)
+            except (TypeError, ValueError):
+                raise SamplingParamsError("logit_bias", f"logit_bias key {k!r} is not a token id") from None
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise SamplingParamsError("logit_bias", f"logit_bias token id {token} is out of range")
+            bias[token] = float(v)
+        msg = pb.SamplingParams(
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=int(self.top_k),
+            min_p=float(self.min_p),
+            repetition_penalty=float(self.repetition_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            presence_penalty=float(self.presence_penalty),
+            max_tokens=int(self.max_tokens or 0),
+            min_tokens=int(self.min_tokens),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=bool(self.ignore_eos),
+            logit_bias=bias,
+            bad_words=[pb.TokenIds(ids=ids) for ids in self.bad_words_token_ids],
+            logprobs=-1 if self.logprobs is None else int(self.logprobs),
+        )
+        if self.seed is not None:
+            msg.seed = int(self.seed)
+        return msg

@@ -1,0 +1,90 @@
+"""EngineCore: the scheduler's side of one engine step, shared by the offline LLM and the
+scheduler service. It turns GenerateRequests into scheduled batches and folds the
+worker's sampled tokens back into per-request outputs; who carries the batch to the
+worker (a direct call or a gRPC stream) is the caller's business.
+"""
+
+from __future__ import annotations
+
+from services.common.config import EngineConfig
+from services.common.proto import myvllm_pb2 as pb
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+
+
+def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:
+    return pb.LoadModelRequest(model=config.model, dtype=config.dtype, seed=config.seed,
+                               max_model_len=config.max_model_len or 0,
+                               attention_backend=config.attention_backend or "",
+                               max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens)
+
+
+def kv_capacity_request(config: EngineConfig) -> pb.KVCapacityRequest:
+    return pb.KVCapacityRequest(block_size=config.block_size,
+                                kv_cache_memory_bytes=config.kv_cache_memory_bytes or 0)
+
+
+def choose_num_blocks(config: EngineConfig, capacity: pb.KVCapacity, max_model_len: int) -> int:
+    """Blocks in the pool (the null block included): the override, else what fits the budget."""
+    if config.num_gpu_blocks_override:
+        return int(config.num_gpu_blocks_override)
+    needed = -(-max_model_len // config.block_size) + 1
+    if capacity.num_blocks < needed:
+        raise ValueError(
+            f"KV cache budget holds {capacity.num_blocks} blocks of {config.block_size} tokens; one request of "
+            f"max_model_len={max_model_len} needs {needed}. Raise kv_cache_memory_bytes or lower max_model_len.")
+    return int(capacity.num_blocks)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_info: pb.ModelInfo, num_blocks: int) -> None:
+        self.config = config
+        self.model_info = model_info
+        self.max_model_len = model_info.max_model_len
+        self.eos_token_ids = frozenset(model_info.eos_token_ids)
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy)
+        self.num_steps = 0
+
+    def add_request(self, req: pb.GenerateRequest) -> None:
+        """Queue a request; raises ValueError with a clear message if it cannot run."""
+        prompt = list(req.prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.model_info.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.model_info.vocab_size})")
+        room = self.max_model_len - len(prompt)
+        max_tokens = req.sampling.max_tokens or room
+        self.scheduler.add_request(Request(
+            req.request_id, prompt, req.sampling, self.eos_token_ids, max_tokens=max_tokens,
+            priority=req.priority, cache_salt=req.cache_salt))
+
+    def abort(self, request_ids: list[str]) -> list[pb.RequestOutput]:
+        return [pb.RequestOutput(request_id=r.request_id, finish_reason="abort",
+                                 num_prompt_tokens=r.num_prompt_tokens, stop_token_id=-1)
+                for r in self.scheduler.abort_requests(request_ids)]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def schedule(self) -> pb.SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def process(self, so: pb.SchedulerOutput, runner_output: pb.ModelRunnerOutput) -> list[pb.RequestOutput]:
+        if runner_output.error:
+            raise RuntimeError(f"worker failed: {runner_output.error}")
+        self.num_steps += 1
+        return self.scheduler.update_from_output(so, runner_output)
+
+    def stats(self) -> pb.Stats:
+        s = self.scheduler.stats()
+        return pb.Stats(max_model_len=self.max_model_len, model=self.config.model, block_size=self.config.block_size,
+                        num_steps=self.num_steps, **s)
+
+    def load(self) -> pb.Load:
+        s = self.scheduler
+        return pb.Load(num_waiting=s.num_waiting, num_running=s.num_running, kv_cache_usage=s.kv_cache_manager.usage)

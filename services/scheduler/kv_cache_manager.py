@@ -1,0 +1,133 @@
+"""Per-request KV block bookkeeping on top of the BlockPool, with prefix caching.
+
+Block hashes chain: hash(block k) = H(hash(block k-1), token ids of block k, extra keys),
+so equal hashes mean equal whole prefixes. Only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from services.scheduler.block_pool import BlockPool, KVBlock
+from services.scheduler.request import Request
+
+NONE_HASH = b"\x00" * 32
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
+    """Chained hash of one full block of token ids."""
+    h = hashlib.sha256(parent_hash)
+    h.update(np.asarray(token_ids, dtype=np.int32).tobytes())
+    if extra_keys:
+        h.update(b"\xff" + extra_keys)
+    return h.digest()
+
+
+def extend_block_hashes(request: Request, block_size: int) -> None:
+    """Hash every full block of `request` not hashed yet."""
+    num_full_blocks = request.num_tokens // block_size
+    extra = request.cache_salt.encode() if request.cache_salt else b""
+    tokens = request.all_token_ids
+    for k in range(len(request.block_hashes), num_full_blocks):
+        parent = request.block_hashes[k - 1] if k > 0 else NONE_HASH
+        # Only the first block carries the salt: the chain carries it to every later one.
+        request.block_hashes.append(
+            hash_block_tokens(parent, tokens[k * block_size:(k + 1) * block_size], extra if k == 0 else b""))
+
+
+class KVCacheManager:
+    """Which blocks each request holds, and the prefix-cache lookups feeding them."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many of each request's blocks are already registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0     # tokens found
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of `request`, in whole blocks, never its last token.
+
+        The last token must be computed to produce logits, so at most num_tokens - 1
+        tokens can hit. Returns the blocks (not yet touched) and the number of tokens.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        extend_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup once, when its request is actually scheduled (not on every retry)."""
+        self.prefix_cache_queries += num_queried_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> list[KVBlock] | None:
+        """Give `request` room for `num_new_tokens` more tokens after its computed ones.
+
+        `new_computed_blocks` are prefix-cache hits found this step (touched here).
+        Returns the newly allocated blocks, or None (and changes nothing) if the pool
+        cannot supply them.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_needed_blocks - len(blocks) - len(new_computed_blocks)
+        # Hits that sit in the free list are taken out of it by touch().
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        # Hits are cached already. Blocks computed this step are registered only after
+        # the step ran (cache_full_blocks from the scheduler), so a request preempted
+        # before its step never leaves hashes pointing at KV that was not written.
+        self.num_cached_blocks.setdefault(request.request_id, len(new_computed_blocks))
+        return new_blocks
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(blocks))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        extend_block_hashes(request, self.block_size)
+        for k in range(start, num_full):
+            self.block_pool.cache_full_block(blocks[k], request.block_hashes[k])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return all of `request`'s blocks, tail first so its prefix stays cached longest."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -1,0 +1,89 @@
+"""The scheduler's view of one request: token ids and the counters that drive scheduling."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from services.common.proto import myvllm_pb2 as pb
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self, "")
+
+
+class Request:
+    """A request inside the scheduler.
+
+    `num_computed_tokens` chases `num_tokens` (prompt + generated so far): there is no
+    prefill or decode phase, only how far behind the KV cache is.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: pb.SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_tokens: int,
+        priority: int = 0,
+        cache_salt: str = "",
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling = sampling
+        self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(sampling.stop_token_ids)
+        self.max_tokens = max_tokens
+        self.min_tokens = sampling.min_tokens
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache at first schedule
+        self.num_preemptions = 0
+        self.stop_token_id = -1
+        # Chained hashes of this request's full blocks, extended as tokens arrive.
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Priority order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time)

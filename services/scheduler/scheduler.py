@@ -1,0 +1,298 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones.
+
+There is no prefill or decode phase. Each request needs `num_tokens - num_computed_tokens`
+more tokens computed; a long prompt is cut into chunks by the budget (chunked prefill)
+while decodes of other requests continue in the same step. When the block pool runs dry,
+running requests are preempted by recompute: their blocks are freed and they go back to
+the head of the waiting queue (the prefix cache usually hands most blocks back later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from services.common.proto import myvllm_pb2 as pb
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Owns the waiting/running queues and every request's KV blocks."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+    ) -> None:
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids the worker must drop at the next step (finished, aborted or preempted).
+        self.finished_req_ids: set[str] = set()
+        # Requests whose state the worker holds (scheduled since their last preemption).
+        self.worker_known: set[str] = set()
+        self.num_preemptions = 0
+        self.step_id = 0
+
+    # ------------------------------------------------------------------ queue management
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}")
+        num_pool_blocks = self.kv_cache_manager.block_pool.num_blocks - 1
+        if -(-(request.num_tokens + 1) // self.block_size) > num_pool_blocks:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens but the KV cache holds only "
+                f"{num_pool_blocks * self.block_size}")
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        if self.policy == "priority":
+            # Keep waiting sorted by (priority, arrival); stable for equal keys.
+            key = request.sort_key()
+            idx = len(self.waiting)
+            while idx > 0 and self.waiting[idx - 1].sort_key() > key:
+                idx -= 1
+            self.waiting.insert(idx, request)
+        else:
+            self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Finish the given requests as aborted; returns those that were live."""
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self.worker_known:
+            self.worker_known.discard(request.request_id)
+            self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        if victim.request_id in self.worker_known:
+            self.worker_known.discard(victim.request_id)
+            self.finished_req_ids.add(victim.request_id)
+        if self.policy == "priority":
+            self._enqueue_waiting(victim)
+        else:
+            self.waiting.appendleft(victim)
+
+    def _pick_victim(self) -> Request:
+        """FCFS: the last running request; priority: lowest priority, latest arrival."""
+        if self.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def schedule(self) -> pb.SchedulerOutput:
+        """Decide this step's batch and describe it to the worker incrementally."""
+        token_budget = self.max_num_batched_tokens
+        scheduled_new: list[tuple[Request, int]] = []
+        scheduled_cached: list[tuple[Request, int, list[int]]] = []
+        scheduled_ids: set[str] = set()
+        preempted = False
+
+        # 1) Running requests first: they already hold blocks.
+        idx = 0
+        while idx < len(self.running) and token_budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget,
+                          self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                preempted = True
+                if victim is request:
+                    self._preempt(request)
+                    break
+                victim_idx = self.running.index(victim)
+                self._preempt(victim)
+                if victim_idx < idx:
+                    idx -= 1
+                # A victim scheduled earlier in this step must be unscheduled.
+                if victim.request_id in scheduled_ids:
+                    scheduled_ids.discard(victim.request_id)
+                    token_budget += self._unschedule(victim, scheduled_new, scheduled_cached)
+            if new_blocks is None:
+                continue  # `request` preempted itself; running[idx] is now the next one
+            scheduled_ids.add(request.request_id)
+            if request.request_id in self.worker_known:
+                scheduled_cached.append((request, num_new, [b.block_id for b in new_blocks]))
+            else:
+                scheduled_new.append((request, num_new))
+            token_budget -= num_new
+            idx += 1
+
+        # 2) Waiting requests, only if nobody had to be preempted this step.
+        while (not preempted and self.waiting and token_budget > 0
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break  # waiting requests wait; they never preempt
+            self.waiting.popleft()
+            if self.kv_cache_manager.enable_prefix_caching:
+                self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_ids.add(request.request_id)
+            scheduled_new.append((request, num_new))
+            token_budget -= num_new
+
+        return self._build_output(scheduled_new, scheduled_cached)
+
+    def _unschedule(self, victim: Request, scheduled_new: list, scheduled_cached: list) -> int:
+        for lst in (scheduled_new, scheduled_cached):
+            for i, entry in enumerate(lst):
+                if entry[0] is victim:
+                    del lst[i]
+                    return entry[1]
+        return 0
+
+    def _build_output(self, scheduled_new: list, scheduled_cached: list) -> pb.SchedulerOutput:
+        self.step_id += 1
+        out = pb.SchedulerOutput(step_id=self.step_id)
+        num_scheduled = []
+        for request, num_new in scheduled_new:
+            out.new_requests.append(pb.NewRequestData(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+                block_ids=self.kv_cache_manager.block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+                output_token_ids=request.output_token_ids,
+            ))
+            num_scheduled.append(num_new)
+            self.worker_known.add(request.request_id)
+        for request, num_new, new_block_ids in scheduled_cached:
+            out.cached_requests.append(pb.CachedRequestData(
+                request_id=request.request_id,
+                new_block_ids=new_block_ids,
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+            num_scheduled.append(num_new)
+        out.num_scheduled_tokens.extend(num_scheduled)
+        out.finished_request_ids.extend(self.finished_req_ids)
+        self.finished_req_ids.clear()
+        # The worker will compute these tokens: count them as computed now.
+        for request, num_new in scheduled_new:
+            request.num_computed_tokens += num_new
+        for request, num_new, _ in scheduled_cached:
+            request.num_computed_tokens += num_new
+        return out
+
+    # ------------------------------------------------------------------ after the step
+
+    def update_from_output(
+        self, scheduler_output: pb.SchedulerOutput, runner_output: pb.ModelRunnerOutput
+    ) -> list[pb.RequestOutput]:
+        """Append sampled tokens, check token-level stops, free finished requests."""
+        outputs: list[pb.RequestOutput] = []
+        logprobs = runner_output.logprobs
+        # Blocks filled this step (prefill chunks included) become prefix-cache entries.
+        for rid in self._scheduled_ids(scheduler_output):
+            request = self.requests.get(rid)
+            if request is not None:
+                self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+        for i, (rid, token_id) in enumerate(zip(runner_output.request_ids, runner_output.sampled_token_ids)):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            out = pb.RequestOutput(request_id=rid, new_token_ids=[token_id],
+                                   num_prompt_tokens=request.num_prompt_tokens,
+                                   num_cached_tokens=max(request.num_cached_tokens, 0))
+            if logprobs and request.sampling.logprobs >= 0:
+                out.logprobs.append(logprobs[i])
+            if status is not None:
+                out.finish_reason = status.finish_reason
+                out.stop_token_id = request.stop_token_id
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def _scheduled_ids(scheduler_output: pb.SchedulerOutput) -> list[str]:
+        return ([r.request_id for r in scheduler_output.new_requests]
+                + [r.request_id for r in scheduler_output.cached_requests])
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        if request.num_output_tokens >= request.min_tokens and (
+                token_id in request.eos_token_ids or token_id in request.stop_token_ids):
+            request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_cache_manager
+        return {
+            "num_free_blocks": kv.block_pool.num_free_blocks,
+            "num_total_blocks": kv.block_pool.num_blocks - 1,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "kv_cache_usage": kv.usage,
+        }

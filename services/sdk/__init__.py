@@ -1,0 +1,7 @@
+"""Client-side entry points: the in-process offline `LLM` and the gRPC `Client`."""
+
+from services.common.sampling_params import SamplingParams
+from services.sdk.llm import LLM
+from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -1,0 +1,167 @@
+"""The in-process offline `LLM`, vLLM-compatible: `LLM(model).generate(prompts, params)`.
+
+It runs the scheduler's EngineCore and a Worker in this process and hands each
+SchedulerOutput to the worker directly: the same classes the service mesh runs, minus gRPC.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from services.common.config import EngineConfig
+from services.common.proto import myvllm_pb2 as pb
+from services.common.sampling_params import SamplingParams
+from services.scheduler.engine_core import (EngineCore, choose_num_blocks, kv_capacity_request,
+                                             load_model_request)
+from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
+from services.worker.worker import Worker
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine replica in this process.
+
+    Engine arguments use vLLM's names: max_num_seqs, max_num_batched_tokens,
+    max_model_len, block_size, enable_prefix_caching, num_gpu_blocks_override,
+    kv_cache_memory_bytes, dtype, seed, scheduling_policy, attention_backend.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.worker = Worker()
+        info = self.worker.load_model(load_model_request(self.config))
+        capacity = self.worker.get_kv_capacity(kv_capacity_request(self.config))
+        num_blocks = choose_num_blocks(self.config, capacity, info.max_model_len)
+        self.worker.init_kv_cache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=self.config.block_size))
+        self.engine = EngineCore(self.config, info, num_blocks)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ public API
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, CompletionOutput, SamplingParams]] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            text, token_ids = self._tokenize_prompt(prompt)
+            result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
+            results.append(result)
+            self._fill_bad_words(sp)
+            for index in range(sp.n):
+                child = CompletionOutput(index=index, text="", token_ids=[],
+                                         logprobs=[] if sp.logprobs is not None else None,
+                                         cumulative_logprob=0.0 if sp.logprobs is not None else None)
+                result.outputs.append(child)
+                rid = f"{result.request_id}-{index}" if sp.n > 1 else result.request_id
+                msg = sp.to_proto(self.engine.model_info.vocab_size)
+                if sp.seed is not None and index > 0:
+                    msg.seed = sp.seed + index  # distinct but reproducible streams per choice
+                self.engine.add_request(pb.GenerateRequest(
+                    request_id=rid, prompt_token_ids=token_ids, sampling=msg,
+                    priority=priority[i] if priority else 0))
+                children[rid] = (result, child, sp)
+        self._run(children, use_tqdm)
+        return results
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.scheduler.stats()
+
+    # ------------------------------------------------------------------ internals
+
+    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _fill_bad_words(self, sp: SamplingParams) -> None:
+        if sp.bad_words and not sp.bad_words_token_ids:
+            sp.bad_words_token_ids = [self.tokenizer.encode(w, add_special_tokens=False) for w in sp.bad_words]
+            sp.bad_words_token_ids += [self.tokenizer.encode(" " + w, add_special_tokens=False)
+                                       for w in sp.bad_words]
+
+    def _run(self, children: dict, use_tqdm: bool) -> None:
+        pending = set(children)
+        bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm or len(pending) < 2)
+        try:
+            while pending:
+                so = self.engine.schedule()
+                if not so.num_scheduled_tokens:
+                    raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
+                for out in self.engine.process(so, self.worker.execute(so)):
+                    if out.request_id not in children:
+                        continue
+                    _, child, sp = children[out.request_id]
+                    self._append(child, out, sp)
+                    if out.finish_reason:
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort(list(pending))  # never leave blocks behind on an exception
+            raise
+        finally:
+            bar.close()
+        for result, child, sp in children.values():
+            child.text = self.tokenizer.decode(child.token_ids, skip_special_tokens=sp.skip_special_tokens)
+            result.finished = True
+
+    def _append(self, child: CompletionOutput, out: pb.RequestOutput, sp: SamplingParams) -> None:
+        new_ids = list(out.new_token_ids)
+        child.token_ids.extend(new_ids)
+        for lp in out.logprobs:
+            entry = {int(t): Logprob(v, rank=r + 1) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
+            entry.setdefault(new_ids[0], Logprob(lp.logprob, rank=lp.rank))
+            child.logprobs.append(entry)
+            child.cumulative_logprob += lp.logprob
+        if out.finish_reason:
+            child.finish_reason = out.finish_reason
+            child.stop_reason = out.stop_token_id if out.stop_token_id >= 0 else None

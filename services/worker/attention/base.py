@@ -1,0 +1,101 @@
+"""The attention interface: per-step metadata, the forward context and the layer module.
+
+The model runner builds one `AttentionMetadata` per step (flat ragged batch: every
+request's scheduled tokens back to back) and sets it as the forward context; each
+`AttentionLayer` then stores its K/V into the paged cache at `slot_mapping` and attends
+through the selected backend. A backend is one file in this package implementing
+`AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's ragged batch, as attention needs it. Tensors are on the model's device."""
+
+    num_tokens: int
+    slot_mapping: torch.Tensor     # [T] int64: flat slot of each token's K/V
+    query_start_loc: torch.Tensor  # [B+1] int32: token offset of each request
+    seq_lens: torch.Tensor         # [B] int32: context + this step's tokens
+    context_lens: torch.Tensor     # [B] int32: tokens already in the cache before this step
+    block_table: torch.Tensor      # [B, max_blocks] int32 (unused entries 0 = null block)
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # The same numbers on the host, for backends that plan per-request work there.
+    query_start_loc_np: np.ndarray = field(repr=False, default=None)
+    seq_lens_np: np.ndarray = field(repr=False, default=None)
+    context_lens_np: np.ndarray = field(repr=False, default=None)
+    # Whatever the backend derived once per step (shared by every layer).
+    backend_data: Any = None
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Derive per-step data once for all layers (stored in meta.backend_data)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store k/v at meta.slot_mapping, then attend: q [T, H, D] → [T, H, D].
+
+        kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim].
+        """
+
+
+_forward_context: tuple[AttentionBackend, AttentionMetadata] | None = None
+
+
+@contextlib.contextmanager
+def forward_context(backend: AttentionBackend, meta: AttentionMetadata) -> Iterator[None]:
+    """Make `meta` visible to every AttentionLayer for one forward pass."""
+    global _forward_context
+    previous = _forward_context
+    _forward_context = (backend, meta)
+    try:
+        yield
+    finally:
+        _forward_context = previous
+
+
+class AttentionLayer(nn.Module):
+    """One layer's paged attention; its KV cache tensor is bound by the model runner."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if _forward_context is None or self.kv_cache is None:
+            raise RuntimeError("attention called outside a forward context or before the KV cache exists")
+        backend, meta = _forward_context
+        return backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+
+
+def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """`None` picks automatically: triton on CUDA, torch elsewhere."""
+    if name is None:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from services.worker.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend()
+    if name == "triton":
+        from services.worker.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

@@ -1,0 +1,95 @@
+"""The worker's persistent batch: one row per live request, updated from scheduler deltas.
+
+Rows live across steps, so a decode step only touches what changed (a new block id, the
+computed-token counter) instead of re-sending each request's history.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.common.proto import myvllm_pb2 as pb
+
+
+class InputBatch:
+    """Token ids, block tables and sampling settings of every live request, by row."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, seed: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling: list[pb.SamplingParams | None] = [None] * max_num_reqs
+        self.generators: dict[int, torch.Generator] = {}
+        self.req_id_to_row: dict[str, int] = {}
+        self.row_req_ids: list[str | None] = [None] * max_num_reqs
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.version = 0  # bumped whenever membership changes (invalidates cached metadata)
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add(self, data: pb.NewRequestData) -> int:
+        if data.request_id in self.req_id_to_row:
+            self.remove(data.request_id)
+        if not self.free_rows:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_reqs} requests in the batch")
+        row = self.free_rows.pop()
+        self.version += 1
+        self.req_id_to_row[data.request_id] = row
+        self.row_req_ids[row] = data.request_id
+        prompt = np.asarray(data.prompt_token_ids, dtype=np.int32)
+        outputs = np.asarray(data.output_token_ids, dtype=np.int32)
+        n = prompt.size + outputs.size
+        if n > self.max_model_len:
+            raise ValueError(f"request {data.request_id} has {n} tokens > max_model_len {self.max_model_len}")
+        self.token_ids[row, :prompt.size] = prompt
+        self.token_ids[row, prompt.size:n] = outputs
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = prompt.size
+        blocks = np.asarray(data.block_ids, dtype=np.int32)
+        self.block_table[row, :blocks.size] = blocks
+        self.num_blocks[row] = blocks.size
+        self.num_computed_tokens[row] = data.num_computed_tokens
+        self.sampling[row] = data.sampling
+        if data.sampling.HasField("seed"):
+            # A request's own generator: seeded outputs do not depend on the batch around them.
+            gen = torch.Generator()
+            gen.manual_seed(data.sampling.seed)
+            self.generators[row] = gen
+        else:
+            self.generators.pop(row, None)
+        return row
+
+    def update(self, data: pb.CachedRequestData) -> int:
+        row = self.req_id_to_row[data.request_id]
+        if data.new_block_ids:
+            blocks = np.asarray(data.new_block_ids, dtype=np.int32)
+            start = self.num_blocks[row]
+            self.block_table[row, start:start + blocks.size] = blocks
+            self.num_blocks[row] = start + blocks.size
+        self.num_computed_tokens[row] = data.num_computed_tokens
+        return row
+
+    def remove(self, request_id: str) -> None:
+        row = self.req_id_to_row.pop(request_id, None)
+        if row is None:
+            return
+        self.sampling[row] = None
+        self.row_req_ids[row] = None
+        self.generators.pop(row, None)
+        self.free_rows.append(row)
+        self.version += 1
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Write each row's newly sampled token after its last one."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1

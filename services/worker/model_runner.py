@@ -1,0 +1,181 @@
+"""The model runner: persistent batch → flat ragged inputs → one forward → sampled ids.
+
+Inputs are built with vectorised numpy over the whole step (no per-token Python loop):
+for num_scheduled = [2, 5, 3] the flat batch has 10 tokens with
+req_indices [0 0 1 1 1 1 1 2 2 2] and positions = num_computed[req] + offset-in-request,
+and slot = block_table[req, pos // B] * B + pos % B tells attention where each token's
+K/V goes. Logits are computed only at the last scheduled position of requests whose
+computed tokens catch up with their known tokens (a partial prefill chunk samples nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from services.common.proto import myvllm_pb2 as pb
+from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
+from services.worker.input_batch import InputBatch
+from services.worker.models.loader import load_model, resolve_dtype
+from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def _eos_token_ids(model_dir: str, config) -> list[int]:
+    """EOS ids from generation_config.json (falling back to config.json)."""
+    from transformers import GenerationConfig
+
+    eos = None
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except (OSError, ValueError):
+        pass
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+class ModelRunner:
+    """Owns the weights, the paged KV tensors, the persistent batch and the sampler."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, attention_backend: str | None = None,
+                 device: str | None = None) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            torch.set_num_threads(int(os.environ.get("MYVLLM_NUM_THREADS", os.cpu_count() or 1)))
+        torch.manual_seed(seed)
+        self.seed = seed
+        self.dtype = resolve_dtype(dtype)
+        self.model_dir = model_dir
+        self.model, self.config = load_model(model_dir, self.dtype, self.device)
+        self.vocab_size = self.config.vocab_size
+        model_max = int(self.config.max_position_embeddings)
+        self.max_model_len = min(max_model_len or model_max, model_max)
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = _eos_token_ids(model_dir, self.config)
+        self.attn_backend = get_attention_backend(attention_backend, self.device)
+        self.sampler = Sampler()
+        self.input_batch: InputBatch | None = None
+        self.block_size = 0
+        self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        attn = self.model.attention_layers()[0]
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return per_token * block_size * len(self.model.attention_layers())
+
+    def num_blocks_for_budget(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
+        if kv_cache_memory_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_cache_memory_bytes = int(free * 0.8)
+            else:
+                kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        return max(int(kv_cache_memory_bytes // self.kv_bytes_per_block(block_size)), 0)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate [2, num_blocks, block_size, kv_heads, head_dim] per layer and bind it."""
+        self.block_size = block_size
+        for layer in self.model.attention_layers():
+            # zeros: never-written slots are masked out, but 0 * NaN garbage would still be NaN.
+            layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
+                                         dtype=self.dtype, device=self.device)
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, block_size, self.seed)
+
+    # ------------------------------------------------------------------ one step
+
+    def _apply_scheduler_output(self, so: pb.SchedulerOutput) -> np.ndarray:
+        batch = self.input_batch
+        for rid in so.finished_request_ids:
+            batch.remove(rid)
+        rows = [batch.add(r) for r in so.new_requests]
+        rows += [batch.update(r) for r in so.cached_requests]
+        return np.array(rows, dtype=np.int64)
+
+    def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray):
+        batch, bs = self.input_batch, self.block_size
+        num_reqs = rows.size
+        cu_num_tokens = np.cumsum(num_scheduled)
+        num_tokens = int(cu_num_tokens[-1])
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        query_start_loc[1:] = cu_num_tokens
+        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
+        offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], num_scheduled)
+        context_lens = batch.num_computed_tokens[rows]
+        positions = context_lens[req_indices] + offsets
+        token_rows = rows[req_indices]
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = context_lens + num_scheduled
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_table = batch.block_table[rows, :max_blocks]
+        # Requests that caught up with their known tokens sample; partial prefills do not.
+        samples = seq_lens >= batch.num_tokens[rows]
+        logits_indices = cu_num_tokens[samples] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+            query_start_loc_np=query_start_loc,
+            seq_lens_np=seq_lens,
+            context_lens_np=context_lens,
+        )
+        meta.backend_data = self.attn_backend.prepare(meta)
+        batch.num_computed_tokens[rows] = seq_lens
+        input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)
+        positions_t = torch.from_numpy(positions).to(dev)
+        return input_ids_t, positions_t, meta, samples, torch.from_numpy(logits_indices).to(dev)
+
+    def _sampling_metadata(self, sample_rows: np.ndarray) -> SamplingMetadata:
+        """Reuse the previous step's tensors while the sampling rows stay the same."""
+        batch = self.input_batch
+        rows = sample_rows.tolist()
+        key = (batch.version, tuple(rows))
+        if self._sampling_cache is not None and self._sampling_cache[0] == key:
+            return self._sampling_cache[1]
+        gens = {i: batch.generators[r] for i, r in enumerate(rows) if r in batch.generators}
+        md = build_sampling_metadata([batch.sampling[r] for r in rows], gens, self.vocab_size, self.device)
+        self._sampling_cache = (key, md)
+        return md
+
+    @torch.inference_mode()
+    def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
+        rows = self._apply_scheduler_output(so)
+        out = pb.ModelRunnerOutput(step_id=so.step_id)
+        if rows.size == 0:
+            return out
+        num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+        input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)
+        with forward_context(self.attn_backend, meta):
+            hidden = self.model(input_ids, positions)
+        if logits_indices.numel() == 0:
+            return out
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        sample_rows = rows[samples]
+        sampled, logprobs = self.sampler(logits, self._sampling_metadata(sample_rows))
+        token_ids = sampled.cpu().numpy().astype(np.int32)
+        self.input_batch.append_tokens(sample_rows, token_ids)
+        out.request_ids.extend([self.input_batch.row_req_ids[r] for r in sample_rows.tolist()])
+        out.sampled_token_ids.extend(token_ids.tolist())
+        if logprobs is not None:
+            out.logprobs.extend(lp if lp is not None else pb.TokenLogprobs() for lp in logprobs)
+        return out

@@ -1,0 +1,223 @@
+"""Building blocks shared by the decoder-only architectures (Llama, Qwen2, Qwen3).
+
+Projections are fused where HF keeps them apart (q/k/v into one `qkv_proj`, gate/up into
+one `gate_up_proj`): one matmul instead of three or two per layer. `load_weights` maps
+HF checkpoint names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention.base import AttentionLayer
+
+
+@dataclass
+class DecoderSpec:
+    """What distinguishes one architecture's decoder layer from another's."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as HF: normalise in fp32, cast back, then scale.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE with a cos/sin table indexed by each token's position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, rope_scaling: dict | None) -> None:
+        super().__init__()
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
+        self.head_dim, self.max_position, self.theta = head_dim, max_position, theta
+        self.half = head_dim // 2
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self, device: torch.device | str = "cpu") -> None:
+        """(Re)build the fp32 cos/sin tables, e.g. after the model was made on `meta`."""
+        with torch.device(device):
+            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            inv_freq = 1.0 / (self.theta ** exponent)
+            freqs = torch.arange(self.max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, KVH, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., self.half:], x[..., :self.half]), dim=-1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = spec.qkv_bias or getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.attn = AttentionLayer(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, spec: DecoderSpec) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"activation {config.hidden_act!r} is not supported")
+        self.intermediate_size = config.intermediate_size
+        bias = spec.mlp_bias or getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(config, layer_idx, spec)
+        self.mlp = MLP(config, spec)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF checkpoint names → (our fused parameter, which shard of it).
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only LM over a flat ragged batch of tokens: [T] ids → [T, hidden]."""
+
+    spec = DecoderSpec()
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.spec) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head_dim = self.layers[0].self_attn.head_dim
+        rope_theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get(
+            "rope_theta", 10000.0)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, float(rope_theta),
+                                          _plain_rope_scaling(config))
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, self.rotary_emb)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            target, shard = name, None
+            for hf_name, (fused, idx) in _FUSED_SHARDS.items():
+                if f".{hf_name}." in name:
+                    target, shard = name.replace(hf_name, fused), idx
+                    break
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r} in checkpoint")
+            param = params[target]
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _shards_of(self, name: str) -> tuple:
+        if "qkv_proj" in name:
+            return (0, 1, 2)
+        if "gate_up_proj" in name:
+            return (0, 1)
+        return (None,)
+
+    def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
+        attn = self.layers[0].self_attn
+        if "qkv_proj" in name:
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]
+
+
+def _plain_rope_scaling(config) -> dict | None:
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling is None:
+        params = getattr(config, "rope_parameters", None)
+        if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+            scaling = params
+    return scaling
