@@ -15,6 +15,14 @@ def default_model_path() -> str:
     return os.environ.get("MYVLLM_MODEL", str(DEFAULT_MODEL_DIR))
 
 
+def check_model_dir(model: str) -> str:
+    """Fail with one clear line when the model directory is missing."""
+    if not os.path.isdir(model):
+        hint = " (run `make setup` to convert the default model)" if model == str(DEFAULT_MODEL_DIR) else ""
+        raise FileNotFoundError(f"model directory not found: {model}{hint}")
+    return model
+
+
 @dataclass
 class EngineConfig:
     """Everything one engine replica (scheduler + its worker) is built from."""
@@ -42,6 +50,3 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if not os.path.isdir(self.model):
-            hint = " (run `make setup` to convert the default model)" if self.model == str(DEFAULT_MODEL_DIR) else ""
-            raise FileNotFoundError(f"model directory not found: {self.model}{hint}")

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import torch
 
+from services.common.config import check_model_dir
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
 from services.worker.input_batch import InputBatch
@@ -55,7 +56,7 @@ class ModelRunner:
         torch.manual_seed(seed)
         self.seed = seed
         self.dtype = resolve_dtype(dtype)
-        self.model_dir = model_dir
+        self.model_dir = check_model_dir(model_dir)
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
         self.vocab_size = self.config.vocab_size
         model_max = int(self.config.max_position_embeddings)
@@ -91,7 +92,12 @@ class ModelRunner:
             # zeros: never-written slots are masked out, but 0 * NaN garbage would still be NaN.
             layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
                                          dtype=self.dtype, device=self.device)
-        self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, block_size, self.seed)
+        self.reset_batch()
+
+    def reset_batch(self) -> None:
+        """Forget every request (a new scheduler stream starts from scratch)."""
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.seed)
+        self._sampling_cache = None
 
     # ------------------------------------------------------------------ one step
 

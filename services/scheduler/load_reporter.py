@@ -1,0 +1,63 @@
+"""Publishes this engine replica's load to Redis for the gateways' DP routing.
+
+Redis hash `myvllm:engines`: field = engine id, value = JSON {address, num_waiting,
+num_running, kv_cache_usage, ts}. Writes are throttled and never awaited by the engine
+loop: a slow or absent Redis must not slow down a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from services.common.proto import myvllm_pb2 as pb
+
+ENGINES_KEY = "myvllm:engines"
+logger = logging.getLogger("myvllm.scheduler")
+
+
+class LoadReporter:
+    def __init__(self, redis_url: str, engine_id: str, address: str, min_interval_s: float = 0.1) -> None:
+        self.client = aioredis.from_url(redis_url)
+        self.engine_id = engine_id
+        self.address = address
+        self.min_interval_s = min_interval_s
+        self._last_sent = 0.0
+        self._last_load: tuple | None = None
+        self._in_flight: asyncio.Task | None = None
+
+    def report(self, load: pb.Load) -> None:
+        key = (load.num_waiting, load.num_running, round(load.kv_cache_usage, 3))
+        now = time.monotonic()
+        if self._in_flight is not None and not self._in_flight.done():
+            return
+        if key == self._last_load and now - self._last_sent < 1.0:
+            return  # unchanged: refresh about once a second so readers see a live timestamp
+        if now - self._last_sent < self.min_interval_s and key != (0, 0, 0.0):
+            return
+        self._last_sent, self._last_load = now, key
+        value = json.dumps({"address": self.address, "num_waiting": key[0], "num_running": key[1],
+                            "kv_cache_usage": key[2], "ts": time.time()})
+        self._in_flight = asyncio.create_task(self._send(value))
+
+    async def _send(self, value: str) -> None:
+        try:
+            await self.client.hset(ENGINES_KEY, self.engine_id, value)
+        except Exception as e:  # Redis down: routing degrades, serving goes on
+            logger.warning("cannot publish load to redis: %s", e)
+
+
+async def read_engine_loads(client: aioredis.Redis, max_age_s: float = 10.0) -> dict[str, dict]:
+    """Fresh load entries of every replica, by engine id."""
+    entries = await client.hgetall(ENGINES_KEY)
+    now = time.time()
+    loads = {}
+    for engine_id, raw in entries.items():
+        value = json.loads(raw)
+        if now - value.get("ts", 0) <= max_age_s:
+            loads[engine_id.decode() if isinstance(engine_id, bytes) else engine_id] = value
+    return loads
