@@ -251,7 +251,8 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is not None:
                 self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
-        for i, (rid, token_id) in enumerate(zip(runner_output.request_ids, runner_output.sampled_token_ids)):
+        sampled = zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)
+        for i, (rid, token_id) in enumerate(sampled):
             request = self.requests.get(rid)
             if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran

