@@ -89,13 +89,23 @@ class AttentionLayer(nn.Module):
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """`None` picks automatically: triton on CUDA, torch elsewhere."""
+    """`None` picks automatically: triton on CUDA, the cpu kernel on CPU (torch without a compiler)."""
     if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from services.worker.attention.cpu_backend import CpuAttentionBackend
+            try:
+                return CpuAttentionBackend()
+            except RuntimeError:
+                name = "torch"
+    if name == "cpu":
+        from services.worker.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
     if name == "torch":
         from services.worker.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
     if name == "triton":
         from services.worker.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'cpu' or 'triton'")

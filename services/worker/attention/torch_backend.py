@@ -34,6 +34,9 @@ class _TorchPlan:
     decode_mask: torch.Tensor | None       # [Bd, 1, 1, nb * block_size] bool
     prefills: list[_Prefill]
     all_decode: bool
+    decode_rows: torch.Tensor | None = None         # [Bd] batch rows of the decodes
+    decode_block_table: torch.Tensor | None = None  # [Bd, max_blocks] int32 (kernel backends)
+    decode_seq_lens: torch.Tensor | None = None     # [Bd] int32 (kernel backends)
 
 
 class TorchAttentionBackend:
@@ -51,6 +54,7 @@ class TorchAttentionBackend:
         if dec.size:
             nb = int(-(-seq_lens[dec].max() // bs))
             dec_t = torch.from_numpy(dec).to(device)
+            plan.decode_rows = dec_t
             plan.decode_token_idx = torch.from_numpy(qsl[dec].astype(np.int64)).to(device)
             plan.decode_block_ids = meta.block_table[dec_t, :nb].reshape(-1).long()
             plan.decode_num_blocks = nb
@@ -109,8 +113,9 @@ class TorchAttentionBackend:
             # Earlier chunks / prefix-cache hits live only in the cache: read the whole sequence.
             k = k_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.seq_len]
             v = v_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.seq_len]
+        # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math path (~30x slower).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
             enable_gqa=num_heads != num_kv_heads)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
