@@ -63,10 +63,14 @@ class RotaryEmbedding(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for this step's positions, [T, 1, D]: computed once, shared by all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = cos_sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
     def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +92,8 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.attn = AttentionLayer(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                rope: RotaryEmbedding) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -96,7 +101,7 @@ class SelfAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = rope(cos_sin, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -124,8 +129,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope)
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                rope: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -164,8 +170,9 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, self.rotary_emb)
+            x = layer(cos_sin, x, self.rotary_emb)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
