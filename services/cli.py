@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -20,13 +21,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=int, default=None,
                    help="KV cache budget in bytes")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--attention-backend", default=None, choices=["torch", "cpu", "triton"],
+                   help="default: triton on CUDA, cpu (C decode kernel) on CPU")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                   help="keep two steps in flight (default: on for CUDA, off on CPU)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
             "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy",
-            "attention_backend")
+            "attention_backend", "async_scheduling")
     return {k: getattr(args, k) for k in keys if hasattr(args, k)}
 
 
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no "Got goaway" chatter when a peer restarts
     args = build_parser().parse_args(argv)
     return args.func(args) or 0
 

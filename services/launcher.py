@@ -149,6 +149,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                    "--scheduling-policy", args.scheduling_policy]
     if not args.enable_prefix_caching:
         sched_flags.append("--no-enable-prefix-caching")
+    if args.async_scheduling is not None:
+        sched_flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.num_gpu_blocks_override:
         sched_flags += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     if args.kv_cache_memory_bytes:
@@ -162,6 +164,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
          + (["--served-model-name", args.served_model_name] if args.served_model_name else [])),
     ]
     procs: list[tuple[str, subprocess.Popen]] = []
+    # `kill` (SIGTERM) stops the children too, exactly like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     checks = {
         "worker": lambda: _grpc_healthy(f"127.0.0.1:{worker_port}", "worker"),
         "scheduler": lambda: _grpc_healthy(f"127.0.0.1:{scheduler_port}", "scheduler"),

@@ -39,7 +39,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
-    async_scheduling: bool = False
+    # None: on where the worker runs on CUDA, off on CPU (see resolve_async_scheduling).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -50,3 +51,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+    def resolve_async_scheduling(self, device: str) -> bool:
+        """Fix the automatic choice once the worker's device is known."""
+        if self.async_scheduling is None:
+            self.async_scheduling = device == "cuda"
+        return self.async_scheduling

@@ -40,13 +40,15 @@ def choose_num_blocks(config: EngineConfig, capacity: pb.KVCapacity, max_model_l
 class EngineCore:
     def __init__(self, config: EngineConfig, model_info: pb.ModelInfo, num_blocks: int) -> None:
         self.config = config
+        config.resolve_async_scheduling(model_info.device)
         self.model_info = model_info
         self.max_model_len = model_info.max_model_len
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
         self.scheduler = Scheduler(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy)
+            enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
+            async_scheduling=config.async_scheduling)
         self.num_steps = 0
 
     def add_request(self, req: pb.GenerateRequest) -> None:

@@ -58,6 +58,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling: tokens being sampled by steps still in flight (not yet appended).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache at first schedule
         self.num_preemptions = 0
         self.stop_token_id = -1

@@ -28,12 +28,15 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
+        async_scheduling: bool = False,
     ) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
+        # With async scheduling step N+1 is scheduled before step N's tokens are back.
+        self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -113,6 +116,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0  # an in-flight token of a preempted request is dropped
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if victim.request_id in self.worker_known:
@@ -141,9 +145,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and token_budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget,
-                          self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0:
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          token_budget, self.max_model_len - request.num_computed_tokens)
+            if num_new <= 0 or self._finishes_in_flight(request):
                 idx += 1
                 continue
             while True:
@@ -198,6 +202,14 @@ class Scheduler:
 
         return self._build_output(scheduled_new, scheduled_cached)
 
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """A token already in flight will end `request` by length: scheduling more is waste."""
+        if not request.num_output_placeholders:
+            return False
+        pending = request.num_output_tokens + request.num_output_placeholders
+        return pending >= request.max_tokens or request.num_tokens + request.num_output_placeholders >= \
+            self.max_model_len
+
     def _unschedule(self, victim: Request, scheduled_new: list, scheduled_cached: list) -> int:
         for lst in (scheduled_new, scheduled_cached):
             for i, entry in enumerate(lst):
@@ -229,13 +241,17 @@ class Scheduler:
             ))
             num_scheduled.append(num_new)
         out.num_scheduled_tokens.extend(num_scheduled)
-        out.finished_request_ids.extend(self.finished_req_ids)
-        self.finished_req_ids.clear()
+        if num_scheduled:
+            # Kept for the next real step otherwise: an empty output is never sent.
+            out.finished_request_ids.extend(self.finished_req_ids)
+            self.finished_req_ids.clear()
         # The worker will compute these tokens: count them as computed now.
-        for request, num_new in scheduled_new:
+        scheduled = [(r, n) for r, n in scheduled_new] + [(r, n) for r, n, _ in scheduled_cached]
+        for request, num_new in scheduled:
             request.num_computed_tokens += num_new
-        for request, num_new, _ in scheduled_cached:
-            request.num_computed_tokens += num_new
+            if self.async_scheduling and \
+                    request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token we do not know yet
         return out
 
     # ------------------------------------------------------------------ after the step
@@ -246,16 +262,13 @@ class Scheduler:
         """Append sampled tokens, check token-level stops, free finished requests."""
         outputs: list[pb.RequestOutput] = []
         logprobs = runner_output.logprobs
-        # Blocks filled this step (prefill chunks included) become prefix-cache entries.
-        for rid in self._scheduled_ids(scheduler_output):
-            request = self.requests.get(rid)
-            if request is not None:
-                self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
         sampled = zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)
         for i, (rid, token_id) in enumerate(sampled):
             request = self.requests.get(rid)
             if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
             out = pb.RequestOutput(request_id=rid, new_token_ids=[token_id],
@@ -269,6 +282,12 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             outputs.append(out)
+        # Blocks filled this step (prefill chunks included) become prefix-cache entries.
+        # (With a step still in flight num_computed_tokens may run ahead of the known tokens.)
+        for rid in self._scheduled_ids(scheduler_output):
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.kv_cache_manager.cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         return outputs
 
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 import grpc
 
@@ -38,14 +39,21 @@ class WorkerLink:
         except asyncio.TimeoutError:
             raise StartupError(f"scheduler: worker at {self.address} is unreachable") from None
 
-    async def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
+    async def send(self, so: pb.SchedulerOutput) -> None:
         if self.stream is None:
             self.stream = self.stub.Execute()
         await self.stream.write(so)
+
+    async def receive(self) -> pb.ModelRunnerOutput:
         out = await self.stream.read()
         if out is grpc.aio.EOF:
             raise RuntimeError(f"worker at {self.address} closed its Execute stream")
         return out
+
+    def reset(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+        self.stream = None
 
 
 class _ClientStream:
@@ -86,31 +94,45 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ------------------------------------------------------------------ engine loop
 
     async def _engine_loop(self) -> None:
+        """Schedule, send, receive, fold in. With async scheduling two steps are in flight:
+        step N+1 is scheduled and on the wire while the worker still computes step N."""
         core = self.core
+        depth = 2 if self.config.async_scheduling else 1
+        in_flight: deque[pb.SchedulerOutput] = deque()
         while True:
-            if not core.has_unfinished_requests():
+            while len(in_flight) < depth and core.has_unfinished_requests():
+                so = core.schedule()
+                if not so.num_scheduled_tokens:
+                    break  # nothing fits right now (e.g. blocks an abort will free)
+                try:
+                    await self.worker.send(so)
+                except Exception as e:
+                    self._fail_all(in_flight, e)
+                    break
+                in_flight.append(so)
+            if not in_flight:
                 self._report_load()
                 self.work_available.clear()
                 await self.work_available.wait()
                 continue
-            so = core.schedule()
-            if not so.num_scheduled_tokens:
-                # Nothing fits right now (e.g. waiting for blocks that an abort will free).
-                self.work_available.clear()
-                await self.work_available.wait()
-                continue
+            so = in_flight.popleft()
             try:
-                runner_output = await self.worker.execute(so)
-                outputs = core.process(so, runner_output)
+                outputs = core.process(so, await self.worker.receive())
             except Exception as e:  # the worker failed: fail every live request, keep serving
-                logger.error("engine step failed: %s", e)
-                self.worker.stream = None
-                outputs = core.abort(list(core.scheduler.requests))
-                for out in outputs:
-                    out.error = f"engine step failed: {e}"
+                self._fail_all(in_flight, e)
+                continue
             self._route(outputs)
             self._report_load()
             await asyncio.sleep(0)  # let gateway streams run between steps
+
+    def _fail_all(self, in_flight: deque, error: Exception) -> None:
+        logger.error("engine step failed: %s", error)
+        in_flight.clear()
+        self.worker.reset()
+        outputs = self.core.abort(list(self.core.scheduler.requests))
+        for out in outputs:
+            out.error = f"engine step failed: {error}"
+        self._route(outputs)
 
     def _route(self, outputs: list[pb.RequestOutput]) -> None:
         per_stream: dict[int, tuple[_ClientStream, pb.StepOutputs]] = {}

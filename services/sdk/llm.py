@@ -7,7 +7,9 @@ SchedulerOutput to the worker directly: the same classes the service mesh runs, 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tqdm import tqdm
@@ -41,6 +43,8 @@ class LLM:
         self.engine = EngineCore(self.config, info, num_blocks)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self._ids = itertools.count()
+        # Async scheduling computes on this thread while the caller schedules the next step.
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute")
 
     # ------------------------------------------------------------------ public API
 
@@ -131,12 +135,10 @@ class LLM:
     def _run(self, children: dict, use_tqdm: bool) -> None:
         pending = set(children)
         bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm or len(pending) < 2)
+        steps = self._steps()
         try:
             while pending:
-                so = self.engine.schedule()
-                if not so.num_scheduled_tokens:
-                    raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
-                for out in self.engine.process(so, self.worker.execute(so)):
+                for out in next(steps):
                     if out.request_id not in children:
                         continue
                     _, child, sp = children[out.request_id]
@@ -148,10 +150,36 @@ class LLM:
             self.engine.abort(list(pending))  # never leave blocks behind on an exception
             raise
         finally:
+            steps.close()
             bar.close()
         for result, child, sp in children.values():
             child.text = self.tokenizer.decode(child.token_ids, skip_special_tokens=sp.skip_special_tokens)
             result.finished = True
+
+    def _steps(self) -> Iterator[list[pb.RequestOutput]]:
+        """Run engine steps, yielding each step's outputs.
+
+        With async scheduling two steps are in flight: step N+1 is scheduled (with output
+        placeholders) while the worker thread still computes step N.
+        """
+        depth = 2 if self.config.async_scheduling else 1
+        in_flight: deque[tuple[pb.SchedulerOutput, Future | pb.ModelRunnerOutput]] = deque()
+        try:
+            while True:
+                while len(in_flight) < depth and self.engine.has_unfinished_requests():
+                    so = self.engine.schedule()
+                    if not so.num_scheduled_tokens:
+                        break
+                    result = self._compute.submit(self.worker.execute, so) if depth > 1 else self.worker.execute(so)
+                    in_flight.append((so, result))
+                if not in_flight:
+                    raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
+                so, result = in_flight.popleft()
+                yield self.engine.process(so, result.result() if isinstance(result, Future) else result)
+        finally:
+            for _, result in in_flight:  # let the worker finish before anyone touches its batch
+                if isinstance(result, Future):
+                    result.result()
 
     def _append(self, child: CompletionOutput, out: pb.RequestOutput, sp: SamplingParams) -> None:
         new_ids = list(out.new_token_ids)

@@ -22,7 +22,8 @@ class Worker:
             device=self.device)
         r = self.runner
         return pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
-                            eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."))
+                            eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
+                            device=r.device.type)
 
     def get_kv_capacity(self, req: pb.KVCapacityRequest) -> pb.KVCapacity:
         r = self._loaded()

@@ -1,0 +1,66 @@
+"""What every route needs: the scheduler client, the tokenizer, metrics, model names,
+and the engine's max_model_len (fetched from the scheduler once it is reachable)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from http import HTTPStatus
+
+from services.gateway.errors import OpenAIError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import ModelCard
+from services.gateway.tokenizer import GatewayTokenizer
+from services.sdk.client import AsyncClient, SchedulerUnavailable
+
+logger = logging.getLogger(__name__)
+
+STATS_RETRY_INTERVAL_S = 1.0
+
+
+class GatewayContext:
+    """Shared state of one gateway process (one per FastAPI app)."""
+
+    def __init__(self, client: AsyncClient, tokenizer: GatewayTokenizer, model_path: str,
+                 served_model_name: str | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
+        self.metrics = GatewayMetrics(self.served_model_name)
+        self._max_model_len: int | None = None
+
+    async def max_model_len(self) -> int:
+        """The engine's context limit; raises `SchedulerUnavailable` while it is unknown
+        and the scheduler is unreachable (so requests fail fast with 503)."""
+        if self._max_model_len is None:
+            stats = await self.client.get_stats()
+            if stats.max_model_len <= 0:
+                raise SchedulerUnavailable("the scheduler has not reported max_model_len yet")
+            self._max_model_len = stats.max_model_len
+        return self._max_model_len
+
+    @property
+    def known_max_model_len(self) -> int | None:
+        return self._max_model_len
+
+    async def fetch_max_model_len_until_known(self) -> None:
+        """Background task from startup: retry GetStats until the scheduler answers, so
+        the first request does not pay for it (requests before then try themselves)."""
+        while self._max_model_len is None:
+            try:
+                await self.max_model_len()
+            except SchedulerUnavailable as e:
+                logger.info("waiting for the scheduler at %s: %s", self.client.address, e)
+                await asyncio.sleep(STATS_RETRY_INTERVAL_S)
+
+    def check_model(self, requested: str | None) -> None:
+        """404 unless `requested` names this model (its served name or its path)."""
+        if requested is None or requested in (self.served_model_name, self.model_path):
+            return
+        raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist.",
+                          param="model", code="model_not_found")
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.served_model_name, root=self.model_path, max_model_len=self._max_model_len)

@@ -1,0 +1,138 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the gateway reports, including FastAPI's own validation errors (422 by
+default) and unknown routes, goes out in this shape so OpenAI clients can parse it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.common.sampling_params import SamplingParamsError
+from services.sdk.client import RequestRejected, SchedulerUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error to send to the client with an HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = "invalid_request_error",  # noqa: A002 (OpenAI's field name)
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 invalid_request_error."""
+    return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def unsupported(feature: str, param: str | None = None) -> OpenAIError:
+    """A 400 for an OpenAI feature this server does not implement."""
+    return invalid_request(f"{feature} is not supported", param=param or feature, code="unsupported_parameter")
+
+
+def scheduler_unavailable(error: Exception) -> OpenAIError:
+    return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine is unavailable: {error}",
+                       type="service_unavailable_error", code="scheduler_unavailable")
+
+
+def as_openai_error(error: Exception) -> OpenAIError:
+    """Map any exception raised while serving a request to the error to report."""
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, SamplingParamsError):
+        return invalid_request(str(error), param=error.param)
+    if isinstance(error, SchedulerUnavailable):
+        return scheduler_unavailable(error)
+    if isinstance(error, RequestRejected):
+        return invalid_request(error.message, code="rejected_by_engine")
+    logger.exception("unexpected error while serving a request", exc_info=error)
+    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {type(error).__name__}",
+                       type="server_error")
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.to_dict(), status_code=error.status_code)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
+
+
+def _is_union_member_tag(part: int | str) -> bool:
+    # pydantic puts the union member it tried into the location: ("stop", "list[str]").
+    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES or part.startswith("function-"))
+
+
+def _param_from_location(location: Sequence[int | str]) -> str | None:
+    """("body", "messages", 0, "role") -> "messages[0].role"."""
+    parts = list(location[1:] if location and location[0] == "body" else location)
+    text = ""
+    for part in parts:
+        if _is_union_member_tag(part):
+            continue
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI/pydantic validation failure -> 400 naming the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return invalid_request("Invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return invalid_request(f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+    param = _param_from_location(first.get("loc", ()))
+    if param is None:
+        return invalid_request(f"Invalid request body: {first.get('msg')}")
+    message = f"{param}: {first.get('msg')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return invalid_request(message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error path of `app` through the OpenAI error shape."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = HTTPStatus(exc.status_code)
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "not_found" if exc.status_code == 404 else None
+        error = OpenAIError(exc.status_code, str(exc.detail or status.phrase), type=error_type, code=code)
+        return error_response(error)
+
+    async def _on_known_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(as_openai_error(exc))
+
+    for known in (OpenAIError, SamplingParamsError, SchedulerUnavailable, RequestRejected):
+        app.add_exception_handler(known, _on_known_error)
+    # Anything else is a bug: Starlette's ServerErrorMiddleware sends this and logs it.
+    app.add_exception_handler(Exception, _on_known_error)

@@ -1,0 +1,180 @@
+"""Runs the engine requests behind one HTTP request and merges their outputs.
+
+An OpenAI request becomes one engine request per choice (prompts x n). Each runs in
+its own task, feeding a shared queue, so a slow choice never blocks another. Leaving
+the merged stream early, for whatever reason (stop string, client gone, error),
+cancels those tasks, and the SDK turns each cancellation into an abort so the
+scheduler frees the KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from services.common.proto import myvllm_pb2 as pb
+from services.common.sampling_params import SamplingParams
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.output_processor import ChoiceDelta, ChoiceOutputProcessor
+from services.gateway.tokenizer import GatewayTokenizer
+from services.sdk.client import AsyncClient
+
+
+@dataclass
+class ChoiceRequest:
+    """One engine request: a prompt, its sampling settings and the choice it fills."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: pb.SamplingParams
+    processor: ChoiceOutputProcessor
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass
+class PromptSampling:
+    """A prompt and the sampling settings for it (max_tokens may differ per prompt)."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    sampling: pb.SamplingParams
+
+
+class _Done:
+    """Queued by a choice task when it ends (with the error that ended it, if any)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+async def _run_choice(client: AsyncClient, choice: ChoiceRequest, metrics: GatewayMetrics, arrival_time: float,
+                      deltas: asyncio.Queue[ChoiceDelta | _Done]) -> None:
+    timer = metrics.timer(arrival_time)
+    outputs = client.generate(choice.prompt_token_ids, choice.sampling, request_id=choice.request_id,
+                              priority=choice.priority, cache_salt=choice.cache_salt)
+    try:
+        # aclosing: leaving this loop early (stop string) must abort the request *now*.
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                if output.new_token_ids:
+                    timer.on_tokens()
+                delta = choice.processor.process(output)
+                deltas.put_nowait(delta)
+                if delta.finish_reason:
+                    timer.on_finish(delta.finish_reason)
+                    break
+    except Exception as e:  # (a cancellation is not an Exception: it propagates)
+        deltas.put_nowait(_Done(e))
+        return
+    deltas.put_nowait(_Done())
+
+
+class DisconnectWatcher:
+    """Calls `on_disconnect` if the HTTP client goes away before `stop()`.
+
+    uvicorn keeps no task to cancel for us (a non-streaming handler just runs on),
+    so we wait for the ASGI `http.disconnect` message ourselves. The request body has
+    already been read by then, so `receive()` has nothing else left to deliver.
+    """
+
+    def __init__(self, request: Request | None, on_disconnect: Callable[[], Awaitable[None]]) -> None:
+        self._request = request
+        self._on_disconnect = on_disconnect
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._request is not None:
+            self._task = asyncio.create_task(self._watch(), name="myvllm-disconnect-watcher")
+
+    async def _watch(self) -> None:
+        assert self._request is not None
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+        await self._on_disconnect()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
+async def _merge_choices(client: AsyncClient, choices: list[ChoiceRequest], metrics: GatewayMetrics,
+                         arrival_time: float) -> AsyncGenerator[ChoiceDelta, None]:
+    queue: asyncio.Queue[ChoiceDelta | _Done] = asyncio.Queue()
+    tasks = [asyncio.create_task(_run_choice(client, c, metrics, arrival_time, queue)) for c in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, _Done):
+                if item.error is not None:
+                    raise item.error
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        # Cancelling a choice task aborts its engine request (no-op for finished ones).
+        for task in tasks:
+            task.cancel()
+
+
+async def start_generation(client: AsyncClient, choices: list[ChoiceRequest], metrics: GatewayMetrics,
+                           http_request: Request | None, arrival_time: float | None = None,
+                           ) -> AsyncGenerator[ChoiceDelta, None]:
+    """Submit every choice and wait for the first delta, so that an unreachable or
+    refusing scheduler is still reported as an HTTP error status; return the merged
+    stream of deltas (the first one included). Close the returned iterator (or run it
+    to the end) to release everything; a client disconnect aborts all choices."""
+    arrival_time = time.monotonic() if arrival_time is None else arrival_time
+    merged = _merge_choices(client, choices, metrics, arrival_time)
+
+    async def abort_all() -> None:
+        # The merged stream then ends with "abort" deltas and releases itself.
+        await client.abort([choice.request_id for choice in choices])
+
+    watcher = DisconnectWatcher(http_request, abort_all)
+    watcher.start()
+    try:
+        first: ChoiceDelta | None = await anext(merged)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        watcher.stop()
+        await merged.aclose()
+        raise
+    return _prepend(first, merged, watcher)
+
+
+async def _prepend(first: ChoiceDelta | None, merged: AsyncGenerator[ChoiceDelta, None],
+                   watcher: DisconnectWatcher) -> AsyncGenerator[ChoiceDelta, None]:
+    try:
+        if first is not None:
+            yield first
+        async for delta in merged:
+            yield delta
+    finally:
+        watcher.stop()
+        await merged.aclose()
+
+
+def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: GatewayTokenizer, priority: int = 0,
+            cache_salt: str = "") -> list[ChoiceRequest]:
+    """One engine request per (prompt, sample): choice index = prompt_index * n + i and
+    engine id `{request_id}-{index}`. The n samples of a prompt share its KV blocks
+    through the scheduler's prefix cache."""
+    choices = []
+    for prompt_index, prompt in enumerate(prompts):
+        n = prompt.params.n
+        for sample in range(n):
+            index = prompt_index * n + sample
+            choices.append(ChoiceRequest(
+                request_id=f"{request_id}-{index}", prompt_token_ids=prompt.token_ids, sampling=prompt.sampling,
+                processor=ChoiceOutputProcessor(index, tokenizer, prompt.token_ids, prompt.params),
+                priority=priority, cache_salt=cache_salt))
+    return choices

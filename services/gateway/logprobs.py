@@ -1,0 +1,63 @@
+"""Engine `TokenLogprobs` -> OpenAI logprobs shapes (chat and legacy completions)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.proto import myvllm_pb2 as pb
+from services.gateway.protocol import ChatLogprobToken, CompletionLogprobs, TopLogprob
+from services.gateway.tokenizer import GatewayTokenizer
+
+# JSON has no -inf; vLLM reports masked-out tokens with this floor instead.
+MIN_LOGPROB = -9999.0
+
+
+def _clamp(logprob: float) -> float:
+    return max(float(logprob), MIN_LOGPROB)
+
+
+def _top_logprob(tokenizer: GatewayTokenizer, token_id: int, logprob: float) -> TopLogprob:
+    return TopLogprob(token=tokenizer.token_text(token_id), logprob=_clamp(logprob),
+                      bytes=list(tokenizer.token_bytes(token_id)))
+
+
+def chat_logprobs(
+    tokenizer: GatewayTokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs], num_top: int
+) -> list[ChatLogprobToken]:
+    """`choices[].logprobs.content` entries for the given tokens."""
+    entries = []
+    for token_id, token_logprobs in zip(token_ids, logprobs, strict=False):
+        top = [_top_logprob(tokenizer, top_id, top_lp) for top_id, top_lp in
+               zip(token_logprobs.top_ids[:num_top], token_logprobs.top_logprobs[:num_top], strict=False)]
+        sampled = _top_logprob(tokenizer, token_id, token_logprobs.logprob)
+        entries.append(ChatLogprobToken(**sampled.model_dump(), top_logprobs=top))
+    return entries
+
+
+class CompletionLogprobsBuilder:
+    """Builds legacy-completions logprobs; `text_offset` runs on across calls, so
+    streamed chunks carry offsets into the whole completion."""
+
+    def __init__(self, tokenizer: GatewayTokenizer, num_top: int, initial_text_offset: int = 0) -> None:
+        self._tokenizer = tokenizer
+        self._num_top = num_top
+        self._text_offset = initial_text_offset
+
+    def build(self, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs]) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        for token_id, token_logprobs in zip(token_ids, logprobs, strict=False):
+            text = self._tokenizer.token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(_clamp(token_logprobs.logprob))
+            result.text_offset.append(self._text_offset)
+            self._text_offset += len(text)
+            # Keyed by text, so distinct tokens can collide (e.g. partial characters all read
+            # "\ufffd"); the list is best-first, so keep the first, most likely, value.
+            top: dict[str, float] = {}
+            for top_id, top_lp in zip(token_logprobs.top_ids[:self._num_top],
+                                      token_logprobs.top_logprobs[:self._num_top], strict=False):
+                top.setdefault(self._tokenizer.token_text(top_id), _clamp(top_lp))
+            # Like vLLM (and OpenAI), the sampled token is always among its top_logprobs.
+            top.setdefault(text, _clamp(token_logprobs.logprob))
+            result.top_logprobs.append(top)
+        return result

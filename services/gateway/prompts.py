@@ -1,0 +1,79 @@
+"""Request prompts -> token ids: chat messages through the chat template, and the
+four shapes a legacy-completions `prompt` can take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import invalid_request, unsupported
+from services.gateway.protocol import ChatMessage, PromptInput
+from services.gateway.tokenizer import GatewayTokenizer
+
+
+@dataclass
+class EnginePrompt:
+    token_ids: list[int]
+    text: str  # what `echo` shows
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    rendered = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise unsupported(f"Content part type {part.type!r}",
+                                  param=f"messages[{index}].content[{part_index}].type")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    # Templates concatenate content; a missing one (e.g. an assistant turn) is "".
+    rendered["content"] = content or ""
+    return rendered
+
+
+def chat_prompt(tokenizer: GatewayTokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False,
+                chat_template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
+    """Render `messages` with the model's chat template and tokenize the result."""
+    if add_generation_prompt and continue_final_message:
+        raise invalid_request("add_generation_prompt and continue_final_message cannot both be true",
+                              param="continue_final_message")
+    template_input = [_template_message(i, m) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.render_chat(template_input, add_generation_prompt, continue_final_message,
+                                     chat_template_kwargs)
+    except Exception as e:  # jinja errors, raise_exception() in templates, missing template
+        raise invalid_request(f"Could not apply the chat template: {e}", param="messages") from None
+    # The template already placed BOS and other special tokens.
+    return EnginePrompt(tokenizer.encode(text, add_special_tokens=False), text)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(f"Token id {token_id} is out of vocabulary (size {vocab_size})", param=param)
+
+
+def completion_prompts(tokenizer: GatewayTokenizer, prompt: PromptInput,
+                       add_special_tokens: bool = True) -> list[EnginePrompt]:
+    """One `EnginePrompt` per prompt in a completions request."""
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]  # type: ignore[list-item]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if not items:
+        raise invalid_request("prompt must not be empty", param="prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append(EnginePrompt(tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
+        else:
+            check_token_ids(item, tokenizer.vocab_size, "prompt")
+            prompts.append(EnginePrompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))
+        if not prompts[-1].token_ids:
+            raise invalid_request("prompt must not be empty", param="prompt")
+    return prompts

@@ -1,0 +1,62 @@
+"""OpenAI request fields -> validated `SamplingParams` (and the context-length check)."""
+
+from __future__ import annotations
+
+from services.common.proto import myvllm_pb2 as pb
+from services.common.sampling_params import SamplingParams
+from services.gateway.errors import invalid_request
+from services.gateway.protocol import GenerationRequest
+from services.gateway.tokenizer import GatewayTokenizer
+
+# OpenAI fields whose `null` means "the default"; SamplingParams wants a value.
+_NULLABLE_DEFAULTS = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+}
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_name: str) -> int:
+    """The completion budget: as requested, else whatever context is left.
+
+    Raises a 400 `context_length_exceeded` naming both numbers when prompt plus
+    completion do not fit (`prompt_name` is "messages" or "prompt").
+    """
+    intro = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if requested is None:
+        if num_prompt_tokens >= max_model_len:
+            raise invalid_request(
+                f"{intro}your request has {num_prompt_tokens} input tokens, which leaves no room for a "
+                f"completion. Please reduce the length of the {prompt_name}.",
+                param=prompt_name, code="context_length_exceeded")
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise invalid_request(
+            f"{intro}you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"{prompt_name}, {requested} in the completion). Please reduce the length of the {prompt_name} "
+            f"or completion.", param=prompt_name, code="context_length_exceeded")
+    return requested
+
+
+def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenizer, max_tokens: int,
+                          logprobs: int | None) -> tuple[SamplingParams, pb.SamplingParams]:
+    """Validated params (SamplingParamsError names a bad field) and their engine proto."""
+    values = {name: default if getattr(request, name) is None else getattr(request, name)
+              for name, default in _NULLABLE_DEFAULTS.items()}
+    params = SamplingParams(
+        n=request.n,
+        seed=request.seed,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        logit_bias=request.logit_bias,
+        bad_words=request.bad_words,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        **values,
+    )
+    params.bad_words_token_ids = tokenizer.bad_words_token_ids(params.bad_words)
+    return params, params.to_proto(tokenizer.vocab_size)

@@ -1,0 +1,140 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from fastapi.responses import Response
+from starlette.requests import Request
+
+from services.common.sampling_params import MAX_LOGPROBS
+from services.gateway.context import GatewayContext
+from services.gateway.errors import as_openai_error, invalid_request, unsupported
+from services.gateway.generation import PromptSampling, fan_out, start_generation
+from services.gateway.logprobs import chat_logprobs
+from services.gateway.output_processor import ChoiceDelta
+from services.gateway.prompts import chat_prompt
+from services.gateway.protocol import (
+    AssistantMessage,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatLogprobToken,
+    DeltaMessage,
+    UsageInfo,
+)
+from services.gateway.sampling import build_sampling_params, resolve_max_tokens
+from services.gateway.sse import DONE, json_response, sse_event, sse_response
+
+
+def _num_top_logprobs(request: ChatCompletionRequest) -> int | None:
+    """Engine logprobs setting: None = off, k = sampled token plus top k."""
+    top = request.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise invalid_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}", param="top_logprobs")
+    if not request.logprobs:
+        if top:
+            raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionRequest,
+                                 http_request: Request | None = None) -> Response:
+    arrival_time = time.monotonic()
+    ctx.check_model(request.model)
+    if (field := request.unsupported_field()) is not None:
+        raise unsupported(field)
+    num_top = _num_top_logprobs(request)
+    prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
+                         request.continue_final_message, request.chat_template_kwargs)
+    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), await ctx.max_model_len(), "messages")
+    params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, num_top)
+
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    choices = fan_out(request_id, [PromptSampling(prompt.token_ids, params, sampling)], ctx.tokenizer,
+                      request.priority, request.cache_salt or "")
+    deltas = await start_generation(ctx.client, choices, ctx.metrics, http_request, arrival_time)
+    writer = _ChatWriter(ctx, request, request_id, len(prompt.token_ids), num_top)
+    if request.stream:
+        return sse_response(writer.stream(deltas, params.n))
+    return json_response(await writer.collect(deltas, params.n))
+
+
+class _ChatWriter:
+    """Shapes one chat completion's deltas as OpenAI responses or chunks."""
+
+    def __init__(self, ctx: GatewayContext, request: ChatCompletionRequest, request_id: str,
+                 num_prompt_tokens: int, num_top: int | None) -> None:
+        self._ctx = ctx
+        self._request = request
+        self._id = request_id
+        self._created = int(time.time())
+        self._num_prompt_tokens = num_prompt_tokens
+        self._num_top = num_top
+        self._num_completion_tokens = 0
+
+    def _logprobs(self, delta: ChoiceDelta) -> list[ChatLogprobToken] | None:
+        if self._num_top is None:
+            return None
+        return chat_logprobs(self._ctx.tokenizer, delta.token_ids, delta.logprobs, self._num_top)
+
+    def _usage(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self._num_prompt_tokens, completion_tokens=self._num_completion_tokens,
+                         total_tokens=self._num_prompt_tokens + self._num_completion_tokens)
+
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse_event(ChatCompletionChunk(id=self._id, created=self._created, model=self._ctx.served_model_name,
+                                             choices=choices, usage=usage))
+
+    async def collect(self, deltas: AsyncGenerator[ChoiceDelta, None], n: int) -> ChatCompletionResponse:
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[ChatLogprobToken]] = [[] for _ in range(n)]
+        endings: list[ChoiceDelta | None] = [None] * n
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                self._num_completion_tokens += len(delta.token_ids)
+                texts[delta.index].append(delta.text)
+                logprobs[delta.index] += self._logprobs(delta) or []
+                if delta.finish_reason:
+                    endings[delta.index] = delta
+        choices = [ChatCompletionChoice(
+            index=i,
+            message=AssistantMessage(content="".join(texts[i])),
+            logprobs=ChatChoiceLogprobs(content=logprobs[i]) if self._num_top is not None else None,
+            finish_reason=endings[i].finish_reason if endings[i] else None,
+            stop_reason=endings[i].stop_reason if endings[i] else None,
+        ) for i in range(n)]
+        return ChatCompletionResponse(id=self._id, created=self._created, model=self._ctx.served_model_name,
+                                      choices=choices, usage=self._usage())
+
+    async def stream(self, deltas: AsyncGenerator[ChoiceDelta, None], n: int) -> AsyncIterator[str]:
+        async with contextlib.aclosing(deltas):
+            try:
+                for i in range(n):
+                    yield self._chunk([ChatCompletionStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content=""))])
+                async for delta in deltas:
+                    self._num_completion_tokens += len(delta.token_ids)
+                    logprobs = self._logprobs(delta)
+                    if not (delta.text or delta.finish_reason or logprobs):
+                        continue  # a partial character or held-back text: nothing to show yet
+                    yield self._chunk([ChatCompletionStreamChoice(
+                        index=delta.index,
+                        delta=DeltaMessage(content=delta.text or None),
+                        logprobs=ChatChoiceLogprobs(content=logprobs) if logprobs is not None else None,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )])
+                if self._request.include_usage:
+                    yield self._chunk([], usage=self._usage())
+            except Exception as e:  # the status line is already sent: report in-band, as OpenAI does
+                yield sse_event(as_openai_error(e).to_dict())
+        yield DONE

@@ -1,0 +1,134 @@
+"""POST /v1/completions (the legacy text-completions API)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from fastapi.responses import Response
+from starlette.requests import Request
+
+from services.common.sampling_params import MAX_LOGPROBS
+from services.gateway.context import GatewayContext
+from services.gateway.errors import as_openai_error, invalid_request, unsupported
+from services.gateway.generation import PromptSampling, fan_out, start_generation
+from services.gateway.logprobs import CompletionLogprobsBuilder
+from services.gateway.output_processor import ChoiceDelta
+from services.gateway.prompts import EnginePrompt, completion_prompts
+from services.gateway.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from services.gateway.sampling import build_sampling_params, resolve_max_tokens
+from services.gateway.sse import DONE, json_response, sse_event, sse_response
+
+
+async def create_completion(ctx: GatewayContext, request: CompletionRequest,
+                            http_request: Request | None = None) -> Response:
+    arrival_time = time.monotonic()
+    ctx.check_model(request.model)
+    if (field := request.unsupported_field()) is not None:
+        raise unsupported(field)
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+        raise invalid_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {request.logprobs}",
+                              param="logprobs")
+    if request.echo and request.logprobs is not None:
+        raise unsupported("echo together with logprobs (prompt logprobs)", param="echo")
+    prompts = completion_prompts(ctx.tokenizer, request.prompt)
+    max_model_len = await ctx.max_model_len()
+    sampled = []
+    for prompt in prompts:
+        # Without max_tokens, each prompt may use whatever context it leaves.
+        max_tokens = resolve_max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
+        params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs)
+        sampled.append(PromptSampling(prompt.token_ids, params, sampling))
+
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    choices = fan_out(request_id, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
+    deltas = await start_generation(ctx.client, choices, ctx.metrics, http_request, arrival_time)
+    writer = _CompletionWriter(ctx, request, request_id, prompts, request.n)
+    if request.stream:
+        return sse_response(writer.stream(deltas))
+    return json_response(await writer.collect(deltas))
+
+
+class _CompletionWriter:
+    """Shapes one completion request's deltas as OpenAI responses or chunks."""
+
+    def __init__(self, ctx: GatewayContext, request: CompletionRequest, request_id: str,
+                 prompts: list[EnginePrompt], n: int) -> None:
+        self._ctx = ctx
+        self._request = request
+        self._id = request_id
+        self._created = int(time.time())
+        self._num_choices = len(prompts) * n
+        self._prompt_of_choice = [prompts[i // n] for i in range(self._num_choices)]
+        self._num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        self._num_completion_tokens = 0
+        self._echo_pending = [request.echo] * self._num_choices
+        self._logprobs = [CompletionLogprobsBuilder(ctx.tokenizer, request.logprobs)
+                          if request.logprobs is not None else None for _ in range(self._num_choices)]
+
+    def _text(self, delta: ChoiceDelta) -> str:
+        if self._echo_pending[delta.index]:
+            self._echo_pending[delta.index] = False
+            return self._prompt_of_choice[delta.index].text + delta.text
+        return delta.text
+
+    def _delta_logprobs(self, delta: ChoiceDelta) -> CompletionLogprobs | None:
+        builder = self._logprobs[delta.index]
+        return builder.build(delta.token_ids, delta.logprobs) if builder is not None else None
+
+    def _usage(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self._num_prompt_tokens, completion_tokens=self._num_completion_tokens,
+                         total_tokens=self._num_prompt_tokens + self._num_completion_tokens)
+
+    def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> CompletionResponse:
+        return CompletionResponse(id=self._id, created=self._created, model=self._ctx.served_model_name,
+                                  choices=choices, usage=usage)
+
+    async def collect(self, deltas: AsyncGenerator[ChoiceDelta, None]) -> CompletionResponse:
+        texts: list[list[str]] = [[] for _ in range(self._num_choices)]
+        logprobs = [CompletionLogprobs() if b is not None else None for b in self._logprobs]
+        endings: list[ChoiceDelta | None] = [None] * self._num_choices
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                self._num_completion_tokens += len(delta.token_ids)
+                texts[delta.index].append(self._text(delta))
+                part, whole = self._delta_logprobs(delta), logprobs[delta.index]
+                if part is not None and whole is not None:
+                    whole.tokens += part.tokens
+                    whole.token_logprobs += part.token_logprobs
+                    whole.top_logprobs += part.top_logprobs
+                    whole.text_offset += part.text_offset
+                if delta.finish_reason:
+                    endings[delta.index] = delta
+        choices = [CompletionChoice(
+            index=i, text="".join(texts[i]), logprobs=logprobs[i],
+            finish_reason=endings[i].finish_reason if endings[i] else None,
+            stop_reason=endings[i].stop_reason if endings[i] else None,
+        ) for i in range(self._num_choices)]
+        return self._response(choices, self._usage())
+
+    async def stream(self, deltas: AsyncGenerator[ChoiceDelta, None]) -> AsyncIterator[str]:
+        async with contextlib.aclosing(deltas):
+            try:
+                async for delta in deltas:
+                    self._num_completion_tokens += len(delta.token_ids)
+                    text = self._text(delta)
+                    logprobs = self._delta_logprobs(delta)
+                    if not (text or delta.finish_reason or (logprobs and logprobs.tokens)):
+                        continue  # a partial character or held-back text: nothing to show yet
+                    yield sse_event(self._response([CompletionChoice(
+                        index=delta.index, text=text, logprobs=logprobs,
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)], None))
+                if self._request.include_usage:
+                    yield sse_event(self._response([], self._usage()))
+            except Exception as e:  # the status line is already sent: report in-band
+                yield sse_event(as_openai_error(e).to_dict())
+        yield DONE

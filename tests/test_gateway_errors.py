@@ -1,0 +1,289 @@
+"""Every bad input gets an OpenAI-shaped error with the right status, type and param;
+a missing or dying scheduler gives a prompt 503, never a hang."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fake_scheduler import FakeScheduler, FakeSchedulerServer
+
+from services.gateway.server import BackgroundGateway, PortInUseError, bind_socket, serve_gateway
+from services.gateway.tokenizer import GatewayTokenizer
+
+MODEL = "SmolLM2-135M-Instruct"  # the served name: the model directory's basename
+MAX_MODEL_LEN = 256
+MESSAGES = [{"role": "user", "content": "hi"}]
+CHAT = {"model": MODEL, "messages": MESSAGES}
+COMPLETION = {"model": MODEL, "prompt": "hello"}
+
+
+def reject_long_prompts(request: Any) -> str | None:
+    return "prompt needs more KV blocks than exist" if len(request.prompt_token_ids) > 100 else None
+
+
+@pytest.fixture(scope="module")
+def url(smollm2_dir: str) -> Iterator[str]:
+    fake = FakeScheduler(max_model_len=MAX_MODEL_LEN, reject=reject_long_prompts)
+    with FakeSchedulerServer(fake) as scheduler, \
+            BackgroundGateway(scheduler.address, smollm2_dir, max_body_bytes=64 * 1024) as gateway:
+        yield gateway.url
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None,
+                 error_type: str = "invalid_request_error", message_has: tuple[str, ...] = ()) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    for fragment in message_has:
+        assert fragment in error["message"], error["message"]
+    return error
+
+
+def dead_address() -> str:
+    with FakeSchedulerServer() as server:
+        address = server.address
+    return address
+
+
+# ---------------------------------------------------------------------- malformed bodies
+
+
+def test_invalid_json(url: str) -> None:
+    response = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "x", ',
+                          headers={"content-type": "application/json"})
+    assert_error(response, 400, message_has=("Invalid JSON",))
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"model": MODEL}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "stop": 5}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"1": "high"}}, "logit_bias.1"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "n": "two"}, "n"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_schema_errors_are_400_naming_the_field(url: str, path: str, body: dict, param: str) -> None:
+    error = assert_error(httpx.post(f"{url}{path}", json=body), 400, param=param)
+    assert error["message"].startswith(param)
+
+
+# ---------------------------------------------------------------------- sampling values
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "top_k": -5}, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "min_p": 2}, "min_p"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": -3}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, "n"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["ok", ""]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 99999999]}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "seed": 2**70}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "priority": 2**40}, "priority"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"tokenize": True}}, "messages"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/tokenize", {}, "prompt"),
+])
+def test_bad_values_are_400_naming_the_field(url: str, path: str, body: dict, param: str) -> None:
+    assert_error(httpx.post(f"{url}{path}", json=body), 400, param=param)
+
+
+# ---------------------------------------------------------------------- unsupported features
+
+
+@pytest.mark.parametrize(("path", "extra", "feature"), [
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"logits_processors": ["x"]}, "logits_processors"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+])
+def test_unsupported_features_are_400(url: str, path: str, extra: dict, feature: str) -> None:
+    body = {**(CHAT if "chat" in path else COMPLETION), **extra}
+    assert_error(httpx.post(f"{url}{path}", json=body), 400, param=feature, message_has=("is not supported",))
+
+
+def test_non_text_content_parts_are_unsupported(url: str) -> None:
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    assert_error(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "messages": messages}), 400,
+                 param="messages[0].content[0].type", message_has=("'image_url' is not supported",))
+
+
+def test_supported_defaults_of_unsupported_fields_are_fine(url: str) -> None:
+    body = {**CHAT, "max_tokens": 2, "response_format": {"type": "text"}, "tool_choice": "none",
+            "modalities": ["text"], "user": "u", "unknown_field": [1, 2]}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
+
+
+# ---------------------------------------------------------------------- context length
+
+
+def test_prompt_plus_max_tokens_over_the_context(url: str, smollm2_dir: str) -> None:
+    tokenizer = GatewayTokenizer.load(smollm2_dir)
+    num_prompt = len(tokenizer.encode(tokenizer.render_chat(MESSAGES), add_special_tokens=False))
+    response = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 250})
+    assert_error(response, 400, param="messages", code="context_length_exceeded", message_has=(
+        f"maximum context length is {MAX_MODEL_LEN} tokens",
+        f"you requested {num_prompt + 250} tokens ({num_prompt} in the messages, 250 in the completion)"))
+    num_prompt = len(tokenizer.encode("hello"))
+    response = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "max_tokens": 300})
+    assert_error(response, 400, param="prompt", code="context_length_exceeded",
+                 message_has=(f"({num_prompt} in the prompt, 300 in the completion)",))
+
+
+def test_prompt_alone_over_the_context(url: str) -> None:
+    response = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": [5] * 300})
+    assert_error(response, 400, param="prompt", code="context_length_exceeded",
+                 message_has=(f"maximum context length is {MAX_MODEL_LEN} tokens", "300 input tokens"))
+
+
+def test_request_rejected_by_the_engine_is_400(url: str) -> None:
+    for stream in (False, True):
+        response = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": [5] * 150, "max_tokens": 5,
+                                                             "stream": stream})
+        assert_error(response, 400, code="rejected_by_engine", message_has=("more KV blocks",))
+
+
+# ---------------------------------------------------------------------- model, routes, size
+
+
+def test_unknown_model_is_404(url: str) -> None:
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+                       ("/tokenize", {"prompt": "x"})):
+        response = httpx.post(f"{url}{path}", json={**body, "model": "gpt-17"})
+        assert_error(response, 404, param="model", code="model_not_found", message_has=("gpt-17",))
+    assert_error(httpx.get(f"{url}/v1/models/gpt-17"), 404, param="model", code="model_not_found")
+
+
+def test_unknown_route_and_method(url: str) -> None:
+    assert_error(httpx.get(f"{url}/v1/nothing"), 404, code="not_found")
+    assert_error(httpx.get(f"{url}/v1/completions"), 405)
+
+
+def test_body_over_the_limit_is_413(url: str) -> None:
+    big = {**COMPLETION, "prompt": "x" * (65 * 1024)}
+    assert_error(httpx.post(f"{url}/v1/completions", json=big), 413, code="request_too_large",
+                 message_has=("limit of 65536 bytes",))
+
+    def chunked_body() -> Iterator[bytes]:  # no Content-Length: the limit must still hold
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(100):
+            yield b"y" * 1024
+        yield b'"}'
+
+    response = httpx.post(f"{url}/v1/completions", content=chunked_body(), headers={"content-type": "application/json"})
+    assert_error(response, 413, code="request_too_large")
+
+
+def test_default_body_limit_is_8_mib(smollm2_dir: str) -> None:
+    with FakeSchedulerServer() as scheduler, BackgroundGateway(scheduler.address, smollm2_dir) as gateway:
+        payload = b'{"prompt": "' + b"z" * (8 * 1024 * 1024) + b'"}'
+        response = httpx.post(f"{gateway.url}/v1/completions", content=payload,
+                              headers={"content-type": "application/json"})
+        assert_error(response, 413, code="request_too_large", message_has=(f"limit of {8 * 1024 * 1024} bytes",))
+
+
+# ---------------------------------------------------------------------- scheduler down
+
+
+def test_unreachable_scheduler_is_a_fast_503(smollm2_dir: str) -> None:
+    with BackgroundGateway(dead_address(), smollm2_dir) as gateway:
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+                           ("/v1/chat/completions", {**CHAT, "stream": True}),
+                           ("/v1/completions", {**COMPLETION, "stream": True, "max_tokens": 5})):
+            started = time.monotonic()
+            response = httpx.post(f"{gateway.url}{path}", json=body, timeout=10)
+            assert time.monotonic() - started < 2
+            assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+        started = time.monotonic()
+        assert_error(httpx.get(f"{gateway.url}/health", timeout=10), 503, error_type="service_unavailable_error")
+        assert time.monotonic() - started < 2
+        assert httpx.get(f"{gateway.url}/v1/models").status_code == 200  # needs no scheduler
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+        assert f'myvllm:scheduler_up{{model_name="{MODEL}"}} 0' in metrics
+
+
+def test_hung_scheduler_is_a_503_within_2_seconds(smollm2_dir: str) -> None:
+    with socket.socket() as silent:  # accepts TCP connections, never answers a byte
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with BackgroundGateway(address, smollm2_dir) as gateway:
+            for body in (CHAT, {**CHAT, "stream": True}):
+                started = time.monotonic()
+                response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=10)
+                assert time.monotonic() - started < 2
+                assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+
+
+def test_scheduler_dying_mid_stream_then_coming_back(smollm2_dir: str) -> None:
+    fake = FakeScheduler(step_delay_s=0.05)
+    with FakeSchedulerServer(fake) as scheduler, BackgroundGateway(scheduler.address, smollm2_dir) as gw:
+        body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=10) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            next(lines)
+            scheduler.stop()
+            started = time.monotonic()
+            events = [line for line in lines if line]
+            assert time.monotonic() - started < 2
+        assert events[-1] == "data: [DONE]"
+        assert '"scheduler_unavailable"' in events[-2] and events[-2].startswith('data: {"error"')
+
+        response = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=10)
+        assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+        assert httpx.get(f"{gw.url}/health").status_code == 503
+
+        scheduler.start()  # same port: the gateway reconnects on the next request
+        fake.step_delay_s = 0.001
+        assert httpx.get(f"{gw.url}/health").status_code == 200
+        response = httpx.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10)
+        assert response.status_code == 200, response.text
+
+
+# ---------------------------------------------------------------------- server
+
+
+def test_port_in_use_is_a_clear_error(smollm2_dir: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"cannot listen on 127.0.0.1:{port} \\(port already in use\\)"):
+            bind_socket("127.0.0.1", port)
+        with pytest.raises(PortInUseError):
+            serve_gateway("127.0.0.1", port, "127.0.0.1:1", smollm2_dir)
