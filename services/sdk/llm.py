@@ -18,6 +18,8 @@ from transformers import AutoTokenizer
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
+from services.gateway.output_processor import ChoiceOutputProcessor
+from services.gateway.tokenizer import GatewayTokenizer
 from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
 from services.worker.worker import Worker
@@ -41,7 +43,11 @@ class LLM:
         num_blocks = choose_num_blocks(self.config, capacity, info.max_model_len)
         self.worker.init_kv_cache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=self.config.block_size))
         self.engine = EngineCore(self.config, info, num_blocks)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        # Text, stop strings and bad words go through the gateway's own pieces, so offline
+        # and served completions of the same request read the same.
+        self.gateway_tokenizer = GatewayTokenizer(AutoTokenizer.from_pretrained(self.config.model),
+                                                  list(info.eos_token_ids), info.vocab_size)
+        self.tokenizer = self.gateway_tokenizer.hf_tokenizer
         self._ids = itertools.count()
         # Async scheduling computes on this thread while the caller schedules the next step.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute")
@@ -68,12 +74,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         results: list[RequestOutput] = []
-        children: dict[str, tuple[RequestOutput, CompletionOutput, SamplingParams]] = {}
+        children: dict[str, tuple[CompletionOutput, ChoiceOutputProcessor]] = {}
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             text, token_ids = self._tokenize_prompt(prompt)
             result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
             results.append(result)
-            self._fill_bad_words(sp)
+            if sp.bad_words and not sp.bad_words_token_ids:
+                sp.bad_words_token_ids = self.gateway_tokenizer.bad_words_token_ids(sp.bad_words)
             for index in range(sp.n):
                 child = CompletionOutput(index=index, text="", token_ids=[],
                                          logprobs=[] if sp.logprobs is not None else None,
@@ -86,8 +93,8 @@ class LLM:
                 self.engine.add_request(pb.GenerateRequest(
                     request_id=rid, prompt_token_ids=token_ids, sampling=msg,
                     priority=priority[i] if priority else 0))
-                children[rid] = (result, child, sp)
-        self._run(children, use_tqdm)
+                children[rid] = (child, ChoiceOutputProcessor(index, self.gateway_tokenizer, token_ids, sp))
+        self._run(children, results, use_tqdm)
         return results
 
     def chat(
@@ -126,24 +133,20 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise TypeError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
-    def _fill_bad_words(self, sp: SamplingParams) -> None:
-        if sp.bad_words and not sp.bad_words_token_ids:
-            sp.bad_words_token_ids = [self.tokenizer.encode(w, add_special_tokens=False) for w in sp.bad_words]
-            sp.bad_words_token_ids += [self.tokenizer.encode(" " + w, add_special_tokens=False)
-                                       for w in sp.bad_words]
-
-    def _run(self, children: dict, use_tqdm: bool) -> None:
+    def _run(self, children: dict, results: list[RequestOutput], use_tqdm: bool) -> None:
         pending = set(children)
         bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm or len(pending) < 2)
         steps = self._steps()
         try:
             while pending:
                 for out in next(steps):
-                    if out.request_id not in children:
+                    if out.request_id not in pending:
                         continue
-                    _, child, sp = children[out.request_id]
-                    self._append(child, out, sp)
-                    if out.finish_reason:
+                    child, processor = children[out.request_id]
+                    self._append(child, processor, out)
+                    if child.finish_reason is not None:
+                        if not out.finish_reason:  # a stop string ended it: free its blocks now
+                            self.engine.abort([out.request_id])
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
@@ -152,8 +155,7 @@ class LLM:
         finally:
             steps.close()
             bar.close()
-        for result, child, sp in children.values():
-            child.text = self.tokenizer.decode(child.token_ids, skip_special_tokens=sp.skip_special_tokens)
+        for result in results:
             result.finished = True
 
     def _steps(self) -> Iterator[list[pb.RequestOutput]]:
@@ -181,15 +183,17 @@ class LLM:
                 if isinstance(result, Future):
                     result.result()
 
-    def _append(self, child: CompletionOutput, out: pb.RequestOutput, sp: SamplingParams) -> None:
-        new_ids = list(out.new_token_ids)
-        child.token_ids.extend(new_ids)
-        for lp in out.logprobs:
+    @staticmethod
+    def _append(child: CompletionOutput, processor: ChoiceOutputProcessor, out: pb.RequestOutput) -> None:
+        delta = processor.process(out)
+        child.text += delta.text
+        child.token_ids.extend(delta.token_ids)
+        for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=False):
             top = zip(lp.top_ids, lp.top_logprobs, strict=True)
             entry = {int(t): Logprob(v, rank=r + 1) for r, (t, v) in enumerate(top)}
-            entry.setdefault(new_ids[0], Logprob(lp.logprob, rank=lp.rank))
+            entry.setdefault(token_id, Logprob(lp.logprob, rank=lp.rank))
             child.logprobs.append(entry)
             child.cumulative_logprob += lp.logprob
-        if out.finish_reason:
-            child.finish_reason = out.finish_reason
-            child.stop_reason = out.stop_token_id if out.stop_token_id >= 0 else None
+        if delta.finish_reason:
+            child.finish_reason = delta.finish_reason
+            child.stop_reason = delta.stop_reason
