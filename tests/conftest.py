@@ -23,6 +23,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads this once, at its first import: without a GPU its kernels run in the interpreter.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
