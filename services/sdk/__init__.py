@@ -1,7 +1,9 @@
-"""Client-side entry points: the in-process offline `LLM` and the gRPC `Client`."""
+"""Client-side entry points: the in-process offline `LLM` and the gRPC `Client` / `AsyncClient`."""
 
 from services.common.sampling_params import SamplingParams
+from services.sdk.client import AsyncClient, Client, RequestRejected, SchedulerUnavailable
 from services.sdk.llm import LLM
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "AsyncClient", "Client",
+           "RequestRejected", "SchedulerUnavailable"]
