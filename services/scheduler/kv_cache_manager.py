@@ -104,11 +104,23 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
-        # Hits are cached already. Blocks computed this step are registered only after
-        # the step ran (cache_full_blocks from the scheduler), so a request preempted
-        # before its step never leaves hashes pointing at KV that was not written.
         self.num_cached_blocks.setdefault(request.request_id, len(new_computed_blocks))
+        # Full blocks whose tokens are known are cached now, before their KV is written, so
+        # requests scheduled later in this same step (n > 1 siblings, shared prefixes) hit
+        # them: the worker stores every token's K/V of a step before any attention reads.
+        self.cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def uncache_blocks_from(self, request: Request, first_block: int) -> None:
+        """Forget the hashes of `request`'s blocks from `first_block` on (their KV will never
+        be written: the request was unscheduled after allocate_slots cached them)."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for block in blocks[first_block:]:
+            if block.block_hash is not None and self.block_pool.cached_blocks.get(block.block_hash) is block:
+                del self.block_pool.cached_blocks[block.block_hash]
+            block.block_hash = None
+        if self.num_cached_blocks.get(request.request_id, 0) > first_block:
+            self.num_cached_blocks[request.request_id] = first_block
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:

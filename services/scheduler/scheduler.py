@@ -56,11 +56,14 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}")
-        num_pool_blocks = self.kv_cache_manager.block_pool.num_blocks - 1
-        if -(-(request.num_tokens + 1) // self.block_size) > num_pool_blocks:
+        # A request that could not finish even with the whole pool to itself would preempt
+        # itself forever: refuse it now, with the numbers.
+        capacity = (self.kv_cache_manager.block_pool.num_blocks - 1) * self.block_size
+        needed = min(request.num_tokens + request.max_tokens, self.max_model_len)
+        if needed > capacity:
             raise ValueError(
-                f"prompt has {request.num_tokens} tokens but the KV cache holds only "
-                f"{num_pool_blocks * self.block_size}")
+                f"request needs KV cache for up to {needed} tokens ({request.num_tokens} prompt + "
+                f"{request.max_tokens} max_tokens) but the cache holds only {capacity}")
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
 
@@ -160,13 +163,15 @@ class Scheduler:
                     self._preempt(request)
                     break
                 victim_idx = self.running.index(victim)
+                if victim.request_id in scheduled_ids:
+                    # Scheduled earlier in this step (priority policy): unschedule it, and drop
+                    # the hashes cached for blocks this step would have filled.
+                    scheduled_ids.discard(victim.request_id)
+                    token_budget += self._unschedule(victim, scheduled_new, scheduled_cached)
+                    self.kv_cache_manager.uncache_blocks_from(victim, victim.num_computed_tokens // self.block_size)
                 self._preempt(victim)
                 if victim_idx < idx:
                     idx -= 1
-                # A victim scheduled earlier in this step must be unscheduled.
-                if victim.request_id in scheduled_ids:
-                    scheduled_ids.discard(victim.request_id)
-                    token_budget += self._unschedule(victim, scheduled_new, scheduled_cached)
             if new_blocks is None:
                 continue  # `request` preempted itself; running[idx] is now the next one
             scheduled_ids.add(request.request_id)
@@ -282,18 +287,7 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             outputs.append(out)
-        # Blocks filled this step (prefill chunks included) become prefix-cache entries.
-        # (With a step still in flight num_computed_tokens may run ahead of the known tokens.)
-        for rid in self._scheduled_ids(scheduler_output):
-            request = self.requests.get(rid)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                self.kv_cache_manager.cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         return outputs
-
-    @staticmethod
-    def _scheduled_ids(scheduler_output: pb.SchedulerOutput) -> list[str]:
-        return ([r.request_id for r in scheduler_output.new_requests]
-                + [r.request_id for r in scheduler_output.cached_requests])
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         if request.num_output_tokens >= request.min_tokens and (

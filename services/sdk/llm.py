@@ -75,25 +75,29 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         results: list[RequestOutput] = []
         children: dict[str, tuple[CompletionOutput, ChoiceOutputProcessor]] = {}
-        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            text, token_ids = self._tokenize_prompt(prompt)
-            result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
-            results.append(result)
-            if sp.bad_words and not sp.bad_words_token_ids:
-                sp.bad_words_token_ids = self.gateway_tokenizer.bad_words_token_ids(sp.bad_words)
-            for index in range(sp.n):
-                child = CompletionOutput(index=index, text="", token_ids=[],
-                                         logprobs=[] if sp.logprobs is not None else None,
-                                         cumulative_logprob=0.0 if sp.logprobs is not None else None)
-                result.outputs.append(child)
-                rid = f"{result.request_id}-{index}" if sp.n > 1 else result.request_id
-                msg = sp.to_proto(self.engine.model_info.vocab_size)
-                if sp.seed is not None and index > 0:
-                    msg.seed = sp.seed + index  # distinct but reproducible streams per choice
-                self.engine.add_request(pb.GenerateRequest(
-                    request_id=rid, prompt_token_ids=token_ids, sampling=msg,
-                    priority=priority[i] if priority else 0))
-                children[rid] = (child, ChoiceOutputProcessor(index, self.gateway_tokenizer, token_ids, sp))
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                text, token_ids = self._tokenize_prompt(prompt)
+                result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
+                results.append(result)
+                if sp.bad_words and not sp.bad_words_token_ids:
+                    sp.bad_words_token_ids = self.gateway_tokenizer.bad_words_token_ids(sp.bad_words)
+                for index in range(sp.n):
+                    child = CompletionOutput(index=index, text="", token_ids=[],
+                                             logprobs=[] if sp.logprobs is not None else None,
+                                             cumulative_logprob=0.0 if sp.logprobs is not None else None)
+                    result.outputs.append(child)
+                    rid = f"{result.request_id}-{index}" if sp.n > 1 else result.request_id
+                    msg = sp.to_proto(self.engine.model_info.vocab_size)
+                    if sp.seed is not None and index > 0:
+                        msg.seed = sp.seed + index  # distinct but reproducible streams per choice
+                    self.engine.add_request(pb.GenerateRequest(
+                        request_id=rid, prompt_token_ids=token_ids, sampling=msg,
+                        priority=priority[i] if priority else 0))
+                    children[rid] = (child, ChoiceOutputProcessor(index, self.gateway_tokenizer, token_ids, sp))
+        except BaseException:
+            self.engine.abort(list(children))  # a bad prompt must not strand the ones before it
+            raise
         self._run(children, results, use_tqdm)
         return results
 
