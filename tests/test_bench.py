@@ -1,0 +1,89 @@
+"""`myvllm bench throughput` / `bench latency`, run in-process through `services.cli.main` on tiny
+workloads with the real SmolLM2 checkpoint: both peers report positive figures and the ratio
+is the last line."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from services.bench.workload import SAFE_TOKEN_ID_MIN, format_table, random_requests
+from services.cli import main
+
+NUMBER = r"[0-9]+(?:\.[0-9]+)?"
+
+
+def _rows(out: str, width: int) -> dict[str, list[float]]:
+    """Table rows by peer name: lines whose first cell names a peer and whose other cells are numbers."""
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0] in ("my-vllm", "hf", "llama.cpp") and len(cells) == width:
+            rows[cells[0]] = [float("nan") if c == "n/a" else float(c) for c in cells[1:]]
+    return rows
+
+
+def test_random_requests_deterministic_and_in_range() -> None:
+    a = random_requests(16, 5, 9, 2, 3, 1000, seed=7)
+    b = random_requests(16, 5, 9, 2, 3, 1000, seed=7)
+    assert a == b
+    assert a != random_requests(16, 5, 9, 2, 3, 1000, seed=8)
+    assert a[0].prompt_token_ids != random_requests(16, 5, 9, 2, 3, 1000, seed=7, stream=1)[0].prompt_token_ids
+    for r in a:
+        assert 5 <= r.prompt_len <= 9 and 2 <= r.output_len <= 3
+        assert all(SAFE_TOKEN_ID_MIN <= t < 999 for t in r.prompt_token_ids)
+    with pytest.raises(ValueError):
+        random_requests(1, 10, 5, 1, 1, 1000, seed=0)
+
+
+def test_format_table_aligns() -> None:
+    text = format_table(["peer", "x"], [["a", 1], ["long-name", 12345]])
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1
+    assert lines[1].startswith("a ") and lines[1].endswith("1")
+
+
+def test_bench_throughput_tiny(smollm2_dir: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    json_path = tmp_path / "throughput.json"
+    rc = main(["bench", "throughput", "--model", smollm2_dir, "--num-prompts", "4", "--input-len-min", "8",
+               "--input-len-max", "16", "--output-len-min", "4", "--output-len-max", "8", "--no-llamacpp",
+               "--json", str(json_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = _rows(out, 8)
+    assert set(rows) == {"my-vllm", "hf"}
+    for peer, (requests, prompt_tokens, output_tokens, elapsed, out_tps, total_tps, threads) in rows.items():
+        assert requests == 4, peer
+        assert 4 * 8 <= prompt_tokens <= 4 * 16 and 4 * 4 <= output_tokens <= 4 * 8
+        assert elapsed > 0 and out_tps > 0 and total_tps > out_tps and threads >= 1
+    # Both peers are charged the same useful tokens.
+    assert rows["my-vllm"][:3] == rows["hf"][:3]
+    last = out.strip().splitlines()[-1]
+    match = re.fullmatch(rf"ratio my-vllm / hf \(output tok/s\): ({NUMBER})", last)
+    assert match and float(match.group(1)) > 0
+    data = json.loads(json_path.read_text())
+    assert [r["peer"] for r in data["results"]] == ["my-vllm", "hf"]
+    assert data["ratio_my_vllm_over_hf_output_tok_s"] > 0
+
+
+def test_bench_latency_tiny(smollm2_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "latency", "--model", smollm2_dir, "--input-len", "16", "--output-len", "6",
+               "--num-iters", "2", "--no-llamacpp"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = _rows(out, 9)
+    assert set(rows) == {"my-vllm", "hf"}
+    for peer, (input_len, output_len, iters, ttft, e2e, _itl, _tps, threads) in rows.items():
+        assert (input_len, output_len, iters) == (16, 6, 2), peer
+        assert ttft > 0 and e2e > 0 and threads >= 1
+    last = out.strip().splitlines()[-1]
+    match = re.fullmatch(rf"ratio hf / my-vllm \(inter-token latency\): (-?{NUMBER})", last)
+    assert match
+
+
+def test_bench_rejects_bad_sampling(smollm2_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "throughput", "--model", smollm2_dir, "--top-p", "0", "--no-hf"])
+    assert rc == 2
+    assert "top_p" in capsys.readouterr().err
