@@ -74,7 +74,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         results: list[RequestOutput] = []
-        children: dict[str, tuple[CompletionOutput, ChoiceOutputProcessor]] = {}
+        children: dict[str, tuple[RequestOutput, CompletionOutput, ChoiceOutputProcessor]] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 text, token_ids = self._tokenize_prompt(prompt)
@@ -94,7 +94,8 @@ class LLM:
                     self.engine.add_request(pb.GenerateRequest(
                         request_id=rid, prompt_token_ids=token_ids, sampling=msg,
                         priority=priority[i] if priority else 0))
-                    children[rid] = (child, ChoiceOutputProcessor(index, self.gateway_tokenizer, token_ids, sp))
+                    children[rid] = (result, child,
+                                     ChoiceOutputProcessor(index, self.gateway_tokenizer, token_ids, sp))
         except BaseException:
             self.engine.abort(list(children))  # a bad prompt must not strand the ones before it
             raise
@@ -146,8 +147,10 @@ class LLM:
                 for out in next(steps):
                     if out.request_id not in pending:
                         continue
-                    child, processor = children[out.request_id]
+                    result, child, processor = children[out.request_id]
                     self._append(child, processor, out)
+                    if processor.index == 0:
+                        result.num_cached_tokens = out.num_cached_tokens
                     if child.finish_reason is not None:
                         if not out.finish_reason:  # a stop string ended it: free its blocks now
                             self.engine.abort([out.request_id])
