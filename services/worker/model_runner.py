@@ -64,7 +64,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = _eos_token_ids(model_dir, self.config)
         self.attn_backend = get_attention_backend(attention_backend, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(max_num_reqs=max_num_seqs, vocab_size=self.vocab_size, device=self.device)
         self.input_batch: InputBatch | None = None
         self.block_size = 0
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
@@ -106,6 +106,7 @@ class ModelRunner:
         for rid in so.finished_request_ids:
             batch.remove(rid)
         rows = [batch.add(r) for r in so.new_requests]
+        self.sampler.add_requests(rows, list(so.new_requests))  # penalty counts / prompt masks of new rows
         rows += [batch.update(r) for r in so.cached_requests]
         return np.array(rows, dtype=np.int64)
 
@@ -159,7 +160,9 @@ class ModelRunner:
         if self._sampling_cache is not None and self._sampling_cache[0] == key:
             return self._sampling_cache[1]
         gens = {i: batch.generators[r] for i, r in enumerate(rows) if r in batch.generators}
-        md = build_sampling_metadata([batch.sampling[r] for r in rows], gens, self.vocab_size, self.device)
+        md = build_sampling_metadata([batch.sampling[r] for r in rows], gens, self.vocab_size, self.device,
+                                     rows=sample_rows, history=batch, eos_token_ids=self.eos_token_ids,
+                                     penalty_state=self.sampler.penalty_state)
         self._sampling_cache = (key, md)
         return md
 
