@@ -211,11 +211,14 @@ def run(args: argparse.Namespace) -> int:
     knobs = SamplingKnobs()
     peers: dict[str, float] = {}
     total_out = sum(r.output_len for r in requests)
+    compared = max(results, key=lambda r: r.concurrency)
     if not args.no_offline:
-        kwargs = engine_kwargs(args)
+        # Same requests, same engine flags, and at most as many in flight as the mesh had: the
+        # gap between the two is what the gRPC hops and the gateway cost.
+        kwargs = dict(engine_kwargs(args), max_num_seqs=min(args.max_num_seqs, compared.concurrency))
         elapsed = run_peer(PeerSpec("my-vllm offline LLM", lambda: MyVllmPeer(kwargs)), warmup, knobs,
                            lambda peer: peer.generate(requests, knobs))
-        peers["my-vllm offline LLM"] = total_out / elapsed
+        peers[f"my-vllm offline LLM (max_num_seqs={kwargs['max_num_seqs']})"] = total_out / elapsed
     if not args.no_hf:
         from services.bench.hf_peer import HFPeer
 
@@ -231,11 +234,11 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and results:
         _plot(results, args.plot)
         print(f"plot: {args.plot}")
-    best = max(results, key=lambda r: r.output_tok_s)
     if args.json:
         write_json(args.json, {"levels": [r.to_dict() for r in results], "peers_output_tok_s": peers})
-    if "my-vllm offline LLM" in peers:
-        print(f"mesh / offline LLM (output tok/s): {best.output_tok_s / peers['my-vllm offline LLM']:.2f}")
+    for name, tok_s in peers.items():
+        if name.startswith("my-vllm offline"):
+            print(f"mesh c={compared.concurrency} / offline LLM (output tok/s): {compared.output_tok_s / tok_s:.2f}")
     if "hf transformers" in peers:
-        print(f"ratio my-vllm / hf (output tok/s): {best.output_tok_s / peers['hf transformers']:.2f}")
+        print(f"ratio my-vllm / hf (output tok/s): {compared.output_tok_s / peers['hf transformers']:.2f}")
     return 0
