@@ -65,11 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     launcher.add_subcommands(sub, _add_engine_args)
 
-    try:  # TEMP until services/bench/cli.py lands
-        from services.bench import cli as bench_cli
-        bench_cli.add_subcommand(sub, _add_engine_args)
-    except ImportError:
-        pass
+    from services.bench import cli as bench_cli
+
+    bench_cli.add_subcommand(sub, _add_engine_args)
     return parser
 
 

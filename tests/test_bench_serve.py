@@ -1,0 +1,24 @@
+"""`myvllm bench serve` on a tiny workload: real mesh, offline LLM, percentiles, plot."""
+
+from __future__ import annotations
+
+import re
+
+from services.cli import main
+
+
+def test_bench_serve_reports_percentiles_ratio_and_plot(tmp_path, capsys, smollm2_dir):
+    plot = tmp_path / "serve.png"
+    rc = main(["bench", "serve", "--model", smollm2_dir, "--num-prompts", "4", "--concurrency", "1,2",
+               "--input-len-min", "8", "--input-len-max", "16", "--output-len-min", "4", "--output-len-max", "8",
+               "--no-hf", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.startswith("my-vllm serve c=")]
+    assert len(rows) == 2
+    for row in rows:
+        figures = [float(x) for x in row.split()[3:]]
+        assert len(figures) == 8 and all(f > 0 for f in figures)
+    assert re.search(r"my-vllm offline LLM \(max_num_seqs=2\)\s+\d+\.\d", out)
+    assert re.search(r"^mesh c=2 / offline LLM \(output tok/s\): \d+\.\d\d$", out.splitlines()[-1])
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
