@@ -3,8 +3,10 @@
 Decode attention on CPU is memory bound. The torch reference first gathers every decode
 request's K/V blocks into a dense copy, then reads them again in SDPA: three passes over
 the cache per layer. `cpu_paged_decode.c` reads K/V in place through the block table in
-one pass. It is compiled with the system C compiler at first use (about a second) into a
-cache directory; without a compiler this backend is unavailable and `torch` is used.
+one pass, on torch's own OpenMP threads. It is compiled with the system C compiler at first
+use (about a second) into a cache directory, keyed by the source, the flags and this CPU's
+instruction set (`-march=native`); without a compiler this backend is unavailable and
+`torch` is used.
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ from services.worker.attention.torch_backend import TorchAttentionBackend, _Torc
 
 _SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 _lib: ctypes.CDLL | None = None
-# One thread: extra pthreads fight torch's OpenMP workers, which keep spinning between ops.
-# Measured on the 2-core dev machine (bench throughput, 32 requests): 73.1 output tok/s with
-# one kernel thread, 59.7 with two; batch-1 inter-token latency 48.6 ms against 61.4 ms.
-_KERNEL_THREADS = 1
+# -fopenmp: the kernel's threads are OpenMP's. torch already loaded its libgomp (soname
+# libgomp.so.1), so the dynamic loader binds the kernel to that same runtime and thread pool.
+# (An earlier pthreads version fought torch's spinning workers and lost 20% on two cores.)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_signature() -> str:
+    """This CPU's instruction-set flags: a kernel built with -march=native runs only where they hold."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
 
 
 def _cache_dir() -> Path:
@@ -43,14 +54,14 @@ def load_library() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler found for the cpu attention backend")
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    key = _SOURCE.read_bytes() + " ".join([cc, *_FLAGS, _cpu_signature()]).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     target = _cache_dir() / f"cpu_paged_decode_{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-pthread",
-                   str(_SOURCE), "-o", str(out), "-lm"]
+            cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling the cpu attention kernel failed: {result.stderr.strip()[-500:]}")
@@ -87,7 +98,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         rc = self.lib.paged_decode(
             q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
             seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, k_cache.shape[2], head_dim,
-            k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16), _KERNEL_THREADS)
+            k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError("cpu paged decode kernel failed to start its threads")
+            raise MemoryError("cpu paged decode kernel could not allocate its scratch memory")
         return out.to(q.dtype)
