@@ -256,12 +256,14 @@ def test_concurrent_streams_with_async_client(stack: Stack) -> None:
 
 def test_completion_with_string_prompt(stack: Stack, client: openai.OpenAI) -> None:
     response = client.completions.create(model=MODEL, prompt="Once upon a time")
+    assert response.choices[0].finish_reason == "length"  # the 16-token default cut the reply
+    assert stack.fake.requests[0].sampling.max_tokens == 16  # OpenAI's and vLLM's default for completions
+    response = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=32)
     assert response.object == "text_completion"
     assert response.choices[0].text == REPLY and response.choices[0].finish_reason == "stop"
     prompt_ids = stack.tokenizer.encode("Once upon a time")
     assert list(stack.fake.requests[0].prompt_token_ids) == prompt_ids
     assert response.usage.prompt_tokens == len(prompt_ids)
-    assert stack.fake.requests[0].sampling.max_tokens == MAX_MODEL_LEN - len(prompt_ids)
 
 
 @pytest.mark.parametrize("prompt", [["first prompt", "second"], [[1, 2, 3], [4, 5]]])
@@ -276,8 +278,9 @@ def test_completion_with_several_prompts_and_n(stack: Stack, client: openai.Open
     assert response.usage.completion_tokens == 12
 
 
-def test_completion_default_max_tokens_is_per_prompt(stack: Stack, client: openai.OpenAI) -> None:
-    client.completions.create(model=MODEL, prompt=[[7] * 10, [7] * 100])
+def test_completion_null_max_tokens_is_the_rest_of_each_prompts_context(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": [[7] * 10, [7] * 100], "max_tokens": None}
+    assert httpx.post(f"{stack.gateway.url}/v1/completions", json=body).status_code == 200
     budgets = sorted((len(r.prompt_token_ids), r.sampling.max_tokens) for r in stack.fake.requests)
     assert budgets == [(10, MAX_MODEL_LEN - 10), (100, MAX_MODEL_LEN - 100)]
 
@@ -290,7 +293,7 @@ def test_completion_with_token_prompt_and_echo(stack: Stack, client: openai.Open
 
 
 def test_completion_stream(stack: Stack, client: openai.OpenAI) -> None:
-    chunks = list(client.completions.create(model=MODEL, prompt=["a", "b"], stream=True, echo=True,
+    chunks = list(client.completions.create(model=MODEL, prompt=["a", "b"], stream=True, echo=True, max_tokens=32,
                                             stream_options={"include_usage": True}))
     texts = {0: "", 1: ""}
     finishes = {}

@@ -165,9 +165,13 @@ def test_prompt_plus_max_tokens_over_the_context(url: str, smollm2_dir: str) -> 
 
 
 def test_prompt_alone_over_the_context(url: str) -> None:
-    response = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": [5] * 300})
+    response = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": [5] * 300, "max_tokens": None})
     assert_error(response, 400, param="prompt", code="context_length_exceeded",
                  message_has=(f"maximum context length is {MAX_MODEL_LEN} tokens", "300 input tokens"))
+    # The completions default (16 tokens) counts against the context too.
+    response = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "prompt": [5] * 250})
+    assert_error(response, 400, param="prompt", code="context_length_exceeded",
+                 message_has=("(250 in the prompt, 16 in the completion)",))
 
 
 def test_request_rejected_by_the_engine_is_400(url: str) -> None:

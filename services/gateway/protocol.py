@@ -141,6 +141,9 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(GenerationRequest):
     prompt: PromptInput
+    # OpenAI's and vLLM's default for text completions; an explicit null means "the rest of
+    # the context" (the chat endpoint's default).
+    max_tokens: Int32 | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

@@ -43,7 +43,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     max_model_len = await ctx.max_model_len()
     sampled = []
     for prompt in prompts:
-        # Without max_tokens, each prompt may use whatever context it leaves.
+        # max_tokens defaults to 16; null lets each prompt use whatever context it leaves.
         max_tokens = resolve_max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
         params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs)
         sampled.append(PromptSampling(prompt.token_ids, params, sampling))
