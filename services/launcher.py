@@ -62,7 +62,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     config = EngineConfig(**kwargs)
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     return _run_async(serve_scheduler(args.host, args.port, config, workers, redis_url=args.redis,
-                                      engine_id=args.engine_id))
+                                      engine_id=args.engine_id, advertise_address=args.advertise_address))
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -71,7 +71,10 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     try:
         check_model_dir(model)
-        serve_gateway(args.host, args.port, args.scheduler, model, served_model_name=args.served_model_name)
+        if not args.scheduler and not args.redis:
+            return _fail("gateway: give --scheduler addresses, --redis to discover them, or both")
+        serve_gateway(args.host, args.port, args.scheduler or "", model, served_model_name=args.served_model_name,
+                      redis_url=args.redis)
     except (StartupError, FileNotFoundError, OSError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -223,14 +226,20 @@ def add_subcommands(sub, add_engine_args) -> None:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--workers", required=True, help="worker address host:port (one; TP is not implemented)")
     s.add_argument("--redis", default=None, help="redis URL to publish this replica's load to (DP routing)")
-    s.add_argument("--engine-id", default=None)
+    s.add_argument("--engine-id", default=None, help="this replica's name in redis (default: its address)")
+    s.add_argument("--advertise-address", default=None,
+                   help="host:port gateways should dial, published in redis (default: host:port, with a wildcard "
+                        "host replaced by this machine's hostname)")
     add_engine_args(s)
     s.set_defaults(func=_cmd_scheduler)
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
     g.add_argument("--host", default="0.0.0.0")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--scheduler", required=True, help="scheduler address host:port")
+    g.add_argument("--scheduler", default=None,
+                   help="scheduler address host:port; several (comma-separated) = data-parallel replicas")
+    g.add_argument("--redis", default=None,
+                   help="redis URL: also route to every replica that publishes its load there (DP)")
     g.add_argument("--model", default=None, help="model directory (for the tokenizer and chat template)")
     g.add_argument("--served-model-name", default=None)
     g.set_defaults(func=_cmd_gateway)

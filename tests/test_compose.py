@@ -4,6 +4,7 @@ healthcheck is run as written, then a chat completion goes through the whole mes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -97,9 +98,11 @@ def test_compose_services_serve_a_chat_completion(smollm2_dir):
             model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
             temperature=0, max_tokens=16)
         assert "Paris" in reply.choices[0].message.content
-        # The scheduler published its replica's load for DP routing.
+        # The scheduler published its replica's load for DP routing, under the address it
+        # advertises (which the gateway, also reading redis, dials).
         r = redis.Redis(host="127.0.0.1", port=int(loc.ports["6379"]))
-        assert r.hgetall("myvllm:engines"), "scheduler wrote no load entry to redis"
+        entries = [json.loads(v) for v in r.hgetall("myvllm:engines").values()]
+        assert [e["address"] for e in entries] == [f"127.0.0.1:{loc.ports['50051']}"]
     finally:
         for p in reversed(procs):
             p.terminate()

@@ -1,4 +1,5 @@
-"""The gateway's FastAPI app: OpenAI-compatible HTTP in front of one scheduler.
+"""The gateway's FastAPI app: OpenAI-compatible HTTP in front of one or more engine
+replicas (schedulers), picked per request by the router.
 
 Routes stay thin: each parses its body (pydantic), then hands over to a serving
 module (chat, completions) or answers from the tokenizer / scheduler stats.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -28,10 +29,11 @@ from services.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
 from services.gateway.tokenizer import GatewayTokenizer
-from services.sdk.client import AsyncClient, SchedulerUnavailable
+from services.sdk.client import SchedulerUnavailable
 
 
 def _ctx(request: Request) -> GatewayContext:
@@ -39,28 +41,33 @@ def _ctx(request: Request) -> GatewayContext:
 
 
 def create_app(
-    scheduler_address: str,
+    scheduler_addresses: str | Sequence[str],
     model_path: str,
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     scheduler_timeout_s: float = 1.5,
+    redis_url: str | None = None,
 ) -> FastAPI:
-    """Build the gateway app. The tokenizer loads and the scheduler client is created
-    at startup (lifespan); `max_model_len` is fetched from the scheduler in the
-    background, and requests arriving while it is unreachable get a 503."""
+    """Build the gateway app for the schedulers at `scheduler_addresses` (one address, a
+    comma-separated list or a sequence) plus, with `redis_url`, every replica publishing
+    its load there. The tokenizer loads and the scheduler clients are created at startup
+    (lifespan); `max_model_len` is fetched from a scheduler in the background, and requests
+    arriving while none is reachable get a 503."""
+    addresses = split_addresses(scheduler_addresses)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(GatewayTokenizer.load, model_path)
-        client = AsyncClient(scheduler_address, timeout=scheduler_timeout_s)
-        ctx = GatewayContext(client, tokenizer, model_path, served_model_name)
+        router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s)
+        ctx = GatewayContext(router, tokenizer, model_path, served_model_name)
         app.state.ctx = ctx
+        router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())
         try:
             yield
         finally:
             warmup.cancel()
-            await client.close()
+            await router.close()
 
     app = FastAPI(title="my-vllm gateway", lifespan=lifespan)
     install_error_handlers(app)
@@ -86,18 +93,15 @@ def create_app(
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if await _ctx(request).client.health():
+        if await _ctx(request).router.healthy():
             return JSONResponse({"status": "ok"})
-        error = scheduler_unavailable(SchedulerUnavailable("the scheduler did not answer its health check"))
+        error = scheduler_unavailable(SchedulerUnavailable("no scheduler answered its health check"))
         return JSONResponse(error.to_dict(), status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         ctx = _ctx(request)
-        try:
-            stats = await ctx.client.get_stats()
-        except SchedulerUnavailable:
-            stats = None  # still report the gateway's own histograms
+        stats = await ctx.router.stats()  # None when no scheduler answers: still the gateway's own histograms
         return PlainTextResponse(ctx.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
@@ -123,4 +127,10 @@ def create_app(
     return app
 
 
-__all__ = ["create_app"]
+def split_addresses(addresses: str | Sequence[str]) -> list[str]:
+    """"a:1,b:2" or ["a:1", "b:2"] → ["a:1", "b:2"] (blanks dropped)."""
+    items = addresses.split(",") if isinstance(addresses, str) else addresses
+    return [a.strip() for a in items if a.strip()]
+
+
+__all__ = ["create_app", "split_addresses"]

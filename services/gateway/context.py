@@ -1,5 +1,5 @@
-"""What every route needs: the scheduler client, the tokenizer, metrics, model names,
-and the engine's max_model_len (fetched from the scheduler once it is reachable)."""
+"""What every route needs: the replica router (scheduler clients), the tokenizer, metrics,
+model names, and the engine's max_model_len (fetched from a scheduler once one is reachable)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from http import HTTPStatus
 from services.gateway.errors import OpenAIError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ModelCard
+from services.gateway.router import ReplicaRouter
 from services.gateway.tokenizer import GatewayTokenizer
-from services.sdk.client import AsyncClient, SchedulerUnavailable
+from services.sdk.client import SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +23,9 @@ STATS_RETRY_INTERVAL_S = 1.0
 class GatewayContext:
     """Shared state of one gateway process (one per FastAPI app)."""
 
-    def __init__(self, client: AsyncClient, tokenizer: GatewayTokenizer, model_path: str,
+    def __init__(self, router: ReplicaRouter, tokenizer: GatewayTokenizer, model_path: str,
                  served_model_name: str | None = None) -> None:
-        self.client = client
+        self.router = router
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
@@ -33,9 +34,9 @@ class GatewayContext:
 
     async def max_model_len(self) -> int:
         """The engine's context limit; raises `SchedulerUnavailable` while it is unknown
-        and the scheduler is unreachable (so requests fail fast with 503)."""
+        and no scheduler is reachable (so requests fail fast with 503)."""
         if self._max_model_len is None:
-            stats = await self.client.get_stats()
+            stats = await self.router.any_client().get_stats()
             if stats.max_model_len <= 0:
                 raise SchedulerUnavailable("the scheduler has not reported max_model_len yet")
             self._max_model_len = stats.max_model_len
@@ -52,7 +53,7 @@ class GatewayContext:
             try:
                 await self.max_model_len()
             except SchedulerUnavailable as e:
-                logger.info("waiting for the scheduler at %s: %s", self.client.address, e)
+                logger.info("waiting for a scheduler (%s): %s", self.router.description, e)
                 await asyncio.sleep(STATS_RETRY_INTERVAL_S)
 
     def check_model(self, requested: str | None) -> None:

@@ -21,8 +21,9 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output_processor import ChoiceDelta, ChoiceOutputProcessor
+from services.gateway.router import ReplicaRouter
 from services.gateway.tokenizer import GatewayTokenizer
-from services.sdk.client import AsyncClient
+from services.sdk.client import AsyncClient, SchedulerUnavailable
 
 
 @dataclass
@@ -149,6 +150,24 @@ async def start_generation(client: AsyncClient, choices: list[ChoiceRequest], me
         await merged.aclose()
         raise
     return _prepend(first, merged, watcher)
+
+
+async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metrics: GatewayMetrics,
+                       http_request: Request | None, arrival_time: float | None = None,
+                       ) -> AsyncGenerator[ChoiceDelta, None]:
+    """`start_generation` on the replica the router picks (all choices together, so the n
+    samples of a prompt share its cached blocks). A replica that turns out to be down is
+    marked so and the request goes to the next one: nothing was generated yet."""
+    tried: set[str] = set()
+    while True:
+        replica = router.pick(exclude=tried)
+        try:
+            return await start_generation(replica.client, choices, metrics, http_request, arrival_time)
+        except SchedulerUnavailable as e:
+            router.mark_down(replica, e)
+            tried.add(replica.address)
+            if tried >= set(router.replicas):
+                raise
 
 
 async def _prepend(first: ChoiceDelta | None, merged: AsyncGenerator[ChoiceDelta, None],

@@ -42,23 +42,26 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_server(host: str, port: int, scheduler_address: str, model_path: str,
-                    served_model_name: str | None, log_level: str, max_body_bytes: int) -> uvicorn.Server:
-    app = create_app(scheduler_address, model_path, served_model_name, max_body_bytes=max_body_bytes)
+                    served_model_name: str | None, log_level: str, max_body_bytes: int,
+                    redis_url: str | None = None) -> uvicorn.Server:
+    app = create_app(scheduler_address, model_path, served_model_name, max_body_bytes=max_body_bytes,
+                     redis_url=redis_url)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     return uvicorn.Server(config)
 
 
 def serve_gateway(host: str, port: int, scheduler_address: str, model_path: str,
                   served_model_name: str | None = None, log_level: str = "warning",
-                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-    """Serve the OpenAI-compatible gateway until interrupted (blocking).
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None) -> None:
+    """Serve the OpenAI-compatible gateway until interrupted (blocking). `scheduler_address`
+    may list several replicas (comma-separated); `redis_url` adds the ones publishing there.
 
     Raises `PortInUseError` if the port is taken, `StartupError` for other start failures
     (both one-line messages for the CLI).
     """
     sock = bind_socket(host, port)
     server = _uvicorn_server(host, port, scheduler_address, model_path, served_model_name, log_level,
-                             max_body_bytes)
+                             max_body_bytes, redis_url)
     server.run(sockets=[sock])
     if not server.started:  # uvicorn logs the cause (e.g. no tokenizer in model_path) and returns
         raise StartupError(f"gateway: failed to start (see the log above; model {model_path})")
@@ -69,12 +72,12 @@ class BackgroundGateway:
 
     def __init__(self, scheduler_address: str, model_path: str, served_model_name: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None) -> None:
         self._sock = bind_socket(host, port)
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._server = _uvicorn_server(host, self.port, scheduler_address, model_path, served_model_name,
-                                       log_level, max_body_bytes)
+                                       log_level, max_body_bytes, redis_url)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="myvllm-gateway", daemon=True)
 
@@ -110,12 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="my-vllm OpenAI-compatible gateway")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--scheduler", default="127.0.0.1:50051", help="scheduler gRPC address")
+    parser.add_argument("--scheduler", default="127.0.0.1:50051",
+                        help="scheduler gRPC address; several (comma-separated) = data-parallel replicas")
+    parser.add_argument("--redis", default=None, help="redis URL: also route to replicas publishing there")
     parser.add_argument("--model", default=default_model_path(), help="HF model directory (tokenizer)")
     parser.add_argument("--served-model-name", default=None)
     args = parser.parse_args(argv)
     try:
-        serve_gateway(args.host, args.port, args.scheduler, args.model, args.served_model_name)
+        serve_gateway(args.host, args.port, args.scheduler, args.model, args.served_model_name,
+                      redis_url=args.redis)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from services.common.sampling_params import MAX_LOGPROBS
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
-from services.gateway.generation import PromptSampling, fan_out, start_generation
+from services.gateway.generation import PromptSampling, fan_out, start_routed
 from services.gateway.logprobs import chat_logprobs
 from services.gateway.output_processor import ChoiceDelta
 from services.gateway.prompts import chat_prompt
@@ -61,7 +61,7 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = fan_out(request_id, [PromptSampling(prompt.token_ids, params, sampling)], ctx.tokenizer,
                       request.priority, request.cache_salt or "")
-    deltas = await start_generation(ctx.client, choices, ctx.metrics, http_request, arrival_time)
+    deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time)
     writer = _ChatWriter(ctx, request, request_id, len(prompt.token_ids), num_top)
     if request.stream:
         return sse_response(writer.stream(deltas, params.n))

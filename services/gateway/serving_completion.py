@@ -13,7 +13,7 @@ from starlette.requests import Request
 from services.common.sampling_params import MAX_LOGPROBS
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
-from services.gateway.generation import PromptSampling, fan_out, start_generation
+from services.gateway.generation import PromptSampling, fan_out, start_routed
 from services.gateway.logprobs import CompletionLogprobsBuilder
 from services.gateway.output_processor import ChoiceDelta
 from services.gateway.prompts import EnginePrompt, completion_prompts
@@ -50,7 +50,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = fan_out(request_id, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
-    deltas = await start_generation(ctx.client, choices, ctx.metrics, http_request, arrival_time)
+    deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time)
     writer = _CompletionWriter(ctx, request, request_id, prompts, request.n)
     if request.stream:
         return sse_response(writer.stream(deltas))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections import deque
 
@@ -64,6 +65,9 @@ class _ClientStream:
         self.request_ids: set[str] = set()
 
 
+LOAD_HEARTBEAT_S = 1.0
+
+
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def __init__(self, config: EngineConfig, worker: WorkerLink, load_reporter: LoadReporter | None = None) -> None:
         self.config = config
@@ -73,6 +77,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.work_available = asyncio.Event()
         self.load_reporter = load_reporter
         self.loop_task: asyncio.Task | None = None
+        self.heartbeat_task: asyncio.Task | None = None
         self.fatal_error: str | None = None
 
     async def start(self) -> None:
@@ -90,6 +95,15 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.config.model = info.model
         self.core = EngineCore(self.config, info, num_blocks)
         self.loop_task = asyncio.create_task(self._engine_loop())
+        if self.load_reporter is not None:
+            self.heartbeat_task = asyncio.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        """An idle engine takes no steps, so nothing else would refresh its Redis entry;
+        gateways drop replicas whose entry goes stale."""
+        while True:
+            await asyncio.sleep(LOAD_HEARTBEAT_S)
+            self._report_load()
 
     # ------------------------------------------------------------------ engine loop
 
@@ -236,14 +250,23 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return self.core.stats()
 
 
+def advertised_address(host: str, port: int) -> str:
+    """The address gateways should dial: the bind host, unless that is a wildcard (then this
+    machine's hostname)."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
 async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_addresses: list[str],
                           redis_url: str | None = None, engine_id: str | None = None,
-                          connect_timeout: float = 120.0) -> None:
+                          connect_timeout: float = 120.0, advertise_address: str | None = None) -> None:
     if len(worker_addresses) != 1:
         raise StartupError("scheduler: exactly one worker is supported (tensor parallelism is not implemented)")
     worker = WorkerLink(worker_addresses[0])
     await worker.connect(connect_timeout)
-    reporter = LoadReporter(redis_url, engine_id or f"{host}:{port}", f"{host}:{port}") if redis_url else None
+    address = advertise_address or advertised_address(host, port)
+    reporter = LoadReporter(redis_url, engine_id or address, address) if redis_url else None
     servicer = SchedulerServicer(config, worker, reporter)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)

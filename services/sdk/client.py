@@ -38,6 +38,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Each channel its own subchannels: gRPC otherwise shares them process-wide, and a fresh
+    # channel made after a failure (see _reset_channel) would inherit the old one's backoff.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

@@ -1,0 +1,202 @@
+"""Data-parallel routing: which engine replica (scheduler) gets the next request.
+
+Replicas come from two places: the `--scheduler` addresses given on the command line, and,
+with `--redis`, every replica whose scheduler publishes its load to Redis (hash
+`myvllm:engines`, written by `services/scheduler/load_reporter.py`). A replica whose
+entry goes stale (its scheduler stopped publishing) is dropped from routing.
+
+Each request goes to the healthy replica with the lowest score, vLLM's DP load-balancing
+score `4 * waiting + running`, using the last published load plus the requests this gateway
+sent there since (so a burst arriving between two load updates spreads out instead of
+piling onto one replica). Replicas given on the command line without Redis are polled with
+`GetLoad` instead. A replica that fails is marked down and skipped until it answers again;
+the request that found it down is retried on another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from services.common.proto import myvllm_pb2 as pb
+from services.sdk.client import AsyncClient, SchedulerUnavailable
+
+logger = logging.getLogger(__name__)
+
+WAITING_WEIGHT = 4           # vLLM's DP load balancer: score = 4 * waiting + running
+REFRESH_INTERVAL_S = 0.25
+REDIS_MAX_AGE_S = 5.0        # schedulers refresh their entry about once a second
+
+
+@dataclass
+class Replica:
+    """One engine replica as this gateway sees it."""
+
+    address: str
+    client: AsyncClient
+    static: bool                  # given on the command line (kept even without a Redis entry)
+    num_waiting: int = 0
+    num_running: int = 0
+    sent_since_update: int = 0    # requests routed here since the last load update
+    healthy: bool = True
+    load_ts: float = field(default=0.0)
+
+    @property
+    def score(self) -> int:
+        return WAITING_WEIGHT * (self.num_waiting + self.sent_since_update) + self.num_running
+
+    def update_load(self, num_waiting: int, num_running: int, ts: float) -> None:
+        if ts <= self.load_ts:
+            return  # not newer than what we have: keep counting our own sends
+        self.num_waiting, self.num_running, self.load_ts = num_waiting, num_running, ts
+        self.sent_since_update = 0
+        self.healthy = True
+
+
+class ReplicaRouter:
+    """Owns one scheduler client per replica and picks one per request."""
+
+    def __init__(self, addresses: Iterable[str], redis_url: str | None = None, timeout_s: float = 1.5,
+                 refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
+        self.timeout_s = timeout_s
+        self.refresh_interval_s = refresh_interval_s
+        self.replicas: dict[str, Replica] = {}
+        for address in addresses:
+            self._add(address, static=True)
+        self._redis = None
+        if redis_url:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(redis_url)
+        if not self.replicas and self._redis is None:
+            raise ValueError("the gateway needs at least one scheduler address or a redis URL to discover them")
+        self._task: asyncio.Task | None = None
+
+    def _add(self, address: str, static: bool) -> Replica:
+        replica = Replica(address, AsyncClient(address, timeout=self.timeout_s), static)
+        self.replicas[address] = replica
+        return replica
+
+    # ------------------------------------------------------------------ routing
+
+    def pick(self, exclude: set[str] = frozenset()) -> Replica:
+        """The replica for the next request (counted as sent to it). Healthy replicas first;
+        if every one is down, any (its error then tells the client). Raises
+        `SchedulerUnavailable` when no replica is known or all are excluded."""
+        candidates = [r for r in self.replicas.values() if r.address not in exclude]
+        if not candidates:
+            raise SchedulerUnavailable("no engine replica is available" if not exclude else
+                                       f"every engine replica failed ({', '.join(sorted(exclude))})")
+        healthy = [r for r in candidates if r.healthy] or candidates
+        # Ties go to the replica with the oldest routing (dict order rotates below).
+        chosen = min(healthy, key=lambda r: r.score)
+        chosen.sent_since_update += 1
+        self.replicas.pop(chosen.address)
+        self.replicas[chosen.address] = chosen  # move to the end: round-robin among equals
+        return chosen
+
+    def mark_down(self, replica: Replica, reason: BaseException) -> None:
+        if replica.healthy:
+            logger.warning("engine replica %s is down: %s", replica.address, reason)
+        replica.healthy = False
+
+    def any_client(self) -> AsyncClient:
+        """A client for engine-wide questions (stats, max_model_len): a healthy replica's."""
+        if not self.replicas:
+            raise SchedulerUnavailable("no engine replica is known yet")
+        healthy = [r for r in self.replicas.values() if r.healthy]
+        return (healthy or list(self.replicas.values()))[0].client
+
+    @property
+    def description(self) -> str:
+        names = ", ".join(self.replicas) or "none yet"
+        return f"{names}{' (+ redis discovery)' if self._redis is not None else ''}"
+
+    # ------------------------------------------------------------------ load updates
+
+    def start(self) -> None:
+        """Start refreshing loads in the background (not needed for a single static replica)."""
+        if self._redis is not None or len(self.replicas) > 1:
+            self._task = asyncio.create_task(self._refresh_forever(), name="myvllm-router-refresh")
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as e:  # keep routing on the last known loads
+                logger.warning("refreshing replica loads failed: %s", e)
+            await asyncio.sleep(self.refresh_interval_s)
+
+    async def refresh(self) -> None:
+        """One round of load updates: Redis entries, then GetLoad for replicas Redis does not cover."""
+        published: set[str] = set()
+        if self._redis is not None:
+            from services.scheduler.load_reporter import read_engine_loads
+
+            try:
+                loads = await read_engine_loads(self._redis, max_age_s=REDIS_MAX_AGE_S)
+            except Exception as e:
+                logger.warning("cannot read replica loads from redis: %s", e)
+                loads = None
+            if loads is not None:
+                for entry in loads.values():
+                    address = entry["address"]
+                    replica = self.replicas.get(address) or self._add(address, static=False)
+                    replica.update_load(int(entry["num_waiting"]), int(entry["num_running"]), float(entry["ts"]))
+                    published.add(address)
+                for address in [a for a, r in self.replicas.items() if not r.static and a not in published]:
+                    logger.info("engine replica %s stopped publishing its load; no longer routed to", address)
+                    await self.replicas.pop(address).client.close()
+        polled = [r for r in self.replicas.values() if r.address not in published]
+        await asyncio.gather(*(self._poll(r) for r in polled))
+
+    async def _poll(self, replica: Replica) -> None:
+        try:
+            load = await replica.client.get_load()
+        except SchedulerUnavailable as e:
+            self.mark_down(replica, e)
+            return
+        replica.update_load(load.num_waiting, load.num_running, time.time())
+
+    # ------------------------------------------------------------------ engine-wide views
+
+    async def stats(self) -> pb.Stats | None:
+        """Every reachable replica's stats summed (KV usage over all blocks); None if none answers."""
+        results = await asyncio.gather(*(r.client.get_stats() for r in self.replicas.values()),
+                                       return_exceptions=True)
+        answered = [s for s in results if isinstance(s, pb.Stats)]
+        if len(answered) <= 1:
+            return answered[0] if answered else None
+        total = pb.Stats(model=answered[0].model, block_size=answered[0].block_size,
+                         max_model_len=min(s.max_model_len for s in answered))
+        for s in answered:
+            total.num_free_blocks += s.num_free_blocks
+            total.num_total_blocks += s.num_total_blocks
+            total.prefix_cache_queries += s.prefix_cache_queries
+            total.prefix_cache_hits += s.prefix_cache_hits
+            total.num_preemptions += s.num_preemptions
+            total.num_waiting += s.num_waiting
+            total.num_running += s.num_running
+            total.num_steps += s.num_steps
+        if total.num_total_blocks:
+            total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
+        return total
+
+    async def healthy(self) -> bool:
+        """Whether at least one replica passes its health check."""
+        results = await asyncio.gather(*(r.client.health() for r in self.replicas.values()), return_exceptions=True)
+        return any(result is True for result in results)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for replica in self.replicas.values():
+            await replica.client.close()
+        if self._redis is not None:
+            await self._redis.aclose()
