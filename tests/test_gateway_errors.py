@@ -102,6 +102,10 @@ def test_schema_errors_are_400_naming_the_field(url: str, path: str, body: dict,
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {**COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {**COMPLETION, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {**COMPLETION, "prompt": [1, 99999999]}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
@@ -129,7 +133,6 @@ def test_bad_values_are_400_naming_the_field(url: str, path: str, body: dict, pa
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
 ])
 def test_unsupported_features_are_400(url: str, path: str, extra: dict, feature: str) -> None:
     body = {**(CHAT if "chat" in path else COMPLETION), **extra}

@@ -63,6 +63,45 @@ def test_completions_greedy_equals_offline_generate(client, offline):
     assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
 
 
+def test_prompt_logprobs_through_the_mesh_equal_offline(client, offline, mesh):
+    """echo + logprobs (OpenAI) and vLLM's prompt_logprobs field, for completions and chat."""
+    prompt = "The three primary colours are"
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    ids, expected = ref.prompt_token_ids, ref.prompt_logprobs
+    reply = client.completions.create(model=_model(client), prompt=prompt, temperature=0, max_tokens=3, echo=True,
+                                      logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert reply.choices[0].text == prompt + ref.outputs[0].text
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p in range(1, len(ids)):
+        assert lp.token_logprobs[p] == pytest.approx(expected[p][ids[p]].logprob, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for i, token in enumerate(ref.outputs[0].token_ids):
+        assert lp.token_logprobs[len(ids) + i] == pytest.approx(ref.outputs[0].logprobs[i][token].logprob, abs=1e-4)
+    # Streaming echo + logprobs: the prompt's entries arrive first.
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=_model(client), prompt=prompt, temperature=0, max_tokens=3, echo=True, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert sum((c.token_logprobs for c in streamed), []) == lp.token_logprobs
+
+    body = {"model": _model(client), "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}
+    got = httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for p in range(1, len(ids)):
+        assert got[p][str(ids[p])]["logprob"] == pytest.approx(expected[p][ids[p]].logprob, abs=1e-4)
+        assert len(got[p]) in (1, 2)
+
+    chat_ids = offline.apply_chat_template(QUESTION)
+    chat_ref = offline.generate({"prompt_token_ids": chat_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                use_tqdm=False)[0].prompt_logprobs
+    body = {"model": _model(client), "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 0}
+    got = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=60).json()["prompt_logprobs"]
+    assert len(got) == len(chat_ids) and got[0] is None
+    assert [got[p][str(chat_ids[p])]["logprob"] for p in range(1, len(chat_ids))] == pytest.approx(
+        [chat_ref[p][chat_ids[p]].logprob for p in range(1, len(chat_ids))], abs=1e-4)
+
+
 def test_32_concurrent_streaming_clients_get_the_right_text(mesh, offline):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
     sp = SamplingParams(temperature=0, max_tokens=16)

@@ -55,6 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
@@ -88,6 +89,7 @@ class SamplingParams:
         _check_type("max_tokens", self.max_tokens, (int,), allow_none=True)
         _check_type("min_tokens", self.min_tokens, (int,))
         _check_type("logprobs", self.logprobs, (int,), allow_none=True)
+        _check_type("prompt_logprobs", self.prompt_logprobs, (int,), allow_none=True)
         if self.temperature < 0:
             raise SamplingParamsError("temperature", f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -111,6 +113,9 @@ class SamplingParams:
                 "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop", "stop must be a string or a list of strings")
         if any(s == "" for s in self.stop):
@@ -158,4 +163,6 @@ class SamplingParams:
         )
         if self.seed is not None:
             msg.seed = int(self.seed)
+        if self.prompt_logprobs is not None:
+            msg.prompt_logprobs = int(self.prompt_logprobs)
         return msg

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.common.proto import myvllm_pb2 as pb
-from services.gateway.protocol import ChatLogprobToken, CompletionLogprobs, TopLogprob
+from services.gateway.protocol import ChatLogprobToken, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 from services.gateway.tokenizer import GatewayTokenizer
 
 # JSON has no -inf; vLLM reports masked-out tokens with this floor instead.
@@ -43,6 +43,23 @@ class CompletionLogprobsBuilder:
         self._num_top = num_top
         self._text_offset = initial_text_offset
 
+    def build_prompt(self, prompt_ids: Sequence[int], prompt_logprobs: Sequence[pb.TokenLogprobs],
+                     ) -> CompletionLogprobs:
+        """The echoed prompt's entries (OpenAI's echo + logprobs): the first token has no
+        logprob (nothing precedes it), the others their prompt logprobs."""
+        if not prompt_ids:
+            return CompletionLogprobs()
+        first = self._tokenizer.token_text(prompt_ids[0])
+        result = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
+                                    text_offset=[self._text_offset])
+        self._text_offset += len(first)
+        rest = self.build(prompt_ids[1:], prompt_logprobs)
+        result.tokens += rest.tokens
+        result.token_logprobs += rest.token_logprobs
+        result.top_logprobs += rest.top_logprobs
+        result.text_offset += rest.text_offset
+        return result
+
     def build(self, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs]) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for token_id, token_logprobs in zip(token_ids, logprobs, strict=False):
@@ -61,3 +78,17 @@ class CompletionLogprobsBuilder:
             top.setdefault(text, _clamp(token_logprobs.logprob))
             result.top_logprobs.append(top)
         return result
+
+
+def vllm_prompt_logprobs(tokenizer: GatewayTokenizer, prompt_ids: Sequence[int],
+                         prompt_logprobs: Sequence[pb.TokenLogprobs], num_top: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` response field: None for the first prompt token, then per
+    position {token id: {logprob, rank, decoded_token}} with the top k and the prompt token."""
+    result: PromptLogprobs = [None] if prompt_ids else []
+    for token_id, lp in zip(prompt_ids[1:], prompt_logprobs, strict=False):
+        entry = {str(t): PromptLogprob(logprob=_clamp(v), rank=rank + 1, decoded_token=tokenizer.token_text(t))
+                 for rank, (t, v) in enumerate(zip(lp.top_ids[:num_top], lp.top_logprobs[:num_top], strict=False))}
+        entry.setdefault(str(token_id), PromptLogprob(logprob=_clamp(lp.logprob), rank=lp.rank,
+                                                      decoded_token=tokenizer.token_text(token_id)))
+        result.append(entry)
+    return result

@@ -28,6 +28,8 @@ class ChoiceDelta:
     stop_reason: int | str | None = None  # the stop string, or a non-EOS stop token id
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Once, with the first tokens, when prompt logprobs were asked for (prompt positions 1..).
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
 
 
 class ChoiceOutputProcessor:
@@ -70,4 +72,5 @@ class ChoiceOutputProcessor:
             index=self.index, text=text, token_ids=token_ids, logprobs=list(output.logprobs),
             finish_reason=finish_reason, stop_reason=stop_reason,
             num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=list(output.prompt_logprobs),
         )

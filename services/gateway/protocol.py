@@ -49,7 +49,7 @@ class ChatMessage(BaseModel):
 # Features of vLLM's API that this engine does not implement (rejected when set).
 _UNSUPPORTED_FIELDS = (
     "logits_processors", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "prompt_logprobs",
+    "structured_outputs",
 )
 
 
@@ -90,7 +90,8 @@ class GenerationRequest(OpenAIBaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    prompt_logprobs: Any = None
+    # vLLM's extension: each prompt token's logprob and top k (`prompt_logprobs` in the response).
+    prompt_logprobs: Int32 | None = None
 
     def unsupported_field(self) -> str | None:
         """The first requested feature this server does not implement, if any."""
@@ -219,6 +220,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -255,12 +257,24 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob` as JSON (prompt_logprobs entries are keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -38,8 +38,10 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 
 def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenizer, max_tokens: int,
-                          logprobs: int | None) -> tuple[SamplingParams, pb.SamplingParams]:
-    """Validated params (SamplingParamsError names a bad field) and their engine proto."""
+                          logprobs: int | None, prompt_logprobs: int | None = None,
+                          ) -> tuple[SamplingParams, pb.SamplingParams]:
+    """Validated params (SamplingParamsError names a bad field) and their engine proto;
+    `prompt_logprobs` defaults to the request's own (vLLM's extension field)."""
     values = {name: default if getattr(request, name) is None else getattr(request, name)
               for name, default in _NULLABLE_DEFAULTS.items()}
     params = SamplingParams(
@@ -52,6 +54,7 @@ def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenize
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         logit_bias=request.logit_bias,
         bad_words=request.bad_words,
         skip_special_tokens=request.skip_special_tokens,

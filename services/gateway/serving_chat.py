@@ -14,7 +14,7 @@ from services.common.sampling_params import MAX_LOGPROBS
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
 from services.gateway.generation import PromptSampling, fan_out, start_routed
-from services.gateway.logprobs import chat_logprobs
+from services.gateway.logprobs import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.output_processor import ChoiceDelta
 from services.gateway.prompts import chat_prompt
 from services.gateway.protocol import (
@@ -52,6 +52,8 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     if (field := request.unsupported_field()) is not None:
         raise unsupported(field)
     num_top = _num_top_logprobs(request)
+    if request.stream and request.prompt_logprobs is not None:
+        raise invalid_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
     prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
                          request.continue_final_message, request.chat_template_kwargs)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -62,7 +64,7 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     choices = fan_out(request_id, [PromptSampling(prompt.token_ids, params, sampling)], ctx.tokenizer,
                       request.priority, request.cache_salt or "")
     deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time)
-    writer = _ChatWriter(ctx, request, request_id, len(prompt.token_ids), num_top)
+    writer = _ChatWriter(ctx, request, request_id, prompt.token_ids, num_top)
     if request.stream:
         return sse_response(writer.stream(deltas, params.n))
     return json_response(await writer.collect(deltas, params.n))
@@ -72,12 +74,13 @@ class _ChatWriter:
     """Shapes one chat completion's deltas as OpenAI responses or chunks."""
 
     def __init__(self, ctx: GatewayContext, request: ChatCompletionRequest, request_id: str,
-                 num_prompt_tokens: int, num_top: int | None) -> None:
+                 prompt_token_ids: list[int], num_top: int | None) -> None:
         self._ctx = ctx
         self._request = request
         self._id = request_id
         self._created = int(time.time())
-        self._num_prompt_tokens = num_prompt_tokens
+        self._prompt_token_ids = prompt_token_ids
+        self._num_prompt_tokens = len(prompt_token_ids)
         self._num_top = num_top
         self._num_completion_tokens = 0
 
@@ -98,10 +101,14 @@ class _ChatWriter:
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[ChatLogprobToken]] = [[] for _ in range(n)]
         endings: list[ChoiceDelta | None] = [None] * n
+        prompt_logprobs = None
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 self._num_completion_tokens += len(delta.token_ids)
                 texts[delta.index].append(delta.text)
+                if self._request.prompt_logprobs is not None and prompt_logprobs is None and delta.token_ids:
+                    prompt_logprobs = vllm_prompt_logprobs(self._ctx.tokenizer, self._prompt_token_ids,
+                                                           delta.prompt_logprobs, self._request.prompt_logprobs)
                 logprobs[delta.index] += self._logprobs(delta) or []
                 if delta.finish_reason:
                     endings[delta.index] = delta
@@ -113,7 +120,7 @@ class _ChatWriter:
             stop_reason=endings[i].stop_reason if endings[i] else None,
         ) for i in range(n)]
         return ChatCompletionResponse(id=self._id, created=self._created, model=self._ctx.served_model_name,
-                                      choices=choices, usage=self._usage())
+                                      choices=choices, usage=self._usage(), prompt_logprobs=prompt_logprobs)
 
     async def stream(self, deltas: AsyncGenerator[ChoiceDelta, None], n: int) -> AsyncIterator[str]:
         async with contextlib.aclosing(deltas):

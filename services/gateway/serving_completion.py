@@ -14,7 +14,7 @@ from services.common.sampling_params import MAX_LOGPROBS
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
 from services.gateway.generation import PromptSampling, fan_out, start_routed
-from services.gateway.logprobs import CompletionLogprobsBuilder
+from services.gateway.logprobs import CompletionLogprobsBuilder, vllm_prompt_logprobs
 from services.gateway.output_processor import ChoiceDelta
 from services.gateway.prompts import EnginePrompt, completion_prompts
 from services.gateway.protocol import (
@@ -22,6 +22,7 @@ from services.gateway.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobs,
     UsageInfo,
 )
 from services.gateway.sampling import build_sampling_params, resolve_max_tokens
@@ -37,15 +38,19 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
         raise invalid_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {request.logprobs}",
                               param="logprobs")
-    if request.echo and request.logprobs is not None:
-        raise unsupported("echo together with logprobs (prompt logprobs)", param="echo")
+    if request.stream and request.prompt_logprobs is not None:
+        raise invalid_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    # echo + logprobs (OpenAI) needs the prompt's logprobs too; so does vLLM's prompt_logprobs.
+    wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
+    engine_prompt_logprobs = max(wanted) if wanted else None
     prompts = completion_prompts(ctx.tokenizer, request.prompt)
     max_model_len = await ctx.max_model_len()
     sampled = []
     for prompt in prompts:
         # max_tokens defaults to 16; null lets each prompt use whatever context it leaves.
         max_tokens = resolve_max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
-        params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs)
+        params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs,
+                                                 prompt_logprobs=engine_prompt_logprobs)
         sampled.append(PromptSampling(prompt.token_ids, params, sampling))
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -71,8 +76,10 @@ class _CompletionWriter:
         self._num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         self._num_completion_tokens = 0
         self._echo_pending = [request.echo] * self._num_choices
+        self._echo_logprobs_pending = [request.echo] * self._num_choices
         self._logprobs = [CompletionLogprobsBuilder(ctx.tokenizer, request.logprobs)
                           if request.logprobs is not None else None for _ in range(self._num_choices)]
+        self._prompt_logprobs: list[PromptLogprobs | None] = [None] * self._num_choices
 
     def _text(self, delta: ChoiceDelta) -> str:
         if self._echo_pending[delta.index]:
@@ -82,7 +89,25 @@ class _CompletionWriter:
 
     def _delta_logprobs(self, delta: ChoiceDelta) -> CompletionLogprobs | None:
         builder = self._logprobs[delta.index]
-        return builder.build(delta.token_ids, delta.logprobs) if builder is not None else None
+        if builder is None:
+            return None
+        if not (self._echo_logprobs_pending[delta.index] and delta.token_ids):
+            return builder.build(delta.token_ids, delta.logprobs)
+        # The first tokens: the echoed prompt's logprobs come first (they arrive with them).
+        self._echo_logprobs_pending[delta.index] = False
+        result = builder.build_prompt(self._prompt_of_choice[delta.index].token_ids, delta.prompt_logprobs)
+        part = builder.build(delta.token_ids, delta.logprobs)
+        _extend(result, part)
+        return result
+
+    def _delta_prompt_logprobs(self, delta: ChoiceDelta) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs field, once per choice (with its first tokens)."""
+        if self._request.prompt_logprobs is None or not delta.token_ids or self._prompt_logprobs[delta.index]:
+            return None
+        value = vllm_prompt_logprobs(self._ctx.tokenizer, self._prompt_of_choice[delta.index].token_ids,
+                                     delta.prompt_logprobs, self._request.prompt_logprobs)
+        self._prompt_logprobs[delta.index] = value
+        return value
 
     def _usage(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self._num_prompt_tokens, completion_tokens=self._num_completion_tokens,
@@ -102,16 +127,15 @@ class _CompletionWriter:
                 texts[delta.index].append(self._text(delta))
                 part, whole = self._delta_logprobs(delta), logprobs[delta.index]
                 if part is not None and whole is not None:
-                    whole.tokens += part.tokens
-                    whole.token_logprobs += part.token_logprobs
-                    whole.top_logprobs += part.top_logprobs
-                    whole.text_offset += part.text_offset
+                    _extend(whole, part)
+                self._delta_prompt_logprobs(delta)
                 if delta.finish_reason:
                     endings[delta.index] = delta
         choices = [CompletionChoice(
             index=i, text="".join(texts[i]), logprobs=logprobs[i],
             finish_reason=endings[i].finish_reason if endings[i] else None,
             stop_reason=endings[i].stop_reason if endings[i] else None,
+            prompt_logprobs=self._prompt_logprobs[i],
         ) for i in range(self._num_choices)]
         return self._response(choices, self._usage())
 
@@ -132,3 +156,10 @@ class _CompletionWriter:
             except Exception as e:  # the status line is already sent: report in-band
                 yield sse_event(as_openai_error(e).to_dict())
         yield DONE
+
+
+def _extend(whole: CompletionLogprobs, part: CompletionLogprobs) -> None:
+    whole.tokens += part.tokens
+    whole.token_logprobs += part.token_logprobs
+    whole.top_logprobs += part.top_logprobs
+    whole.text_offset += part.text_offset

@@ -65,6 +65,16 @@ class Request:
         self.stop_token_id = -1
         # Chained hashes of this request's full blocks, extended as tokens arrive.
         self.block_hashes: list[bytes] = []
+        # Prompt logprobs (positions 1..n-1), gathered from the steps that compute the prompt
+        # and sent with the first output; None when not asked for.
+        self.prompt_logprobs: list | None = (
+            [None] * (len(prompt_token_ids) - 1) if sampling.HasField("prompt_logprobs") else None)
+        self.prompt_logprobs_sent = False
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether every prompt position must still be computed (no prefix-cache hits)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def num_tokens(self) -> int:

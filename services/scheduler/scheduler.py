@@ -187,7 +187,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
@@ -266,6 +266,7 @@ class Scheduler:
     ) -> list[pb.RequestOutput]:
         """Append sampled tokens, check token-level stops, free finished requests."""
         outputs: list[pb.RequestOutput] = []
+        self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         logprobs = runner_output.logprobs
         sampled = zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)
         for i, (rid, token_id) in enumerate(sampled):
@@ -281,6 +282,9 @@ class Scheduler:
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
             if logprobs and request.sampling.logprobs >= 0:
                 out.logprobs.append(logprobs[i])
+            if request.needs_prompt_logprobs:
+                out.prompt_logprobs.extend(request.prompt_logprobs)
+                request.prompt_logprobs, request.prompt_logprobs_sent = [], True
             if status is not None:
                 out.finish_reason = status.finish_reason
                 out.stop_token_id = request.stop_token_id
@@ -288,6 +292,16 @@ class Scheduler:
                 self._finish(request, status)
             outputs.append(out)
         return outputs
+
+    def _gather_prompt_logprobs(self, chunks) -> None:
+        """File each step's prompt logprobs by position (a preempted request recomputes its
+        prompt and simply overwrites the same positions)."""
+        for chunk in chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or not request.needs_prompt_logprobs:
+                continue
+            start = chunk.first_position - 1
+            request.prompt_logprobs[start:start + len(chunk.logprobs)] = list(chunk.logprobs)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         if request.num_output_tokens >= request.min_tokens and (

@@ -78,7 +78,8 @@ class LLM:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 text, token_ids = self._tokenize_prompt(prompt)
-                result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids)
+                result = RequestOutput(request_id=str(next(self._ids)), prompt=text, prompt_token_ids=token_ids,
+                                       prompt_logprobs=[] if sp.prompt_logprobs is not None else None)
                 results.append(result)
                 if sp.bad_words and not sp.bad_words_token_ids:
                     sp.bad_words_token_ids = self.gateway_tokenizer.bad_words_token_ids(sp.bad_words)
@@ -91,6 +92,8 @@ class LLM:
                     msg = sp.to_proto(self.engine.model_info.vocab_size)
                     if sp.seed is not None and index > 0:
                         msg.seed = sp.seed + index  # distinct but reproducible streams per choice
+                    if index > 0:
+                        msg.ClearField("prompt_logprobs")  # the prompt is the same: choice 0 scores it
                     self.engine.add_request(pb.GenerateRequest(
                         request_id=rid, prompt_token_ids=token_ids, sampling=msg,
                         priority=priority[i] if priority else 0))
@@ -151,6 +154,10 @@ class LLM:
                     self._append(child, processor, out)
                     if processor.index == 0:
                         result.num_cached_tokens = out.num_cached_tokens
+                        if result.prompt_logprobs == [] and out.new_token_ids:  # asked for, not yet filled
+                            result.prompt_logprobs = [None] + [
+                                _logprob_entry(token_id, lp)
+                                for token_id, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs, strict=True)]
                     if child.finish_reason is not None:
                         if not out.finish_reason:  # a stop string ended it: free its blocks now
                             self.engine.abort([out.request_id])
@@ -196,11 +203,15 @@ class LLM:
         child.text += delta.text
         child.token_ids.extend(delta.token_ids)
         for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=False):
-            top = zip(lp.top_ids, lp.top_logprobs, strict=True)
-            entry = {int(t): Logprob(v, rank=r + 1) for r, (t, v) in enumerate(top)}
-            entry.setdefault(token_id, Logprob(lp.logprob, rank=lp.rank))
-            child.logprobs.append(entry)
+            child.logprobs.append(_logprob_entry(token_id, lp))
             child.cumulative_logprob += lp.logprob
         if delta.finish_reason:
             child.finish_reason = delta.finish_reason
             child.stop_reason = delta.stop_reason
+
+
+def _logprob_entry(token_id: int, lp: pb.TokenLogprobs) -> dict[int, Logprob]:
+    """vLLM's per-position logprobs: the top-k ids by rank, plus the chosen token."""
+    entry = {int(t): Logprob(v, rank=r + 1) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True))}
+    entry.setdefault(token_id, Logprob(lp.logprob, rank=lp.rank))
+    return entry

@@ -34,3 +34,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing before it),
+    # then {token id: Logprob} holding the prompt token and the top-k alternatives.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

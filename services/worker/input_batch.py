@@ -31,6 +31,7 @@ class InputBatch:
         self.req_id_to_row: dict[str, int] = {}
         self.row_req_ids: list[str | None] = [None] * max_num_reqs
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.prompt_logprob_rows: set[int] = set()  # rows whose requests asked for prompt logprobs
         self.version = 0  # bumped whenever membership changes (invalidates cached metadata)
         self.seed = seed
 
@@ -67,6 +68,10 @@ class InputBatch:
             self.generators[row] = gen
         else:
             self.generators.pop(row, None)
+        if data.sampling.HasField("prompt_logprobs"):
+            self.prompt_logprob_rows.add(row)
+        else:
+            self.prompt_logprob_rows.discard(row)
         return row
 
     def update(self, data: pb.CachedRequestData) -> int:
@@ -86,6 +91,7 @@ class InputBatch:
         self.sampling[row] = None
         self.row_req_ids[row] = None
         self.generators.pop(row, None)
+        self.prompt_logprob_rows.discard(row)
         self.free_rows.append(row)
         self.version += 1
 

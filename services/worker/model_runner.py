@@ -21,11 +21,14 @@ from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
 from services.worker.input_batch import InputBatch
 from services.worker.models.loader import load_model, resolve_dtype
-from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# Prompt logprobs take the LM head over every prompt position: in slices of this many rows,
+# so a 2048-token chunk never holds a [2048, vocab] fp32 logits tensor at once.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def _eos_token_ids(model_dir: str, config) -> list[int]:
@@ -166,6 +169,33 @@ class ModelRunner:
         self._sampling_cache = (key, md)
         return md
 
+    def _prompt_logprobs(self, rows: np.ndarray, num_scheduled: np.ndarray, meta: AttentionMetadata,
+                         hidden: torch.Tensor) -> list[pb.PromptLogprobs]:
+        """For requests that asked: the logprob of each prompt token this step's positions
+        predict (position p's logits score prompt token p+1), from the raw logits."""
+        batch = self.input_batch
+        result: list[pb.PromptLogprobs] = []
+        if not batch.prompt_logprob_rows:
+            return result
+        for i, row in enumerate(rows.tolist()):
+            if row not in batch.prompt_logprob_rows:
+                continue
+            params = batch.sampling[row]
+            first = int(meta.context_lens_np[i])
+            end = min(first + int(num_scheduled[i]), int(batch.num_prompt_tokens[row]) - 1)
+            if end <= first:
+                continue  # nothing of the prompt left to score (decode, or the last prompt token)
+            start_row = int(meta.query_start_loc_np[i])
+            targets = torch.from_numpy(batch.token_ids[row, first + 1:end + 1].astype(np.int64)).to(self.device)
+            logprobs: list[pb.TokenLogprobs] = []
+            for lo in range(0, end - first, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, end - first)
+                raw = torch.log_softmax(self.model.compute_logits(hidden[start_row + lo:start_row + hi]), dim=-1)
+                logprobs += gather_logprobs(raw, targets[lo:hi], np.full(hi - lo, params.prompt_logprobs))
+            result.append(pb.PromptLogprobs(request_id=batch.row_req_ids[row], first_position=first + 1,
+                                            logprobs=logprobs))
+        return result
+
     @torch.inference_mode()
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
         rows = self._apply_scheduler_output(so)
@@ -176,6 +206,7 @@ class ModelRunner:
         input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)
         with forward_context(self.attn_backend, meta):
             hidden = self.model(input_ids, positions)
+        out.prompt_logprobs.extend(self._prompt_logprobs(rows, num_scheduled, meta, hidden))
         if logits_indices.numel() == 0:
             return out
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))

@@ -423,7 +423,7 @@ class Sampler:
                     sampled[dist.index] = ids
         if md.has_penalties:
             md.penalty_state.update(md.rows_t, sampled, md.count_ones)
-        logprobs = self._gather_logprobs(raw_logprobs, sampled, md.logprobs_k) if raw_logprobs is not None else None
+        logprobs = gather_logprobs(raw_logprobs, sampled, md.logprobs_k) if raw_logprobs is not None else None
         return sampled, logprobs
 
     def processed_logprobs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -653,21 +653,22 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
-    # ------------------------------------------------------------------ logprobs
 
-    @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, ks: np.ndarray) -> list[pb.TokenLogprobs | None]:
-        max_k = int(ks.max())
-        sampled_lp = raw.gather(1, sampled[:, None])
-        ranks = (raw > sampled_lp).sum(dim=-1) + 1
-        top_lp, top_ids = raw.topk(max_k, dim=-1) if max_k > 0 else (raw[:, :0], sampled[:, None][:, :0])
-        sampled_lp, ranks = sampled_lp[:, 0].tolist(), ranks.tolist()
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        out: list[pb.TokenLogprobs | None] = []
-        for i, k in enumerate(ks.tolist()):
-            if k < 0:
-                out.append(None)
-                continue
-            out.append(pb.TokenLogprobs(logprob=sampled_lp[i], rank=ranks[i],
-                                        top_ids=top_ids[i][:k], top_logprobs=top_lp[i][:k]))
-        return out
+def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, ks: np.ndarray) -> list[pb.TokenLogprobs | None]:
+    """Per row: the logprob and rank of `token_ids[row]` under `raw` (log-softmaxed logits),
+    plus the top `ks[row]` ids (None for rows with ks < 0). Shared by sampled-token and
+    prompt logprobs."""
+    max_k = int(ks.max())
+    chosen_lp = raw.gather(1, token_ids[:, None])
+    ranks = (raw > chosen_lp).sum(dim=-1) + 1
+    top_lp, top_ids = raw.topk(max_k, dim=-1) if max_k > 0 else (raw[:, :0], token_ids[:, None][:, :0])
+    chosen_lp, ranks = chosen_lp[:, 0].tolist(), ranks.tolist()
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out: list[pb.TokenLogprobs | None] = []
+    for i, k in enumerate(ks.tolist()):
+        if k < 0:
+            out.append(None)
+            continue
+        out.append(pb.TokenLogprobs(logprob=chosen_lp[i], rank=ranks[i],
+                                    top_ids=top_ids[i][:k], top_logprobs=top_lp[i][:k]))
+    return out
