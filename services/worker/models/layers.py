@@ -33,6 +33,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op; in fp32 it is bitwise HF's arithmetic (tests/test_layers.py).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Same arithmetic as HF: normalise in fp32, cast back, then scale.
         dtype = x.dtype
         x32 = x.float()
@@ -67,11 +70,10 @@ class RotaryEmbedding(nn.Module):
         """cos/sin rows for this step's positions, [T, 1, D]: computed once, shared by all layers."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, KVH, D]
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Rotate x: [T, heads, D] (q and k heads together: one set of ops for both)."""
         cos, sin = cos_sin
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        return x * cos + self._rotate_half(x) * sin
 
     def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((-x[..., self.half:], x[..., :self.half]), dim=-1)
@@ -95,13 +97,12 @@ class SelfAttention(nn.Module):
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 rope: RotaryEmbedding) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(cos_sin, q, k)
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        q, k = rope(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
