@@ -53,11 +53,7 @@ class CompletionLogprobsBuilder:
         result = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
                                     text_offset=[self._text_offset])
         self._text_offset += len(first)
-        rest = self.build(prompt_ids[1:], prompt_logprobs)
-        result.tokens += rest.tokens
-        result.token_logprobs += rest.token_logprobs
-        result.top_logprobs += rest.top_logprobs
-        result.text_offset += rest.text_offset
+        result.extend(self.build(prompt_ids[1:], prompt_logprobs))
         return result
 
     def build(self, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs]) -> CompletionLogprobs:

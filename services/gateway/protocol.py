@@ -256,6 +256,13 @@ class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    def extend(self, other: CompletionLogprobs) -> None:
+        """Append `other`'s entries (the next tokens) to these."""
+        self.text_offset += other.text_offset
+        self.token_logprobs += other.token_logprobs
+        self.tokens += other.tokens
+        self.top_logprobs += other.top_logprobs
+
 
 class PromptLogprob(BaseModel):
     """vLLM's `Logprob` as JSON (prompt_logprobs entries are keyed by token id)."""

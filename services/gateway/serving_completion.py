@@ -96,18 +96,16 @@ class _CompletionWriter:
         # The first tokens: the echoed prompt's logprobs come first (they arrive with them).
         self._echo_logprobs_pending[delta.index] = False
         result = builder.build_prompt(self._prompt_of_choice[delta.index].token_ids, delta.prompt_logprobs)
-        part = builder.build(delta.token_ids, delta.logprobs)
-        _extend(result, part)
+        result.extend(builder.build(delta.token_ids, delta.logprobs))
         return result
 
-    def _delta_prompt_logprobs(self, delta: ChoiceDelta) -> PromptLogprobs | None:
-        """vLLM's prompt_logprobs field, once per choice (with its first tokens)."""
+    def _record_prompt_logprobs(self, delta: ChoiceDelta) -> None:
+        """vLLM's prompt_logprobs field, once per choice (they come with its first tokens)."""
         if self._request.prompt_logprobs is None or not delta.token_ids or self._prompt_logprobs[delta.index]:
-            return None
-        value = vllm_prompt_logprobs(self._ctx.tokenizer, self._prompt_of_choice[delta.index].token_ids,
-                                     delta.prompt_logprobs, self._request.prompt_logprobs)
-        self._prompt_logprobs[delta.index] = value
-        return value
+            return
+        self._prompt_logprobs[delta.index] = vllm_prompt_logprobs(
+            self._ctx.tokenizer, self._prompt_of_choice[delta.index].token_ids, delta.prompt_logprobs,
+            self._request.prompt_logprobs)
 
     def _usage(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self._num_prompt_tokens, completion_tokens=self._num_completion_tokens,
@@ -127,8 +125,8 @@ class _CompletionWriter:
                 texts[delta.index].append(self._text(delta))
                 part, whole = self._delta_logprobs(delta), logprobs[delta.index]
                 if part is not None and whole is not None:
-                    _extend(whole, part)
-                self._delta_prompt_logprobs(delta)
+                    whole.extend(part)
+                self._record_prompt_logprobs(delta)
                 if delta.finish_reason:
                     endings[delta.index] = delta
         choices = [CompletionChoice(
@@ -157,9 +155,3 @@ class _CompletionWriter:
                 yield sse_event(as_openai_error(e).to_dict())
         yield DONE
 
-
-def _extend(whole: CompletionLogprobs, part: CompletionLogprobs) -> None:
-    whole.tokens += part.tokens
-    whole.token_logprobs += part.token_logprobs
-    whole.top_logprobs += part.top_logprobs
-    whole.text_offset += part.text_offset
