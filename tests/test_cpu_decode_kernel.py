@@ -62,12 +62,23 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cpu_decode_kernel_matches_torch_reference(cpu_backend, case: int, dtype: torch.dtype, threads: int) -> None:
+    _compare(cpu_backend, case, dtype, threads)
+
+
+@pytest.mark.parametrize("q_scale", [8.0, 40.0])
+def test_cpu_decode_kernel_softmax_over_a_wide_score_range(cpu_backend, q_scale: float) -> None:
+    """Scores hundreds apart: the kernel's own exp (vector and scalar lanes, and its clamp at
+    e^-87) must still give torch's softmax."""
+    _compare(cpu_backend, 3, torch.float32, 2, q_scale=q_scale)
+
+
+def _compare(cpu_backend, case: int, dtype: torch.dtype, threads: int, q_scale: float = 1.0) -> None:
     seq_lens, num_heads, num_kv_heads, head_dim, block_size = CASES[case]
     meta = _decode_batch(seq_lens, block_size, seed=case)
     gen = torch.Generator().manual_seed(case)
     kv_cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     batch = len(seq_lens)
-    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    q = (q_scale * torch.randn(batch, num_heads, head_dim, generator=gen)).to(dtype)
     k = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
