@@ -37,6 +37,12 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
+def check_prompt_logprobs_not_streamed(request: GenerationRequest) -> None:
+    """vLLM's rule: prompt_logprobs come whole in the response, so not with stream=true."""
+    if request.stream and request.prompt_logprobs is not None:
+        raise invalid_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+
+
 def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenizer, max_tokens: int,
                           logprobs: int | None, prompt_logprobs: int | None = None,
                           ) -> tuple[SamplingParams, pb.SamplingParams]:

@@ -29,7 +29,7 @@ from services.gateway.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from services.gateway.sampling import build_sampling_params, resolve_max_tokens
+from services.gateway.sampling import build_sampling_params, check_prompt_logprobs_not_streamed, resolve_max_tokens
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
 
 
@@ -52,8 +52,7 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     if (field := request.unsupported_field()) is not None:
         raise unsupported(field)
     num_top = _num_top_logprobs(request)
-    if request.stream and request.prompt_logprobs is not None:
-        raise invalid_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    check_prompt_logprobs_not_streamed(request)
     prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
                          request.continue_final_message, request.chat_template_kwargs)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

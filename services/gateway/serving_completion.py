@@ -25,7 +25,7 @@ from services.gateway.protocol import (
     PromptLogprobs,
     UsageInfo,
 )
-from services.gateway.sampling import build_sampling_params, resolve_max_tokens
+from services.gateway.sampling import build_sampling_params, check_prompt_logprobs_not_streamed, resolve_max_tokens
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
 
 
@@ -38,8 +38,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
         raise invalid_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {request.logprobs}",
                               param="logprobs")
-    if request.stream and request.prompt_logprobs is not None:
-        raise invalid_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    check_prompt_logprobs_not_streamed(request)
     # echo + logprobs (OpenAI) needs the prompt's logprobs too; so does vLLM's prompt_logprobs.
     wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
     engine_prompt_logprobs = max(wanted) if wanted else None
