@@ -39,12 +39,7 @@ def _decode_batch(seq_lens: list[int], block_size: int, seed: int) -> AttentionM
     pos = lens - 1
     slots = table[np.arange(len(lens)), pos // block_size].astype(np.int64) * block_size + pos % block_size
     qsl = np.arange(len(lens) + 1, dtype=np.int64)
-    return AttentionMetadata(
-        num_tokens=len(lens), slot_mapping=torch.from_numpy(slots),
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
-        seq_lens=torch.from_numpy(lens.astype(np.int32)), context_lens=torch.from_numpy((lens - 1).astype(np.int32)),
-        block_table=torch.from_numpy(table), max_query_len=1, max_seq_len=int(lens.max()), block_size=block_size,
-        query_start_loc_np=qsl, seq_lens_np=lens, context_lens_np=lens - 1)
+    return AttentionMetadata.from_host(slots, qsl, lens, lens - 1, table, block_size, "cpu")
 
 
 CASES = [

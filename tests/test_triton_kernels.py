@@ -155,20 +155,7 @@ def make_batch(case: Case, device: str, seed: int = 0):
     kv_cache = torch.randn(2, num_blocks, bs, kvh, d, generator=gen).to(case.dtype)
 
     def meta_for(n: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            num_tokens=n,
-            slot_mapping=torch.from_numpy(slots[:n].copy()).to(device),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq.astype(np.int32)).to(device),
-            context_lens=torch.from_numpy(ctx.astype(np.int32)).to(device),
-            block_table=torch.from_numpy(block_table).to(device),
-            max_query_len=int(qlen.max()),
-            max_seq_len=int(seq.max()),
-            block_size=bs,
-            query_start_loc_np=qsl,
-            seq_lens_np=seq,
-            context_lens_np=ctx,
-        )
+        return AttentionMetadata.from_host(slots[:n], qsl, seq, ctx, block_table, bs, device)
 
     return q, k, v, kv_cache.to(device), meta_for(num_tokens), meta_for(n_real), n_real
 

@@ -135,20 +135,8 @@ class ModelRunner:
         logits_indices = cu_num_tokens[samples] - 1
 
         dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=num_tokens,
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-            query_start_loc_np=query_start_loc,
-            seq_lens_np=seq_lens,
-            context_lens_np=context_lens,
-        )
+        meta = AttentionMetadata.from_host(slot_mapping, query_start_loc, seq_lens, context_lens, block_table,
+                                          bs, dev)
         meta.backend_data = self.attn_backend.prepare(meta)
         batch.num_computed_tokens[rows] = seq_lens
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)

@@ -39,6 +39,26 @@ class AttentionMetadata:
     # Whatever the backend derived once per step (shared by every layer).
     backend_data: Any = None
 
+    @classmethod
+    def from_host(cls, slot_mapping: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                  context_lens: np.ndarray, block_table: np.ndarray, block_size: int,
+                  device: torch.device | str) -> AttentionMetadata:
+        """Build from the host arrays: device copies in the dtypes above, the host ones kept."""
+        return cls(
+            num_tokens=len(slot_mapping),
+            slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(device),
+            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(device),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+            query_start_loc_np=query_start_loc,
+            seq_lens_np=seq_lens,
+            context_lens_np=context_lens,
+        )
+
 
 class AttentionBackend(Protocol):
     name: str
