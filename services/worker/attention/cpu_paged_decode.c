@@ -1,7 +1,7 @@
 /* Paged decode attention for CPUs: one query token per request, K/V read in place from
  * the paged cache (no gather copy), GQA, fp32 or bf16 cache, fp32 math.
  *
- * Built at first use by cpu_backend.py (gcc -O3 -march=native -fopenmp).
+ * Built at first use by cpu_backend.py (gcc -O3 -march=x86-64-v3 -fopenmp on AVX2 machines).
  *
  * Why it looks like this:
  * - Decode attention is bound by reading the cache (at 64 requests of ~400 tokens the fp32
@@ -216,4 +216,17 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, const
     }
     free(scratch);
     return 0;
+}
+
+/* exp_neg over n values the way the kernel's softmax applies it (8 lanes at a time, the
+ * scalar version on the tail): exported so the tests can check its accuracy directly. */
+void exp_neg_lanes(const float *x, float *y, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        f32x8 v;
+        memcpy(&v, x + i, sizeof v);
+        v = exp_neg8(v);
+        memcpy(y + i, &v, sizeof v);
+    }
+    for (; i < n; i++) y[i] = exp_neg(x[i]);
 }
