@@ -47,6 +47,18 @@ def _eos_token_ids(model_dir: str, config) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+def _available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (page cache counts as free), else all physical RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class ModelRunner:
     """Owns the weights, the paged KV tensors, the persistent batch and the sampler."""
 
@@ -64,13 +76,20 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         model_max = int(self.config.max_position_embeddings)
         self.max_model_len = min(max_model_len or model_max, model_max)
-        self.max_num_seqs = max_num_seqs
         self.eos_token_ids = _eos_token_ids(model_dir, self.config)
         self.attn_backend = get_attention_backend(attention_backend, self.device)
-        self.sampler = Sampler(max_num_reqs=max_num_seqs, vocab_size=self.vocab_size, device=self.device)
         self.input_batch: InputBatch | None = None
         self.block_size = 0
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
+        self.set_max_num_seqs(max_num_seqs)
+
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """Size the persistent batch and the sampler's per-row state for this many requests
+        (the scheduler's --max-num-seqs; changing it needs no reload of the weights)."""
+        self.max_num_seqs = max_num_seqs
+        self.sampler = Sampler(max_num_reqs=max_num_seqs, vocab_size=self.vocab_size, device=self.device)
+        if self.input_batch is not None:
+            self.reset_batch()
 
     # ------------------------------------------------------------------ KV cache
 
@@ -78,6 +97,15 @@ class ModelRunner:
         attn = self.model.attention_layers()[0]
         per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
         return per_token * block_size * len(self.model.attention_layers())
+
+    def max_kv_cache_bytes(self) -> int:
+        """The most KV cache this worker will allocate: what the device can hold next to the
+        weights (CUDA: 90% of free memory; CPU: 90% of available RAM). InitKVCache refuses
+        more, so a caller cannot make the worker allocate until it is killed."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return int(_available_ram_bytes() * 0.9)
 
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
         if kv_cache_memory_bytes is None:
