@@ -163,9 +163,11 @@ def _forwarded_flags(args: argparse.Namespace, add_args) -> list[str]:
 
 
 def _serve_commands(args: argparse.Namespace, model: str, worker_port: int, scheduler_port: int) -> list[tuple]:
+    """(name, command, health check) of each service, in start order."""
     py = [sys.executable, "-m", "services.cli"]
-    args.model = model
-    worker = py + ["worker", "--host", "127.0.0.1", "--port", str(worker_port)] + _forwarded_flags(args, add_model_args)
+    worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved default model
+    worker = py + ["worker", "--host", "127.0.0.1", "--port", str(worker_port)] \
+        + _forwarded_flags(worker_args, add_model_args)
     scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
                       "--workers", f"127.0.0.1:{worker_port}"] + _forwarded_flags(args, add_scheduling_args) \
         + _forwarded_flags(args, add_engine_timeout_arg)

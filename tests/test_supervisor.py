@@ -69,3 +69,4 @@ def test_each_service_refuses_flags_it_does_not_read(command: list[str], foreign
     with pytest.raises(SystemExit):
         build_parser().parse_args(command + foreign_flag)
     assert "unrecognized arguments" in capsys.readouterr().err
+

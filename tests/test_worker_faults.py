@@ -122,6 +122,11 @@ def test_load_model_of_another_path_and_an_oversized_kv_cache_are_refused(replic
         _raw_call(replica.worker_address, pb_grpc.WorkerStub, "LoadModel", pb.LoadModelRequest(model=str(tmp_path)),
                   TOKEN)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and str(tmp_path) in info.value.details()
+    # Its own model, spelt another way, is allowed and keeps the loaded weights.
+    info = _raw_call(replica.worker_address, pb_grpc.WorkerStub, "LoadModel",
+                     pb.LoadModelRequest(model=replica.model_dir + "/.", max_num_seqs=8), TOKEN)
+    assert info.model == replica.model_dir
+    assert len(re.findall(r"loaded .* attention backend", replica.log(f"worker-{replica.worker_starts}"))) == 1
     with pytest.raises(grpc.RpcError) as info:
         _raw_call(replica.worker_address, pb_grpc.WorkerStub, "InitKVCache",
                   pb.InitKVCacheRequest(num_blocks=1 << 30, block_size=16), TOKEN)
@@ -138,6 +143,19 @@ def test_bad_requests_end_with_invalid_request(replica: Replica) -> None:
             with pytest.raises(RequestRejected, match=re.escape(message)) as info:
                 list(client.generate(prompt, sp))
             assert info.value.kind == pb.INVALID_REQUEST and not info.value.retryable
+
+
+def test_allowed_model_root_admits_only_directories_below_it(tmp_path) -> None:
+    from services.worker.server import _is_under
+
+    root = tmp_path / "models"
+    (root / "a").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (root / "link").symlink_to(tmp_path / "elsewhere")
+    assert _is_under(str(root / "a"), str(root))
+    assert not _is_under(str(root / ".." / "elsewhere"), str(root))
+    assert not _is_under(str(root / "link"), str(root))  # a symlink out of the root does not count
+    assert not _is_under(str(tmp_path / "models-2"), str(root))
 
 
 # ---------------------------------------------------------------------- a hung worker

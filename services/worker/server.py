@@ -46,7 +46,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     def _model_allowed(self, model: str) -> bool:
-        if os.path.realpath(model) == os.path.realpath(self.default_load.model):
+        if model == self.default_load.model:
             return True
         return self.allowed_model_root is not None and _is_under(model, self.allowed_model_root)
 
@@ -61,6 +61,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # Fields the caller sets override the worker's own command-line defaults.
         for field, value in request.ListFields():
             setattr(merged, field.name, value)
+        if os.path.realpath(merged.model) == os.path.realpath(self.default_load.model):
+            merged.model = self.default_load.model  # the same directory spelt another way: no reload
         if not self._model_allowed(merged.model):
             root = f" or a directory under {self.allowed_model_root}" if self.allowed_model_root else ""
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
