@@ -4,6 +4,7 @@ until healthy, kill or stop the worker and start it again on the same port."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,3 +102,4 @@ class Replica:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.log_dir, ignore_errors=True)

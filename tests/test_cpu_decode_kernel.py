@@ -114,17 +114,3 @@ def test_cpu_decode_kernel_shares_torch_openmp_runtime(cpu_backend) -> None:
                 mapped.add(path)
     assert len(mapped) <= 1, f"more than one libgomp.so.1 loaded: {sorted(mapped)}"
 
-
-@pytest.mark.parametrize("asked", [None, "cpu"])
-def test_a_cpu_backend_that_cannot_be_built_falls_back_to_torch_with_the_reason(monkeypatch, caplog, asked) -> None:
-    from services.worker.attention import base, cpu_backend
-
-    def no_compiler():
-        raise RuntimeError("no C compiler found for the cpu attention backend")
-
-    monkeypatch.setattr(cpu_backend, "load_library", no_compiler)
-    with caplog.at_level("WARNING", logger="myvllm.worker"):
-        backend = base.get_attention_backend(asked, torch.device("cpu"))
-    assert backend.name == "torch"
-    assert "attention backend 'cpu' cannot be built (no C compiler found" in caplog.text
-    assert "falling back to 'torch'" in caplog.text

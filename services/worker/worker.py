@@ -18,6 +18,7 @@ logger = logging.getLogger("myvllm.worker")
 # keeps the loaded weights (a reconnecting scheduler, or one that only sizes the batch).
 WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend")
 DEFAULT_MAX_NUM_SEQS = 256
+MAX_INT32 = 2**31 - 1
 
 
 def weights_key(req: pb.LoadModelRequest) -> tuple:
@@ -55,7 +56,8 @@ class Worker:
 
     def get_kv_capacity(self, req: pb.KVCapacityRequest) -> pb.KVCapacity:
         r = self._loaded()
-        return pb.KVCapacity(num_blocks=r.num_blocks_for_budget(req.block_size, req.kv_cache_memory_bytes or None),
+        num_blocks = r.num_blocks_for_budget(req.block_size, req.kv_cache_memory_bytes or None)
+        return pb.KVCapacity(num_blocks=min(num_blocks, MAX_INT32),  # a budget in petabytes must not overflow
                              bytes_per_block=r.kv_bytes_per_block(req.block_size))
 
     def init_kv_cache(self, req: pb.InitKVCacheRequest) -> pb.Empty:
