@@ -113,4 +113,3 @@ def test_cpu_decode_kernel_shares_torch_openmp_runtime(cpu_backend) -> None:
             if os.path.basename(path).startswith("libgomp.so"):
                 mapped.add(path)
     assert len(mapped) <= 1, f"more than one libgomp.so.1 loaded: {sorted(mapped)}"
-
