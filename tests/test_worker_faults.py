@@ -221,6 +221,18 @@ def test_killed_worker_fails_running_requests_and_a_restarted_one_is_set_up_agai
     assert len(re.findall(r"loaded .* attention backend \w+", log)) == 1, log[-2000:]
 
 
+
+def test_an_idle_scheduler_notices_its_dead_worker_and_takes_the_restarted_one(replica: Replica) -> None:
+    replica.kill_worker(signal.SIGKILL)
+    t0 = time.monotonic()
+    replica.wait_healthy(False, timeout_s=15)  # no request needed to notice
+    assert time.monotonic() - t0 < 10
+    _wait_for(lambda: not _in_redis(replica), "the replica to leave redis")
+    replica.start_worker()
+    replica.wait_healthy(True, timeout_s=120)
+    with replica.client() as client:
+        assert len(_greedy(client)[0]) == 8
+
 # ---------------------------------------------------------------------- myvllm serve
 
 

@@ -46,6 +46,8 @@ LOAD_HEARTBEAT_S = 1.0
 # Retrying the set-up of a lost worker: from this delay, doubling, up to the max.
 RECONNECT_BACKOFF_S = 0.5
 MAX_RECONNECT_BACKOFF_S = 5.0
+# An idle engine checks on its worker this often (a step would notice a dead one at once).
+IDLE_PROBE_S = 2.0
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
@@ -123,7 +125,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             if not in_flight:
                 self._report_load()
                 self.work_available.clear()
-                await self.work_available.wait()
+                try:
+                    await asyncio.wait_for(self.work_available.wait(), IDLE_PROBE_S)
+                except asyncio.TimeoutError:
+                    await self.worker.probe()
                 continue
             so = in_flight.popleft()
             self._route(core.process(so, await self.worker.receive()))

@@ -82,6 +82,18 @@ class WorkerLink:
         except asyncio.InvalidStateError:  # writing to a call that already ended
             raise WorkerFault(f"worker at {self.address}: the Execute stream already ended") from None
 
+    async def probe(self) -> None:
+        """Check an idle worker: its Execute stream still open, Health answered in time. A
+        dead worker is then noticed (and the replica leaves Redis) before the next request."""
+        if self.stream is not None and self.stream.done():
+            raise WorkerFault(f"worker at {self.address} ended its Execute stream")
+        try:
+            await self.stub.Health(pb.Empty(), timeout=min(self.engine_timeout, UNARY_TIMEOUT_S),
+                                   metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerFault(f"worker at {self.address} does not answer Health ({e.code().name}: "
+                              f"{e.details()})") from None
+
     def reset(self) -> None:
         """Drop the Execute stream (a fresh one makes the worker start from an empty batch)."""
         if self.stream is not None:
