@@ -90,7 +90,8 @@ def _start_long_requests(client: Client, n: int) -> tuple[list[threading.Event],
 def _raw_call(address: str, stub_class, method: str, request, token: str | None):
     with grpc.insecure_channel(address) as channel:
         metadata = ((TOKEN_METADATA_KEY, token),) if token is not None else None
-        return getattr(stub_class(channel), method)(request, timeout=10, metadata=metadata)
+        result = getattr(stub_class(channel), method)(request, timeout=10, metadata=metadata)
+        return list(result) if hasattr(result, "__next__") else result  # read a stream before the channel closes
 
 
 # ---------------------------------------------------------------------- auth and limits
@@ -105,6 +106,12 @@ def test_every_rpc_needs_the_internal_token(replica: Replica, service: str) -> N
             _raw_call(address, stub, "Health", pb.Empty(), token)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and reason in info.value.details()
     assert _raw_call(address, stub, "Health", pb.Empty(), TOKEN).ok
+    # The streams too (Generate / Execute would otherwise run requests or steps).
+    generate = pb.ClientMessage(generate=pb.GenerateRequest(request_id="x", prompt_token_ids=[1]))
+    method, message = ("Execute", pb.SchedulerOutput(step_id=1)) if service == "worker" else ("Generate", generate)
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(address, stub, method, iter([message]), None)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_the_sdk_client_sends_its_token_and_a_wrong_one_is_refused(replica: Replica) -> None:
