@@ -206,15 +206,19 @@ class LLM:
                                       "was ended and the engine reset, the next call starts clean") from e
                 yield outputs
         finally:
-            self._drain(in_flight)
+            if self._drain(in_flight):  # a step nobody waited for failed: same clean slate
+                self._reset_after_fault(in_flight)
 
     @staticmethod
-    def _drain(in_flight: deque) -> None:
-        """Let the worker finish its queued steps before anyone touches its batch."""
+    def _drain(in_flight: deque) -> bool:
+        """Let the worker finish its queued steps before anyone touches its batch; whether
+        any of them failed."""
+        failed = False
         while in_flight:
             _, result = in_flight.popleft()
-            if isinstance(result, Future):
-                result.exception()  # waits; a failure here is already being reported
+            if isinstance(result, Future) and result.exception() is not None:
+                failed = True
+        return failed
 
     def _reset_after_fault(self, in_flight: deque) -> None:
         """After a failed step neither the worker's batch nor the KV a step was writing can be
