@@ -78,8 +78,7 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
                         if error:
                             rejected.append(pb.RequestOutput(
                                 request_id=request.request_id, finish_reason="abort", error=error,
-                                error_kind=pb.INVALID_REQUEST, stop_token_id=-1,
-                                num_prompt_tokens=len(request.prompt_token_ids)))
+                                stop_token_id=-1, num_prompt_tokens=len(request.prompt_token_ids)))
                         else:
                             active[request.request_id] = _Running(request, self.tokens_for(request))
                     else:

@@ -15,20 +15,24 @@ from pathlib import Path
 from conftest import free_port
 
 from services.common.auth import TOKEN_ENV
+from services.common.proto import myvllm_pb2 as pb
 from services.sdk.client import Client
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "services.cli"]
 # Small and quick: a short context, a small KV cache, one thread per process (two cores).
 WORKER_ARGS = ("--max-model-len", "1024")
-SCHEDULER_ARGS = ("--max-num-seqs", "8", "--kv-cache-memory", str(64 << 20))
+
+
+def scheduler_args(max_num_seqs: int = 8, *extra: str) -> tuple[str, ...]:
+    return ("--max-num-seqs", str(max_num_seqs), "--kv-cache-memory", str(64 << 20), *extra)
 
 
 class Replica:
     """A worker and its scheduler on loopback ports, each logging to its own file."""
 
-    def __init__(self, model_dir: str, redis_url: str | None = None, token: str | None = None,
-                 worker_args: tuple[str, ...] = WORKER_ARGS, scheduler_args: tuple[str, ...] = SCHEDULER_ARGS) -> None:
+    def __init__(self, model_dir: str, redis_url: str | None = None, max_num_seqs: int = 8, token: str | None = None,
+                 worker_args: tuple[str, ...] = WORKER_ARGS, extra_scheduler_args: tuple[str, ...] = ()) -> None:
         self.model_dir = model_dir
         self.token = token
         self.worker_args = worker_args
@@ -44,7 +48,7 @@ class Replica:
         self.worker = self.start_worker()
         self.scheduler = self._spawn("scheduler", [
             "scheduler", "--host", "127.0.0.1", "--port", str(self.scheduler_port), "--workers", self.worker_address,
-            *(["--redis", redis_url] if redis_url else []), *scheduler_args])
+            *(["--redis", redis_url] if redis_url else []), *scheduler_args(max_num_seqs, *extra_scheduler_args)])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it open
@@ -65,6 +69,11 @@ class Replica:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
+    def log_tail(self) -> str:
+        """The end of every process's log, for assertion messages."""
+        return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-1500:]}"
+                         for path in sorted(self.log_dir.glob("*.log")))
+
     def client(self, timeout: float = 5.0) -> Client:
         return Client(self.address, timeout=timeout, token=self.token)
 
@@ -73,18 +82,20 @@ class Replica:
         deadline = time.monotonic() + timeout_s
         with self.client(timeout=1.0) as client:
             while client.health() != healthy:
-                assert self.scheduler.poll() is None, f"scheduler exited: {self.log('scheduler')[-2000:]}"
+                assert self.scheduler.poll() is None, f"scheduler exited: {self.log_tail()}"
                 if healthy:
-                    assert self.worker.poll() is None, \
-                        f"worker exited: {self.log(f'worker-{self.worker_starts}')[-2000:]}"
+                    assert self.worker.poll() is None, f"worker exited: {self.log_tail()}"
                 assert time.monotonic() < deadline, f"scheduler health never became {healthy}"
                 time.sleep(0.2)
 
     wait_ready = wait_healthy
 
-    def num_steps(self) -> int:
+    def stats(self) -> pb.Stats:
         with self.client() as client:
-            return client.get_stats().num_steps
+            return client.get_stats()
+
+    def num_steps(self) -> int:
+        return self.stats().num_steps
 
     def kill_worker(self, sig: int = signal.SIGKILL) -> None:
         self.worker.send_signal(sig)

@@ -39,8 +39,7 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 @pytest.fixture(scope="module")
 def replica(smollm2_dir: str, redis_server: str):
     r = Replica(smollm2_dir, redis_server, token=TOKEN,
-                scheduler_args=("--max-num-seqs", "8", "--kv-cache-memory", str(64 << 20),
-                                "--engine-timeout", str(ENGINE_TIMEOUT_S)))
+                extra_scheduler_args=("--engine-timeout", str(ENGINE_TIMEOUT_S)))
     r.redis = redis.Redis.from_url(redis_server)
     try:
         r.wait_healthy()
@@ -149,7 +148,7 @@ def test_bad_requests_end_with_invalid_request(replica: Replica) -> None:
                 ([1, 2], pb.SamplingParams(logprobs=-1, logit_bias={10**6: 1.0}), "out of range")):
             with pytest.raises(RequestRejected, match=re.escape(message)) as info:
                 list(client.generate(prompt, sp))
-            assert info.value.kind == pb.INVALID_REQUEST and not info.value.retryable
+            assert info.value.error_kind == pb.INVALID_REQUEST and not info.value.is_engine_failure
 
 
 def test_allowed_model_root_admits_only_directories_below_it(tmp_path) -> None:
@@ -178,7 +177,7 @@ def test_a_stopped_worker_is_detected_within_the_engine_timeout_and_recovers(rep
         try:
             errors = [f.result(timeout=ENGINE_TIMEOUT_S + 15) for f in futures]
             detected_after = time.monotonic() - stopped_at
-            assert all(isinstance(e, RequestRejected) and e.kind == pb.ENGINE_FAULT for e in errors), errors
+            assert all(isinstance(e, RequestRejected) and e.error_kind == pb.ENGINE_FAULT for e in errors), errors
             assert "--engine-timeout" in errors[0].message
             assert detected_after < ENGINE_TIMEOUT_S + 5
             replica.wait_healthy(False, timeout_s=5)
@@ -206,8 +205,7 @@ def test_killed_worker_fails_running_requests_and_a_restarted_one_is_set_up_agai
         replica.kill_worker(signal.SIGKILL)
         errors = [f.result(timeout=30) for f in futures]
         pool.shutdown()
-        assert all(isinstance(e, RequestRejected) and e.kind == pb.ENGINE_FAULT and e.retryable for e in errors), \
-            errors
+        assert all(isinstance(e, RequestRejected) and e.error_kind == pb.ENGINE_FAULT for e in errors), errors
         assert "engine fault" in errors[0].message
         # No worker: unhealthy, out of redis, and a new request fails at once instead of queueing.
         replica.wait_healthy(False, timeout_s=10)
@@ -215,7 +213,7 @@ def test_killed_worker_fails_running_requests_and_a_restarted_one_is_set_up_agai
         t0 = time.monotonic()
         with pytest.raises(RequestRejected) as info:
             _greedy(client)
-        assert info.value.kind == pb.UNAVAILABLE and time.monotonic() - t0 < 5
+        assert info.value.error_kind == pb.UNAVAILABLE and time.monotonic() - t0 < 5
 
         replica.start_worker()  # same port: the scheduler finds it and sets it up again
         replica.wait_healthy(True, timeout_s=120)

@@ -41,26 +41,22 @@ class SchedulerUnavailable(ConnectionError):
 
 
 class RequestRejected(RuntimeError):
-    """The scheduler ended a request with an error (`RequestOutput.error` was set).
+    """The scheduler refused or failed a request (`RequestOutput.error` was set).
 
-    `kind` says whose fault it was (proto `ErrorKind`): `pb.INVALID_REQUEST` (the request
-    itself is wrong: do not retry it), `pb.ENGINE_FAULT` (the engine failed it, e.g. the
-    worker died mid-request) or `pb.UNAVAILABLE` (the replica has no worker right now); the
-    last two are worth retrying elsewhere. An old scheduler's unspecified kind counts as
-    ENGINE_FAULT.
+    `error_kind` says whose fault it was (`pb.ErrorKind`): INVALID_REQUEST is the client's;
+    ENGINE_FAULT and UNAVAILABLE are the engine's (a gateway migrates such a request).
     """
 
-    def __init__(self, request_id: str, message: str, kind: int = pb.INVALID_REQUEST) -> None:
-        what = "rejected by the scheduler" if kind == pb.INVALID_REQUEST else f"failed ({pb.ErrorKind.Name(kind)})"
-        super().__init__(f"request {request_id} {what}: {message}")
+    def __init__(self, request_id: str, message: str, error_kind: int = pb.ERROR_KIND_UNSPECIFIED) -> None:
+        super().__init__(f"request {request_id} rejected by the scheduler: {message}")
         self.request_id = request_id
         self.message = message
-        self.kind = kind
+        self.error_kind = error_kind
 
     @property
-    def retryable(self) -> bool:
-        """Whether another replica (or this one, later) could serve the same request."""
-        return self.kind != pb.INVALID_REQUEST
+    def is_engine_failure(self) -> bool:
+        """Not the client's mistake (an old peer that sets no kind counts as an engine fault)."""
+        return self.error_kind != pb.INVALID_REQUEST
 
 
 class _StreamBroken:
@@ -255,7 +251,7 @@ class AsyncClient:
                     raise SchedulerUnavailable(f"request {request_id} lost: {item.reason}")
                 if item.error:
                     finished = True
-                    raise RequestRejected(request_id, item.error, item.error_kind or pb.ENGINE_FAULT)
+                    raise RequestRejected(request_id, item.error, item.error_kind)
                 finished = bool(item.finish_reason)
                 yield item
         finally:
