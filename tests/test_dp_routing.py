@@ -66,7 +66,7 @@ def test_router_needs_a_replica_or_redis() -> None:
         ReplicaRouter([])
 
 
-# ---------------------------------------------------------------------- two real replicas (tests/replica.py)
+# ---------------------------------------------------------------------- two real replicas
 
 
 def test_gateway_routes_over_replicas_found_in_redis(smollm2_dir: str, redis_server: str) -> None:
