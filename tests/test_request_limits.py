@@ -31,10 +31,9 @@ def test_a_plain_request_and_the_proto_defaults_pass() -> None:
 @pytest.mark.parametrize(("fields", "message"), [
     ({"prompt": []}, "at least one token"),
     ({"prompt": list(range(MAX_LEN))}, "prompt has 64 tokens; max_model_len is 64"),
-    ({"prompt": [1] * 40, "resumed_output_token_ids": [2] * 30}, "prompt has 70 tokens"),
+    ({"prompt": [1] * 40, "resumed_output_token_ids": [2] * 30}, "resumed output (30) fill max_model_len 64"),
     ({"prompt": [1, VOCAB]}, "prompt: token id 1000 is out of range"),
     ({"prompt": [-1]}, "prompt: token id -1 is out of range"),
-    ({"resumed_output_token_ids": [VOCAB + 5]}, "resumed_output_token_ids: token id 1005"),
     ({"request_id": ""}, "request_id must not be empty"),
     ({"request_id": "x" * 257}, "request_id has 257 characters"),
     ({"cache_salt": "s" * 1025}, "cache_salt has 1025 characters"),

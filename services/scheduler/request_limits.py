@@ -94,12 +94,16 @@ def validate_generate_request(req: pb.GenerateRequest, vocab_size: int, max_mode
         raise InvalidRequest(f"request_id has {len(req.request_id)} characters, at most {MAX_REQUEST_ID_CHARS}")
     if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt has {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT_CHARS}")
-    num_tokens = len(req.prompt_token_ids) + len(req.resumed_output_token_ids)
     if not req.prompt_token_ids:
         raise InvalidRequest("prompt must contain at least one token")
-    if num_tokens >= max_model_len:
-        raise InvalidRequest(f"prompt has {num_tokens} tokens; max_model_len is {max_model_len} "
+    if len(req.prompt_token_ids) >= max_model_len:
+        raise InvalidRequest(f"prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_model_len} "
                              "(the prompt must leave room for at least one generated token)")
+    # Only the size of a migrated request's resumed tokens is checked here (EngineCore checks
+    # their values and that something is left to generate).
+    num_resumed = len(req.resumed_output_token_ids)
+    if num_resumed and len(req.prompt_token_ids) + num_resumed >= max_model_len:
+        raise InvalidRequest(f"prompt ({len(req.prompt_token_ids)} tokens) and resumed output ({num_resumed}) fill "
+                             f"max_model_len {max_model_len}: nothing left to generate")
     _check_token_ids("prompt", req.prompt_token_ids, vocab_size)
-    _check_token_ids("resumed_output_token_ids", req.resumed_output_token_ids, vocab_size)
     _check_sampling(req.sampling, vocab_size)
