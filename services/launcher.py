@@ -1,7 +1,10 @@
 """Service entry points: `myvllm worker | scheduler | gateway | serve`.
 
 `serve` (what `make up` runs) starts the three services as separate local processes,
-waits until each is healthy, prints where the API is, and stops them all on Ctrl-C.
+waits until each is healthy, prints where the API is, restarts any service that exits
+(services/supervisor.py), and stops them all on Ctrl-C. Its services share a random
+internal token (generated per run, unless $MYVLLM_INTERNAL_TOKEN is set) and bind the
+loopback interface, except the gateway (`--host`).
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
 
+from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
+from services.engine_args import add_engine_args, add_engine_timeout_arg, add_model_args, add_scheduling_args
+from services.supervisor import ServiceProcess, stop_all
 
 
 def _fail(message: str) -> int:
@@ -47,22 +53,25 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         check_model_dir(model)
     except FileNotFoundError as e:
         return _fail(str(e))
+    root = args.allowed_model_root
+    if root is not None and not os.path.isdir(root):
+        return _fail(f"--allowed-model-root {root} is not a directory")
     load = pb.LoadModelRequest(model=model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len or 0,
-                               attention_backend=args.attention_backend or "", max_num_seqs=args.max_num_seqs)
-    return _run_async(serve_worker(args.host, args.port, load, device=args.device))
+                               attention_backend=args.attention_backend or "")
+    return _run_async(serve_worker(args.host, args.port, load, device=args.device,
+                                   token=token_from_env(args.internal_token), allowed_model_root=root))
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
-    from services.cli import engine_kwargs
+    from services.engine_args import engine_kwargs
     from services.scheduler.server import serve_scheduler
 
-    kwargs = engine_kwargs(args)
-    # Model, dtype and the like belong to the worker; the scheduler forwards them only if given.
-    kwargs["model"] = args.model or ""
-    config = EngineConfig(**kwargs)
+    # Model, dtype and the like belong to the worker; the scheduler learns them from LoadModel.
+    config = EngineConfig(**engine_kwargs(args), model="")
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     return _run_async(serve_scheduler(args.host, args.port, config, workers, redis_url=args.redis,
-                                      engine_id=args.engine_id, advertise_address=args.advertise_address))
+                                      engine_id=args.engine_id, advertise_address=args.advertise_address,
+                                      token=token_from_env(args.internal_token), engine_timeout=args.engine_timeout))
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -97,19 +106,21 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _wait_healthy(procs: list[tuple[str, subprocess.Popen]], check, what: str, timeout: float) -> None:
+def _wait_healthy(services: list[ServiceProcess], check, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for name, p in procs:
-            if p.poll() is not None:
-                raise StartupError(f"{name} exited with code {p.returncode} during start-up (see its output above)")
+        for service in services:
+            if service.exit_code is not None:
+                raise StartupError(f"{service.name} exited with code {service.exit_code} during start-up "
+                                   "(see its output above)")
         if check():
             return
         time.sleep(0.3)
     raise StartupError(f"{what} did not become healthy within {timeout:.0f}s")
 
 
-def _grpc_healthy(address: str, service: str) -> bool:
+def _grpc_healthy(address: str, service: str, token: str | None = None) -> bool:
+    """Health of a worker or scheduler; the internal token defaults to $MYVLLM_INTERNAL_TOKEN."""
     import grpc
 
     from services.common.proto import myvllm_pb2 as pb
@@ -118,7 +129,7 @@ def _grpc_healthy(address: str, service: str) -> bool:
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.SchedulerStub(ch) if service == "scheduler" else pb_grpc.WorkerStub(ch)
         try:
-            return stub.Health(pb.Empty(), timeout=1.0).ok
+            return stub.Health(pb.Empty(), timeout=1.0, metadata=token_metadata(token_from_env(token))).ok
         except grpc.RpcError:
             return False
 
@@ -132,6 +143,42 @@ def _http_healthy(url: str) -> bool:
         return False
 
 
+def _forwarded_flags(args: argparse.Namespace, add_args) -> list[str]:
+    """The flags `add_args` defines, as given to serve (defaults left out): what serve passes
+    on to the service that reads them, so no serve flag is dropped on the way."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    flags: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        option = action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false: the flag itself is the value
+            if value == action.const:
+                flags.append(option)
+        else:
+            flags += [option, str(value)]
+    return flags
+
+
+def _serve_commands(args: argparse.Namespace, model: str, worker_port: int, scheduler_port: int) -> list[tuple]:
+    """(name, command, health check) of each service, in start order."""
+    py = [sys.executable, "-m", "services.cli"]
+    worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved default model
+    worker = py + ["worker", "--host", "127.0.0.1", "--port", str(worker_port)] \
+        + _forwarded_flags(worker_args, add_model_args)
+    scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
+                      "--workers", f"127.0.0.1:{worker_port}"] + _forwarded_flags(args, add_scheduling_args) \
+        + _forwarded_flags(args, add_engine_timeout_arg)
+    gateway = py + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler",
+                    f"127.0.0.1:{scheduler_port}", "--model", model] \
+        + (["--served-model-name", args.served_model_name] if args.served_model_name else [])
+    return [("worker", worker, lambda: _grpc_healthy(f"127.0.0.1:{worker_port}", "worker")),
+            ("scheduler", scheduler, lambda: _grpc_healthy(f"127.0.0.1:{scheduler_port}", "scheduler")),
+            ("gateway", gateway, lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health"))]
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     try:
@@ -142,42 +189,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail(f"port {args.port} on {args.host} is already in use (pick another with --port)")
     worker_port = args.worker_port or free_port()
     scheduler_port = args.scheduler_port or free_port()
-    py = [sys.executable, "-m", "services.cli"]
-    engine_flags = ["--dtype", args.dtype, "--seed", str(args.seed), "--max-num-seqs", str(args.max_num_seqs)]
-    if args.max_model_len:
-        engine_flags += ["--max-model-len", str(args.max_model_len)]
-    if args.attention_backend:
-        engine_flags += ["--attention-backend", args.attention_backend]
-    sched_flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
-                   "--scheduling-policy", args.scheduling_policy]
-    if not args.enable_prefix_caching:
-        sched_flags.append("--no-enable-prefix-caching")
-    if args.async_scheduling is not None:
-        sched_flags.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
-    if args.num_gpu_blocks_override:
-        sched_flags += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
-    if args.kv_cache_memory_bytes:
-        sched_flags += ["--kv-cache-memory", str(args.kv_cache_memory_bytes)]
-    commands = [
-        ("worker", py + ["worker", "--host", "127.0.0.1", "--port", str(worker_port), "--model", model] + engine_flags),
-        ("scheduler", py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
-                            "--workers", f"127.0.0.1:{worker_port}"] + sched_flags),
-        ("gateway", py + ["gateway", "--host", args.host, "--port", str(args.port),
-                          "--scheduler", f"127.0.0.1:{scheduler_port}", "--model", model]
-         + (["--served-model-name", args.served_model_name] if args.served_model_name else [])),
-    ]
-    procs: list[tuple[str, subprocess.Popen]] = []
+    # One secret per run, shared by the three services (and this process's health checks)
+    # through the environment, so it never shows in `ps`.
+    os.environ[TOKEN_ENV] = token_from_env() or secrets.token_urlsafe(32)
+    services: list[ServiceProcess] = []
     # `kill` (SIGTERM) stops the children too, exactly like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    checks = {
-        "worker": lambda: _grpc_healthy(f"127.0.0.1:{worker_port}", "worker"),
-        "scheduler": lambda: _grpc_healthy(f"127.0.0.1:{scheduler_port}", "scheduler"),
-        "gateway": lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health"),
-    }
     try:
-        for name, cmd in commands:
-            procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
-            _wait_healthy(procs, checks[name], name, args.startup_timeout)
+        for name, command, healthy in _serve_commands(args, model, worker_port, scheduler_port):
+            services.append(ServiceProcess(name, command))
+            services[-1].start()
+            _wait_healthy(services, healthy, name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         base = f"http://{host}:{args.port}/v1"
         served = args.served_model_name or os.path.basename(os.path.normpath(model))
@@ -186,10 +208,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"-d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
         print("Press Ctrl-C to stop.", flush=True)
-        while True:
-            for name, p in procs:
-                if p.poll() is not None:
-                    raise StartupError(f"{name} exited with code {p.returncode}")
+        while True:  # a service that exits is restarted: a single-host deployment heals itself
+            for service in services:
+                service.supervise()
             time.sleep(0.5)
     except StartupError as e:
         return _fail(str(e))
@@ -197,32 +218,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         return 0
     finally:
-        _stop_all(procs)
+        stop_all(services)
 
 
-def _stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
-    for _, p in reversed(procs):
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for _, p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+def _add_internal_token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--internal-token", default=None,
+                   help=f"shared secret every RPC must carry (default: ${TOKEN_ENV}; unset = no check)")
 
 
-def add_subcommands(sub, add_engine_args) -> None:
+def add_subcommands(sub) -> None:
     w = sub.add_parser("worker", help="run a worker service (weights, KV cache, forward passes)")
-    w.add_argument("--host", default="0.0.0.0")
+    w.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     w.add_argument("--port", type=int, required=True)
     w.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    add_engine_args(w)
+    w.add_argument("--allowed-model-root", default=None,
+                   help="LoadModel may also load model directories under this one (default: only --model)")
+    _add_internal_token_arg(w)
+    add_model_args(w)
     w.set_defaults(func=_cmd_worker)
 
     s = sub.add_parser("scheduler", help="run a scheduler service (queues, KV block accounting)")
-    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--workers", required=True, help="worker address host:port (one; TP is not implemented)")
     s.add_argument("--redis", default=None, help="redis URL to publish this replica's load to (DP routing)")
@@ -230,7 +246,9 @@ def add_subcommands(sub, add_engine_args) -> None:
     s.add_argument("--advertise-address", default=None,
                    help="host:port gateways should dial, published in redis (default: host:port, with a wildcard "
                         "host replaced by this machine's hostname)")
-    add_engine_args(s)
+    _add_internal_token_arg(s)
+    add_engine_timeout_arg(s)
+    add_scheduling_args(s)
     s.set_defaults(func=_cmd_scheduler)
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -245,11 +263,12 @@ def add_subcommands(sub, add_engine_args) -> None:
     g.set_defaults(func=_cmd_gateway)
 
     v = sub.add_parser("serve", help="start worker, scheduler and gateway locally and serve the OpenAI API")
-    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--host", default="127.0.0.1", help="address the gateway binds (the other services: loopback)")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--worker-port", type=int, default=None)
     v.add_argument("--scheduler-port", type=int, default=None)
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--startup-timeout", type=float, default=300.0)
+    add_engine_timeout_arg(v)
     add_engine_args(v)
     v.set_defaults(func=_cmd_serve)

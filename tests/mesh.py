@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,24 +17,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Mesh:
-    def __init__(self, extra_args: list[str] | None = None) -> None:
+    def __init__(self, extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.scheduler_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
                "--scheduler-port", str(self.scheduler_port), *(extra_args or [])]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+                                     env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
         self.banner: list[str] = []
+        # Everything serve and its services print, read on by a thread once the banner is in
+        # (an unread pipe would fill and block them).
+        self.output: list[str] = []
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"myvllm serve exited early: {''.join(self.banner)[-3000:]}")
             self.banner.append(line)
+            self.output.append(line)
             if line.startswith("Press Ctrl-C"):
+                threading.Thread(target=self._read_output, daemon=True).start()
                 return
         raise RuntimeError("myvllm serve did not come up")
+
+    def _read_output(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.base_url}/metrics", timeout=5).text

@@ -76,9 +76,16 @@ def test_compose_services_serve_a_chat_completion(smollm2_dir):
     services = spec["services"]
     assert {"gateway", "scheduler", "worker", "redis"} <= set(services)
     assert services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    # Faults heal: each service restarts when it exits. Worker and scheduler bind every
+    # interface only because compose says so (their default is loopback), and need the token.
+    assert all(svc.get("restart") == "unless-stopped" for svc in services.values())
+    for name in ("worker", "scheduler"):
+        assert services[name]["command"][services[name]["command"].index("--host") + 1] == "0.0.0.0"
+        assert "MYVLLM_INTERNAL_TOKEN" in services[name]["environment"]
     loc = _Localizer(services, smollm2_dir)
     procs: list[subprocess.Popen] = []
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # What compose's `environment:` gives every myvllm service (the healthchecks run inside them).
+    env = dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_INTERNAL_TOKEN="compose-test-token")
     try:
         for name in _start_order(services):
             svc = services[name]

@@ -206,3 +206,52 @@ def test_n_greedy_gives_identical_outputs(llm: LLM) -> None:
     (out,) = llm.generate("My favourite food is", SamplingParams(n=3, max_tokens=5, **GREEDY), use_tqdm=False)
     assert len(out.outputs) == 3
     assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
+
+
+# ---------------------------------------------------------------------- faults
+
+
+LONG_PROMPT = ("A prefix long enough to fill several KV blocks of sixteen tokens: " * 4) + "The capital of France is"
+
+
+def _failing_execute(llm: LLM, fail_at_call: int):
+    """Make the worker's `fail_at_call`-th step (0-based) raise, before it computes anything."""
+    real_execute, calls = llm.worker.execute, []
+
+    def execute(so):
+        calls.append(so.step_id)
+        if len(calls) - 1 == fail_at_call:
+            raise RuntimeError("injected worker fault")
+        return real_execute(so)
+
+    return execute
+
+
+@pytest.fixture(scope="module")
+def long_prompt_tokens(llm: LLM) -> list[int]:
+    """LONG_PROMPT's greedy tokens from a run without faults."""
+    (out,) = llm.generate(LONG_PROMPT, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fail_at_call", [0, 2])
+def test_a_failed_step_raises_frees_everything_and_poisons_no_prefix(llm: LLM, long_prompt_tokens: list[int],
+                                                                    monkeypatch, fail_at_call: int) -> None:
+    from services.sdk.llm import EngineFault
+
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    pool = llm.engine.scheduler.kv_cache_manager.block_pool
+    # Start from no cached prefix, so the failing request's own (never written) blocks would be
+    # the only cache entries for this prompt: exactly what a poisoned cache would serve.
+    pool.reset_prefix_cache()
+    monkeypatch.setattr(llm.worker, "execute", _failing_execute(llm, fail_at_call))
+    with pytest.raises(EngineFault, match="injected worker fault"):
+        llm.generate([LONG_PROMPT, "Another request in the same batch"], sp, use_tqdm=False)
+    monkeypatch.undo()
+    _check_all_free(llm)
+    assert pool.cached_blocks == {} and all(b.block_hash is None for b in pool.blocks)
+    # Still usable, and the prompt's blocks are computed again, not read from the cache.
+    (again,) = llm.generate(LONG_PROMPT, sp, use_tqdm=False)
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == long_prompt_tokens
+    _check_all_free(llm)

@@ -71,7 +71,7 @@ class ServeResult:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from services.cli import _add_engine_args
+    from services.engine_args import add_engine_args
 
     p.add_argument("--base-url", default=None, help="a running server (default: start `myvllm serve` here)")
     p.add_argument("--concurrency", default="16", help="concurrent clients; a comma list sweeps (e.g. 1,4,16)")
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-offline", action="store_true", help="skip the in-process LLM on the same workload")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--json", metavar="PATH", default=None)
-    _add_engine_args(p)
+    add_engine_args(p)
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, result: ServeResult) -> None:

@@ -8,6 +8,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+# How long a scheduler waits for its worker's answer to one step before it declares the
+# worker dead (`--engine-timeout`): far above any step's compute time, far below "forever".
+DEFAULT_ENGINE_TIMEOUT_S = 30.0
 
 
 def default_model_path() -> str:

@@ -1,4 +1,4 @@
-"""Small gRPC helpers shared by the services."""
+"""Small gRPC helpers shared by the services: channel/server options, binding, channels."""
 
 from __future__ import annotations
 
@@ -6,11 +6,36 @@ import grpc
 
 # Prompts of many thousand tokens and big batches exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 << 20
-GRPC_OPTIONS = [
+# Keepalive: a peer that vanished without closing its TCP connection (power loss, a network
+# partition, a SIGSTOPped process whose kernel still ACKs) is noticed within about
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of never. A hung-but-connected worker is
+# a different failure: the scheduler's --engine-timeout covers that.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+_COMMON_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
+# Servers must accept the clients' pings, or they answer them with GOAWAY (too_many_pings).
+SERVER_OPTIONS = _COMMON_OPTIONS + [
+    ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+]
+CHANNEL_OPTIONS = _COMMON_OPTIONS + [
+    # A restarted peer should be found again within about a second, not after gRPC's
+    # default exponential backoff (which grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# Deadline of a unary call between services (Health, GetLoad, KV sizing). LoadModel and
+# InitKVCache read weights / allocate tensors and get their own, longer deadline.
+UNARY_TIMEOUT_S = 10.0
+SETUP_TIMEOUT_S = 300.0
 
 
 class StartupError(RuntimeError):
@@ -26,5 +51,10 @@ def bind_or_fail(server: grpc.aio.Server, host: str, port: int, what: str) -> No
         raise StartupError(f"{what}: cannot listen on {host}:{port} (port in use?)")
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def server(interceptors: list | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with the shared options (and, when given, auth interceptors)."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
+
+
+def channel(address: str, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + (extra_options or []))

@@ -153,3 +153,13 @@ class BlockPool:
                     self.free_block_queue.appendleft(block)
                 else:
                     self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block hash. Only when no request holds a block: after a worker
+        failure or restart no block's KV can be trusted (a failed step may have left it half
+        written; a restarted worker has fresh, empty KV tensors)."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            raise RuntimeError(f"reset_prefix_cache with {self.num_blocks - 1 - self.num_free_blocks} blocks in use")
+        for block in self.blocks[1:]:
+            block.block_hash = None
+        self.cached_blocks.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.scheduler.request import Request
+from services.scheduler.request_limits import validate_generate_request
 from services.scheduler.scheduler import Scheduler
 
 
@@ -52,13 +53,10 @@ class EngineCore:
         self.num_steps = 0
 
     def add_request(self, req: pb.GenerateRequest) -> None:
-        """Queue a request; raises ValueError with a clear message if it cannot run."""
+        """Queue a request; raises ValueError (InvalidRequest for a bad request) with a clear
+        message if it cannot run."""
+        validate_generate_request(req, self.model_info.vocab_size, self.max_model_len)
         prompt = list(req.prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        bad = [t for t in prompt if not 0 <= t < self.model_info.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.model_info.vocab_size})")
         room = self.max_model_len - len(prompt)
         max_tokens = req.sampling.max_tokens or room
         self.scheduler.add_request(Request(
@@ -69,6 +67,15 @@ class EngineCore:
         return [pb.RequestOutput(request_id=r.request_id, finish_reason="abort",
                                  num_prompt_tokens=r.num_prompt_tokens, stop_token_id=-1)
                 for r in self.scheduler.abort_requests(request_ids)]
+
+    def fail_all(self, message: str, kind: int = pb.ENGINE_FAULT) -> list[pb.RequestOutput]:
+        """The worker failed: end every request with `message` and start from a clean slate
+        (no request state on the worker, no prefix-cache entry whose KV may be missing)."""
+        outputs = self.abort(list(self.scheduler.requests))
+        for out in outputs:
+            out.error, out.error_kind = message, kind
+        self.scheduler.forget_worker_state()
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -84,8 +91,11 @@ class EngineCore:
 
     def stats(self) -> pb.Stats:
         s = self.scheduler.stats()
+        info = self.model_info
         return pb.Stats(max_model_len=self.max_model_len, model=self.config.model, block_size=self.config.block_size,
-                        num_steps=self.num_steps, **s)
+                        num_steps=self.num_steps, dtype=info.dtype, attention_backend=info.attention_backend,
+                        max_num_seqs=self.config.max_num_seqs,
+                        max_num_batched_tokens=self.config.max_num_batched_tokens, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

@@ -2,7 +2,9 @@
 
 Redis hash `myvllm:engines`: field = engine id, value = JSON {address, num_waiting,
 num_running, kv_cache_usage, ts}. Writes are throttled and never awaited by the engine
-loop: a slow or absent Redis must not slow down a step.
+loop: a slow or absent Redis must not slow down a step. A replica that loses its worker
+deletes its entry (`leave`) so gateways stop routing to it, and publishes again once the
+worker is back (`rejoin`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ ENGINES_KEY = "myvllm:engines"
 logger = logging.getLogger("myvllm.scheduler")
 
 
+def _load_key(load: pb.Load) -> tuple[int, int, float]:
+    return load.num_waiting, load.num_running, round(load.kv_cache_usage, 3)
+
+
 class LoadReporter:
     def __init__(self, redis_url: str, engine_id: str, address: str, min_interval_s: float = 0.1) -> None:
         self.client = aioredis.from_url(redis_url)
@@ -29,9 +35,13 @@ class LoadReporter:
         self._last_sent = 0.0
         self._last_load: tuple | None = None
         self._in_flight: asyncio.Task | None = None
+        # While the replica cannot serve (no worker) it is out of the set: no entry, no reports.
+        self.paused = False
 
     def report(self, load: pb.Load) -> None:
-        key = (load.num_waiting, load.num_running, round(load.kv_cache_usage, 3))
+        if self.paused:
+            return
+        key = _load_key(load)
         now = time.monotonic()
         if self._in_flight is not None and not self._in_flight.done():
             return
@@ -40,15 +50,43 @@ class LoadReporter:
         if now - self._last_sent < self.min_interval_s and key != (0, 0, 0.0):
             return
         self._last_sent, self._last_load = now, key
+        self._in_flight = asyncio.create_task(self._send(key))
+
+    async def _send(self, key: tuple[int, int, float]) -> None:
         value = json.dumps({"address": self.address, "num_waiting": key[0], "num_running": key[1],
                             "kv_cache_usage": key[2], "ts": time.time()})
-        self._in_flight = asyncio.create_task(self._send(value))
-
-    async def _send(self, value: str) -> None:
         try:
             await self.client.hset(ENGINES_KEY, self.engine_id, value)
         except Exception as e:  # Redis down: routing degrades, serving goes on
             logger.warning("cannot publish load to redis: %s", e)
+
+    async def _delete(self) -> None:
+        try:
+            await self.client.hdel(ENGINES_KEY, self.engine_id)
+        except Exception as e:
+            logger.warning("cannot remove this replica from redis: %s", e)
+
+    def _then(self, write) -> None:
+        """Run `write` after the write on the wire, so the two reach Redis in order."""
+        previous = self._in_flight
+
+        async def in_order() -> None:
+            if previous is not None:
+                await asyncio.wait([previous])
+            await write()
+
+        self._in_flight = asyncio.create_task(in_order())
+
+    def leave(self) -> None:
+        """Take this replica out of the set gateways route to (its worker is gone)."""
+        self.paused = True
+        self._then(self._delete)
+
+    def rejoin(self, load: pb.Load) -> None:
+        """Back in the set: publish at once."""
+        self.paused = False
+        self._last_sent, self._last_load = time.monotonic(), _load_key(load)
+        self._then(lambda: self._send(_load_key(load)))
 
 
 async def read_engine_loads(client: aioredis.Redis, max_age_s: float = 10.0) -> dict[str, dict]:

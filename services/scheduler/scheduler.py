@@ -101,6 +101,15 @@ class Scheduler:
             self.worker_known.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
 
+    def forget_worker_state(self) -> None:
+        """The worker lost its batch and its KV (it failed, or is a fresh one): abort every
+        request first; then nothing needs dropping on the worker and no cached prefix is real."""
+        if self.requests:
+            raise RuntimeError("forget_worker_state with live requests: abort them first")
+        self.worker_known.clear()
+        self.finished_req_ids.clear()
+        self.kv_cache_manager.block_pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -3,6 +3,12 @@
 One asyncio task runs the engine loop (schedule → send the batch to the worker → read the
 sampled ids → fold them in → route outputs). Gateway streams only put requests in and take
 outputs from unbounded per-stream queues, so a slow gateway never stalls the loop.
+
+When the worker fails (dies, hangs past --engine-timeout, or fails a step) every live
+request ends with error_kind=ENGINE_FAULT (gateways migrate them), the prefix cache is
+dropped, the replica reports itself unhealthy and leaves Redis, and the loop keeps trying
+to set the worker up again (LoadModel, KV capacity, InitKVCache). Requests that arrive
+meanwhile end at once with error_kind=UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -15,46 +21,17 @@ from collections import deque
 
 import grpc
 
+from services.common import grpc_utils
+from services.common.auth import server_interceptors
 from services.common.config import EngineConfig
-from services.common.grpc_utils import GRPC_OPTIONS, StartupError, bind_or_fail, channel
+from services.common.grpc_utils import StartupError
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
-from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
+from services.scheduler.engine_core import EngineCore
 from services.scheduler.load_reporter import LoadReporter
+from services.scheduler.worker_link import DEFAULT_ENGINE_TIMEOUT_S, WorkerFault, WorkerLink
 
 logger = logging.getLogger("myvllm.scheduler")
-
-
-class WorkerLink:
-    """The scheduler's connection to one worker: set-up calls and the Execute stream."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = channel(address)
-        self.stub = pb_grpc.WorkerStub(self.channel)
-        self.stream = None
-
-    async def connect(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self.channel.channel_ready(), timeout)
-        except asyncio.TimeoutError:
-            raise StartupError(f"scheduler: worker at {self.address} is unreachable") from None
-
-    async def send(self, so: pb.SchedulerOutput) -> None:
-        if self.stream is None:
-            self.stream = self.stub.Execute()
-        await self.stream.write(so)
-
-    async def receive(self) -> pb.ModelRunnerOutput:
-        out = await self.stream.read()
-        if out is grpc.aio.EOF:
-            raise RuntimeError(f"worker at {self.address} closed its Execute stream")
-        return out
-
-    def reset(self) -> None:
-        if self.stream is not None:
-            self.stream.cancel()
-        self.stream = None
 
 
 class _ClientStream:
@@ -66,6 +43,11 @@ class _ClientStream:
 
 
 LOAD_HEARTBEAT_S = 1.0
+# Retrying the set-up of a lost worker: from this delay, doubling, up to the max.
+RECONNECT_BACKOFF_S = 0.5
+MAX_RECONNECT_BACKOFF_S = 5.0
+# An idle engine checks on its worker this often (a step would notice a dead one at once).
+IDLE_PROBE_S = 2.0
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
@@ -78,25 +60,33 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.load_reporter = load_reporter
         self.loop_task: asyncio.Task | None = None
         self.heartbeat_task: asyncio.Task | None = None
-        self.fatal_error: str | None = None
+        # Why this replica cannot serve right now (None: the worker is set up and stepping).
+        self.worker_down: str | None = None
 
     async def start(self) -> None:
         """Load the model on the worker, size the KV cache, start the engine loop."""
         try:
-            info = await self.worker.stub.LoadModel(load_model_request(self.config))
-            capacity = await self.worker.stub.GetKVCapacity(kv_capacity_request(self.config))
-            num_blocks = choose_num_blocks(self.config, capacity, info.max_model_len)
-            await self.worker.stub.InitKVCache(pb.InitKVCacheRequest(num_blocks=num_blocks,
-                                                                     block_size=self.config.block_size))
+            info, num_blocks = await self.worker.set_up(self.config)
         except grpc.aio.AioRpcError as e:
             raise StartupError(f"scheduler: worker at {self.worker.address} refused: {e.details()}") from None
         except ValueError as e:
             raise StartupError(f"scheduler: {e}") from None
-        self.config.model = info.model
-        self.core = EngineCore(self.config, info, num_blocks)
+        self._install(info, num_blocks)
         self.loop_task = asyncio.create_task(self._engine_loop())
         if self.load_reporter is not None:
             self.heartbeat_task = asyncio.create_task(self._heartbeat())
+
+    def _install(self, info: pb.ModelInfo, num_blocks: int) -> None:
+        """Build the engine core for what the worker reported (kept when a restarted worker
+        reports the same, so counters survive)."""
+        core = self.core
+        if core is not None and core.model_info == info and core.scheduler.kv_cache_manager.block_pool.num_blocks \
+                == num_blocks:
+            return
+        self.config.model = info.model
+        self.core = EngineCore(self.config, info, num_blocks)
+        logger.warning("worker at %s: %s (%s on %s, attention backend %s), %d KV blocks", self.worker.address,
+                       info.model, info.dtype, info.device, info.attention_backend, num_blocks)
 
     async def _heartbeat(self) -> None:
         """An idle engine takes no steps, so nothing else would refresh its Redis entry;
@@ -108,6 +98,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ------------------------------------------------------------------ engine loop
 
     async def _engine_loop(self) -> None:
+        """Run steps; when the worker fails, fail what was running and set it up again."""
+        while True:
+            try:
+                await self._run_steps()
+            except WorkerFault as e:
+                self._worker_lost(str(e))
+            except Exception as e:  # a bug in a step: the same clean slate, with the traceback logged
+                logger.exception("engine step failed")
+                self._worker_lost(f"engine step failed: {type(e).__name__}: {e}")
+            await self._reconnect()
+
+    async def _run_steps(self) -> None:
         """Schedule, send, receive, fold in. With async scheduling two steps are in flight:
         step N+1 is scheduled and on the wire while the worker still computes step N."""
         core = self.core
@@ -118,35 +120,50 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 so = core.schedule()
                 if not so.num_scheduled_tokens:
                     break  # nothing fits right now (e.g. blocks an abort will free)
-                try:
-                    await self.worker.send(so)
-                except Exception as e:
-                    self._fail_all(in_flight, e)
-                    break
+                await self.worker.send(so)
                 in_flight.append(so)
             if not in_flight:
                 self._report_load()
                 self.work_available.clear()
-                await self.work_available.wait()
+                try:
+                    await asyncio.wait_for(self.work_available.wait(), IDLE_PROBE_S)
+                except asyncio.TimeoutError:
+                    await self.worker.probe()
                 continue
             so = in_flight.popleft()
-            try:
-                outputs = core.process(so, await self.worker.receive())
-            except Exception as e:  # the worker failed: fail every live request, keep serving
-                self._fail_all(in_flight, e)
-                continue
-            self._route(outputs)
+            self._route(core.process(so, await self.worker.receive()))
             self._report_load()
             await asyncio.sleep(0)  # let gateway streams run between steps
 
-    def _fail_all(self, in_flight: deque, error: Exception) -> None:
-        logger.error("engine step failed: %s", error)
-        in_flight.clear()
+    def _worker_lost(self, reason: str) -> None:
+        logger.error("%s; failing every live request and setting the worker up again", reason)
+        self.worker_down = reason
         self.worker.reset()
-        outputs = self.core.abort(list(self.core.scheduler.requests))
-        for out in outputs:
-            out.error = f"engine step failed: {error}"
-        self._route(outputs)
+        self._route(self.core.fail_all(f"engine fault: {reason}", pb.ENGINE_FAULT))
+        if self.load_reporter is not None:
+            self.load_reporter.leave()
+
+    async def _reconnect(self) -> None:
+        """Set the worker up again (LoadModel, KV capacity, InitKVCache) until it works."""
+        reason, backoff = self.worker_down, RECONNECT_BACKOFF_S
+        while True:
+            try:
+                info, num_blocks = await self.worker.set_up(self.config)
+                break
+            except grpc.aio.AioRpcError as e:
+                detail = f"{e.code().name}: {e.details()}"
+            except ValueError as e:
+                detail = str(e)
+            self.worker_down = f"{reason}; setting it up again failed ({detail})"
+            logger.warning("worker at %s: %s", self.worker.address, self.worker_down)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_RECONNECT_BACKOFF_S)
+        self._install(info, num_blocks)
+        self.worker_down = None
+        logger.warning("worker at %s is back; serving again", self.worker.address)
+        if self.load_reporter is not None:
+            self.load_reporter.rejoin(self.core.load())
+        self.work_available.set()
 
     def _route(self, outputs: list[pb.RequestOutput]) -> None:
         per_stream: dict[int, tuple[_ClientStream, pb.StepOutputs]] = {}
@@ -171,17 +188,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ------------------------------------------------------------------ RPCs
 
     def _add(self, stream: _ClientStream, req: pb.GenerateRequest) -> None:
-        error = None
-        if req.request_id in self.owners or not req.request_id:
+        error, kind = None, pb.INVALID_REQUEST
+        if self.worker_down is not None:
+            # Queueing would hold the request for as long as the worker stays away.
+            error, kind = f"replica unavailable: {self.worker_down}", pb.UNAVAILABLE
+        elif req.request_id in self.owners or not req.request_id:
             error = f"request id {req.request_id!r} is empty or already in use"
         else:
             try:
                 self.core.add_request(req)
-            except ValueError as e:
+            except ValueError as e:  # every refusal of add_request is about the request itself
                 error = str(e)
         if error is not None:
             stream.queue.put_nowait(pb.StepOutputs(outputs=[pb.RequestOutput(
-                request_id=req.request_id, finish_reason="abort", error=error, stop_token_id=-1)]))
+                request_id=req.request_id, finish_reason="abort", error=error, error_kind=kind, stop_token_id=-1)]))
             return
         self.owners[req.request_id] = stream
         stream.request_ids.add(req.request_id)
@@ -237,6 +257,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             return pb.HealthResponse(ok=False, detail="starting")
         if self.loop_task is not None and self.loop_task.done():
             return pb.HealthResponse(ok=False, detail=f"engine loop stopped: {self.loop_task.exception()}")
+        if self.worker_down is not None:
+            return pb.HealthResponse(ok=False, detail=f"no worker: {self.worker_down}")
         return pb.HealthResponse(ok=True, detail="ready")
 
     async def GetLoad(self, request: pb.Empty, context) -> pb.Load:
@@ -260,19 +282,23 @@ def advertised_address(host: str, port: int) -> str:
 
 async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_addresses: list[str],
                           redis_url: str | None = None, engine_id: str | None = None,
-                          connect_timeout: float = 120.0, advertise_address: str | None = None) -> None:
+                          connect_timeout: float = 120.0, advertise_address: str | None = None,
+                          token: str | None = None, engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S) -> None:
     if len(worker_addresses) != 1:
         raise StartupError("scheduler: exactly one worker is supported (tensor parallelism is not implemented)")
-    worker = WorkerLink(worker_addresses[0])
+    if engine_timeout <= 0:
+        raise StartupError(f"scheduler: --engine-timeout must be positive, got {engine_timeout}")
+    worker = WorkerLink(worker_addresses[0], token=token, engine_timeout=engine_timeout)
     await worker.connect(connect_timeout)
     address = advertise_address or advertised_address(host, port)
     reporter = LoadReporter(redis_url, engine_id or address, address) if redis_url else None
     servicer = SchedulerServicer(config, worker, reporter)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc_utils.server(server_interceptors(token))
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
-    bind_or_fail(server, host, port, "scheduler")
+    grpc_utils.bind_or_fail(server, host, port, "scheduler")
     started = time.monotonic()
     await servicer.start()
     await server.start()
-    logger.warning("scheduler serving on %s:%d (ready in %.1fs)", host, port, time.monotonic() - started)
+    logger.warning("scheduler serving on %s:%d (ready in %.1fs)%s", host, port, time.monotonic() - started,
+                   " (internal token required)" if token else "")
     await server.wait_for_termination()

@@ -2,8 +2,8 @@
 
 from services.common.sampling_params import SamplingParams
 from services.sdk.client import AsyncClient, Client, RequestRejected, SchedulerUnavailable
-from services.sdk.llm import LLM
+from services.sdk.llm import LLM, EngineFault
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "AsyncClient", "Client",
-           "RequestRejected", "SchedulerUnavailable"]
+           "RequestRejected", "SchedulerUnavailable", "EngineFault"]

@@ -20,7 +20,8 @@ from typing import Any
 
 import grpc
 
-from services.common.grpc_utils import MAX_MESSAGE_BYTES
+from services.common.auth import token_from_env, token_metadata
+from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.common.sampling_params import SamplingParams
@@ -29,19 +30,10 @@ __all__ = ["AsyncClient", "Client", "RequestRejected", "SchedulerUnavailable"]
 
 DEFAULT_TIMEOUT_S = 2.0
 
-_CHANNEL_OPTIONS = [
-    # Long prompts travel as one message; gRPC's 4 MiB default would cap them.
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A restarted scheduler should be found again within about a second, not after
-    # gRPC's default exponential backoff (which grows to two minutes).
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    # Each channel its own subchannels: gRPC otherwise shares them process-wide, and a fresh
-    # channel made after a failure (see _reset_channel) would inherit the old one's backoff.
-    ("grpc.use_local_subchannel_pool", 1),
-]
+# The services' options (message size, keepalive, a reconnect backoff of at most a second),
+# plus: each channel its own subchannels. gRPC otherwise shares them process-wide, and a fresh
+# channel made after a failure (see _reset_channel) would inherit the old one's backoff.
+_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
 
 
 class SchedulerUnavailable(ConnectionError):
@@ -49,12 +41,22 @@ class SchedulerUnavailable(ConnectionError):
 
 
 class RequestRejected(RuntimeError):
-    """The scheduler refused a request (`RequestOutput.error` was set)."""
+    """The scheduler refused or failed a request (`RequestOutput.error` was set).
 
-    def __init__(self, request_id: str, message: str) -> None:
+    `error_kind` says whose fault it was (`pb.ErrorKind`): INVALID_REQUEST is the client's;
+    ENGINE_FAULT and UNAVAILABLE are the engine's (a gateway migrates such a request).
+    """
+
+    def __init__(self, request_id: str, message: str, error_kind: int = pb.ERROR_KIND_UNSPECIFIED) -> None:
         super().__init__(f"request {request_id} rejected by the scheduler: {message}")
         self.request_id = request_id
         self.message = message
+        self.error_kind = error_kind
+
+    @property
+    def is_engine_failure(self) -> bool:
+        """Not the client's mistake (an old peer that sets no kind counts as an engine fault)."""
+        return self.error_kind != pb.INVALID_REQUEST
 
 
 class _StreamBroken:
@@ -71,13 +73,13 @@ _QueueItem = pb.RequestOutput | _StreamBroken
 class _GenerateStream:
     """One open `Scheduler.Generate` call and the requests waiting on it."""
 
-    def __init__(self, stub: pb_grpc.SchedulerStub) -> None:
+    def __init__(self, stub: pb_grpc.SchedulerStub, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         # None ends the request iterator, i.e. half-closes the stream.
         self._outgoing: asyncio.Queue[pb.ClientMessage | None] = asyncio.Queue()
         self.waiting: dict[str, asyncio.Queue[_QueueItem]] = {}
         self.closed = False
         self._close_reason = "the scheduler closed the Generate stream"
-        self._call = stub.Generate(self._outgoing_messages(), wait_for_ready=False)
+        self._call = stub.Generate(self._outgoing_messages(), wait_for_ready=False, metadata=metadata)
         self._reader = asyncio.create_task(self._dispatch_outputs(), name="myvllm-generate-reader")
 
     async def _outgoing_messages(self) -> AsyncIterator[pb.ClientMessage]:
@@ -135,11 +137,13 @@ class AsyncClient:
     Must be used from a single event loop.
     """
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> None:
         """`timeout` bounds connecting and each unary RPC, so a dead scheduler is
-        reported within that many seconds instead of hanging."""
+        reported within that many seconds instead of hanging. `token` is the mesh's internal
+        token (default: $MYVLLM_INTERNAL_TOKEN), sent with every call."""
         self.address = address
         self.timeout = timeout
+        self.metadata = token_metadata(token_from_env(token))
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerStub | None = None
         self._stream: _GenerateStream | None = None
@@ -170,7 +174,7 @@ class AsyncClient:
     async def _unary(self, method_name: str) -> Any:
         method = getattr(self._get_stub(), method_name)
         try:
-            return await method(pb.Empty(), timeout=self.timeout, wait_for_ready=False)
+            return await method(pb.Empty(), timeout=self.timeout, wait_for_ready=False, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and (self._stream is None or self._stream.closed):
                 # Without this the next call would fail instantly while the channel
@@ -203,7 +207,7 @@ class AsyncClient:
             response = await self._unary("Health")
             if not response.ok:
                 raise SchedulerUnavailable(f"scheduler at {self.address} is not healthy: {response.detail}")
-            self._stream = _GenerateStream(self._get_stub())
+            self._stream = _GenerateStream(self._get_stub(), self.metadata)
             return self._stream
 
     # ------------------------------------------------------------------ requests
@@ -247,7 +251,7 @@ class AsyncClient:
                     raise SchedulerUnavailable(f"request {request_id} lost: {item.reason}")
                 if item.error:
                     finished = True
-                    raise RequestRejected(request_id, item.error)
+                    raise RequestRejected(request_id, item.error, item.error_kind)
                 finished = bool(item.finish_reason)
                 yield item
         finally:
@@ -310,7 +314,7 @@ class Client:
     Usable as a context manager; `generate()` returns a plain iterator.
     """
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> None:
         self.address = address
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="myvllm-sdk-client", daemon=True)
@@ -318,7 +322,7 @@ class Client:
         self._closed = False
 
         async def make_client() -> AsyncClient:
-            return AsyncClient(address, timeout)  # built on the loop that will use it
+            return AsyncClient(address, timeout, token)  # built on the loop that will use it
 
         self._async_client = self._run(make_client())
 

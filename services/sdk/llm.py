@@ -27,6 +27,11 @@ from services.worker.worker import Worker
 PromptType = str | dict[str, Any]
 
 
+class EngineFault(RuntimeError):
+    """A step failed in the worker or the engine. Every request of the call was ended (all
+    KV blocks freed, prefix cache dropped); the `LLM` is ready for the next call."""
+
+
 class LLM:
     """An engine replica in this process.
 
@@ -176,26 +181,51 @@ class LLM:
         """Run engine steps, yielding each step's outputs.
 
         With async scheduling two steps are in flight: step N+1 is scheduled (with output
-        placeholders) while the worker thread still computes step N.
+        placeholders) while the worker thread still computes step N. A step that fails
+        raises `EngineFault` after every request has been ended and the engine reset.
         """
         depth = 2 if self.config.async_scheduling else 1
         in_flight: deque[tuple[pb.SchedulerOutput, Future | pb.ModelRunnerOutput]] = deque()
         try:
             while True:
-                while len(in_flight) < depth and self.engine.has_unfinished_requests():
-                    so = self.engine.schedule()
-                    if not so.num_scheduled_tokens:
-                        break
-                    result = self._compute.submit(self.worker.execute, so) if depth > 1 else self.worker.execute(so)
-                    in_flight.append((so, result))
-                if not in_flight:
-                    raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
-                so, result = in_flight.popleft()
-                yield self.engine.process(so, result.result() if isinstance(result, Future) else result)
+                try:
+                    while len(in_flight) < depth and self.engine.has_unfinished_requests():
+                        so = self.engine.schedule()
+                        if not so.num_scheduled_tokens:
+                            break
+                        result = self._compute.submit(self.worker.execute, so) if depth > 1 \
+                            else self.worker.execute(so)
+                        in_flight.append((so, result))
+                    if not in_flight:
+                        raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
+                    so, result = in_flight.popleft()
+                    outputs = self.engine.process(so, result.result() if isinstance(result, Future) else result)
+                except Exception as e:
+                    self._reset_after_fault(in_flight)
+                    raise EngineFault(f"engine step failed ({type(e).__name__}: {e}); every request of this call "
+                                      "was ended and the engine reset, the next call starts clean") from e
+                yield outputs
         finally:
-            for _, result in in_flight:  # let the worker finish before anyone touches its batch
-                if isinstance(result, Future):
-                    result.result()
+            if self._drain(in_flight):  # a step nobody waited for failed: same clean slate
+                self._reset_after_fault(in_flight)
+
+    @staticmethod
+    def _drain(in_flight: deque) -> bool:
+        """Let the worker finish its queued steps before anyone touches its batch; whether
+        any of them failed."""
+        failed = False
+        while in_flight:
+            _, result = in_flight.popleft()
+            if isinstance(result, Future) and result.exception() is not None:
+                failed = True
+        return failed
+
+    def _reset_after_fault(self, in_flight: deque) -> None:
+        """After a failed step neither the worker's batch nor the KV a step was writing can be
+        trusted: end every request (freeing all blocks), drop the prefix cache, empty the batch."""
+        self._drain(in_flight)
+        self.engine.fail_all("engine step failed")
+        self.worker.reset_batch()
 
     @staticmethod
     def _append(child: CompletionOutput, processor: ChoiceOutputProcessor, out: pb.RequestOutput) -> None:

@@ -47,6 +47,18 @@ def _eos_token_ids(model_dir: str, config) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+def _available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (page cache counts as free), else all physical RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class ModelRunner:
     """Owns the weights, the paged KV tensors, the persistent batch and the sampler."""
 
@@ -64,13 +76,20 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         model_max = int(self.config.max_position_embeddings)
         self.max_model_len = min(max_model_len or model_max, model_max)
-        self.max_num_seqs = max_num_seqs
         self.eos_token_ids = _eos_token_ids(model_dir, self.config)
         self.attn_backend = get_attention_backend(attention_backend, self.device)
-        self.sampler = Sampler(max_num_reqs=max_num_seqs, vocab_size=self.vocab_size, device=self.device)
         self.input_batch: InputBatch | None = None
         self.block_size = 0
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
+        self.set_max_num_seqs(max_num_seqs)
+
+    def set_max_num_seqs(self, max_num_seqs: int) -> None:
+        """Size the persistent batch and the sampler's per-row state for this many requests
+        (the scheduler's --max-num-seqs; changing it needs no reload of the weights)."""
+        self.max_num_seqs = max_num_seqs
+        self.sampler = Sampler(max_num_reqs=max_num_seqs, vocab_size=self.vocab_size, device=self.device)
+        if self.input_batch is not None:
+            self.reset_batch()
 
     # ------------------------------------------------------------------ KV cache
 
@@ -79,11 +98,27 @@ class ModelRunner:
         per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
         return per_token * block_size * len(self.model.attention_layers())
 
+    def _free_bytes_for_kv(self) -> int:
+        """Memory a KV cache may take: what is free now, plus the cache this worker already
+        holds (a re-initialisation replaces it)."""
+        held = sum(layer.kv_cache.numel() * layer.kv_cache.element_size()
+                   for layer in self.model.attention_layers() if layer.kv_cache is not None)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = _available_ram_bytes()
+        return free + held
+
+    def max_kv_cache_bytes(self) -> int:
+        """The most KV cache this worker will allocate: 90% of the free GPU memory or available
+        RAM (next to the weights). InitKVCache refuses more, so a caller cannot make the worker
+        allocate until it is killed."""
+        return int(self._free_bytes_for_kv() * 0.9)
+
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
         if kv_cache_memory_bytes is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                kv_cache_memory_bytes = int(free * 0.8)
+                kv_cache_memory_bytes = int(self._free_bytes_for_kv() * 0.8)
             else:
                 kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         return max(int(kv_cache_memory_bytes // self.kv_bytes_per_block(block_size)), 0)
@@ -91,7 +126,12 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate [2, num_blocks, block_size, kv_heads, head_dim] per layer and bind it."""
         self.block_size = block_size
-        for layer in self.model.attention_layers():
+        layers = self.model.attention_layers()
+        for layer in layers:  # a re-initialisation: free the old cache before the new one exists
+            layer.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for layer in layers:
             # zeros: never-written slots are masked out, but 0 * NaN garbage would still be NaN.
             layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
                                          dtype=self.dtype, device=self.device)

@@ -1,19 +1,27 @@
 """The worker service: proto `Worker` over grpc.aio, around the same `Worker` the offline LLM uses.
 
 Model execution runs on one dedicated thread, so the event loop keeps answering Health
-and reading the next batch off the stream while a step computes.
+and reading the next batch off the stream while a step computes. Everything that touches
+the model runner's state goes through that thread, in order.
+
+The worker loads its own model (`--model`, `--dtype`, ...) once at start; a scheduler's
+LoadModel only sizes the batch (`max_num_seqs`) unless it names other weights, which must
+be the worker's own model or lie under `--allowed-model-root`. InitKVCache refuses sizes
+beyond what the device can hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common.grpc_utils import GRPC_OPTIONS, bind_or_fail
+from services.common import grpc_utils
+from services.common.auth import server_interceptors
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.worker.worker import Worker
@@ -21,72 +29,102 @@ from services.worker.worker import Worker
 logger = logging.getLogger("myvllm.worker")
 
 
+def _is_under(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([path, root]) == root
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, default_load: pb.LoadModelRequest, device: str | None = None) -> None:
+    def __init__(self, default_load: pb.LoadModelRequest, device: str | None = None,
+                 allowed_model_root: str | None = None) -> None:
         self.default_load = default_load
+        self.allowed_model_root = allowed_model_root
         self.worker = Worker(device)
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-compute")
-        self.loaded: pb.LoadModelRequest | None = None
-        self.info: pb.ModelInfo | None = None
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
+    def _model_allowed(self, model: str) -> bool:
+        if model == self.default_load.model:
+            return True
+        return self.allowed_model_root is not None and _is_under(model, self.allowed_model_root)
+
+    async def preload(self) -> None:
+        """Load the worker's own model at start-up, so `--model` errors surface before any
+        scheduler connects (and the scheduler's LoadModel then finds it loaded)."""
+        await self._run(self.worker.load_model, self.default_load)
+
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         merged = pb.LoadModelRequest()
         merged.CopyFrom(self.default_load)
-        # Fields the scheduler sets override the worker's own command-line defaults.
+        # Fields the caller sets override the worker's own command-line defaults.
         for field, value in request.ListFields():
             setattr(merged, field.name, value)
-        if self.loaded is not None and self.loaded == merged:
-            return self.info  # a reconnecting scheduler: keep the loaded weights
+        if os.path.realpath(merged.model) == os.path.realpath(self.default_load.model):
+            merged.model = self.default_load.model  # the same directory spelt another way: no reload
+        if not self._model_allowed(merged.model):
+            root = f" or a directory under {self.allowed_model_root}" if self.allowed_model_root else ""
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"this worker serves {self.default_load.model}{root}; refusing to load {merged.model}")
         try:
-            self.info = await self._run(self.worker.load_model, merged)
+            return await self._run(self.worker.load_model, merged)
         except (FileNotFoundError, ValueError, NotImplementedError, KeyError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load model: {e}")
-        self.loaded = merged
-        return self.info
 
     async def GetKVCapacity(self, request: pb.KVCapacityRequest, context) -> pb.KVCapacity:
         if self.worker.runner is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoadModel must be called first")
+        if request.block_size < 1 or request.kv_cache_memory_bytes < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need block_size >= 1 and a non-negative budget")
         return await self._run(self.worker.get_kv_capacity, request)
 
     async def InitKVCache(self, request: pb.InitKVCacheRequest, context) -> pb.Empty:
-        if self.worker.runner is None:
+        runner = self.worker.runner
+        if runner is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoadModel must be called first")
         if request.num_blocks < 2 or request.block_size < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need num_blocks >= 2 and block_size >= 1")
+        wanted = request.num_blocks * runner.kv_bytes_per_block(request.block_size)
+        budget = runner.max_kv_cache_bytes()
+        if wanted > budget:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"a KV cache of {request.num_blocks} blocks of {request.block_size} tokens needs "
+                                f"{wanted} bytes; this worker can hold at most {budget}")
         return await self._run(self.worker.init_kv_cache, request)
 
     async def Execute(self, request_iterator, context):
         if self.worker.runner is None or self.worker.runner.input_batch is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoadModel and InitKVCache must come first")
-        # A new scheduler stream starts from an empty batch.
-        self.worker.runner.reset_batch()
+        # A new scheduler stream starts from an empty batch (on the compute thread: a step of
+        # an abandoned stream may still be running there).
+        await self._run(self.worker.reset_batch)
         async for so in request_iterator:
             try:
                 yield await self._run(self.worker.execute, so)
-            except Exception as e:  # report, keep serving: the scheduler aborts the affected requests
+            except Exception as e:  # report, keep serving: the scheduler fails the affected requests
                 logger.error("step %d failed: %s", so.step_id, traceback.format_exc())
-                self.worker.runner.reset_batch()
+                await self._run(self.worker.reset_batch)
                 yield pb.ModelRunnerOutput(step_id=so.step_id, error=f"{type(e).__name__}: {e}")
 
     async def Health(self, request: pb.Empty, context) -> pb.HealthResponse:
-        loaded = self.worker.runner is not None
-        return pb.HealthResponse(ok=True, detail="model loaded" if loaded else "no model loaded")
+        info = self.worker.info
+        if info is None:
+            return pb.HealthResponse(ok=True, detail="no model loaded")
+        return pb.HealthResponse(ok=True, detail=f"model {info.model} loaded ({info.dtype} on {info.device}, "
+                                                 f"attention backend {info.attention_backend})")
 
 
 async def serve_worker(host: str, port: int, default_load: pb.LoadModelRequest, device: str | None = None,
-                       preload: bool = True) -> None:
-    servicer = WorkerServicer(default_load, device)
+                       preload: bool = True, token: str | None = None,
+                       allowed_model_root: str | None = None) -> None:
+    logger.setLevel(logging.INFO)  # the weight loads and the attention backend chosen belong in the log
+    servicer = WorkerServicer(default_load, device, allowed_model_root)
     if preload:
-        # Load at start-up so `--model` errors surface here, before any scheduler connects.
-        servicer.info = await servicer._run(servicer.worker.load_model, default_load)
-        servicer.loaded = default_load
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+        await servicer.preload()
+    server = grpc_utils.server(server_interceptors(token))
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    bind_or_fail(server, host, port, "worker")
+    grpc_utils.bind_or_fail(server, host, port, "worker")
     await server.start()
-    logger.warning("worker serving on %s:%d", host, port)
+    logger.warning("worker serving on %s:%d%s", host, port, " (internal token required)" if token else "")
     await server.wait_for_termination()

@@ -6,28 +6,58 @@ and the service mesh run exactly the same code.
 
 from __future__ import annotations
 
+import logging
+import time
+
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("myvllm.worker")
+
+# The LoadModelRequest fields the weights depend on: a LoadModel that changes none of them
+# keeps the loaded weights (a reconnecting scheduler, or one that only sizes the batch).
+WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend")
+DEFAULT_MAX_NUM_SEQS = 256
+MAX_INT32 = 2**31 - 1
+
+
+def weights_key(req: pb.LoadModelRequest) -> tuple:
+    return tuple(getattr(req, f) for f in WEIGHT_FIELDS)
 
 
 class Worker:
     def __init__(self, device: str | None = None) -> None:
         self.device = device
         self.runner: ModelRunner | None = None
+        self.info: pb.ModelInfo | None = None
+        self._loaded_key: tuple | None = None
 
     def load_model(self, req: pb.LoadModelRequest) -> pb.ModelInfo:
+        """Load the weights, unless the same weights are already loaded (then only the batch
+        size changes)."""
+        max_num_seqs = req.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        if self.runner is not None and self._loaded_key == weights_key(req):
+            if self.runner.max_num_seqs != max_num_seqs:
+                self.runner.set_max_num_seqs(max_num_seqs)
+            return self.info
+        started = time.monotonic()
         self.runner = ModelRunner(
-            req.model, dtype=req.dtype or "float32", seed=req.seed, max_num_seqs=req.max_num_seqs or 256,
+            req.model, dtype=req.dtype or "float32", seed=req.seed, max_num_seqs=max_num_seqs,
             max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
             device=self.device)
         r = self.runner
-        return pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
-                            eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
-                            device=r.device.type)
+        self._loaded_key = weights_key(req)
+        self.info = pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
+                                 eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
+                                 device=r.device.type, attention_backend=r.attn_backend.name)
+        logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s", req.model,
+                       time.monotonic() - started, self.info.dtype, self.info.device, self.info.attention_backend)
+        return self.info
 
     def get_kv_capacity(self, req: pb.KVCapacityRequest) -> pb.KVCapacity:
         r = self._loaded()
-        return pb.KVCapacity(num_blocks=r.num_blocks_for_budget(req.block_size, req.kv_cache_memory_bytes or None),
+        num_blocks = r.num_blocks_for_budget(req.block_size, req.kv_cache_memory_bytes or None)
+        return pb.KVCapacity(num_blocks=min(num_blocks, MAX_INT32),  # a budget in petabytes must not overflow
                              bytes_per_block=r.kv_bytes_per_block(req.block_size))
 
     def init_kv_cache(self, req: pb.InitKVCacheRequest) -> pb.Empty:
@@ -36,6 +66,11 @@ class Worker:
 
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
         return self._loaded().execute(so)
+
+    def reset_batch(self) -> None:
+        """Forget every request (a new scheduler stream, or after a failed step)."""
+        if self.runner is not None and self.runner.input_batch is not None:
+            self.runner.reset_batch()
 
     def _loaded(self) -> ModelRunner:
         if self.runner is None:

@@ -10,6 +10,7 @@ through the selected backend. A backend is one file in this package implementing
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -17,6 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import nn
+
+logger = logging.getLogger("myvllm.worker")
 
 
 @dataclass
@@ -109,19 +112,18 @@ class AttentionLayer(nn.Module):
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """`None` picks automatically: triton on CUDA, the cpu kernel on CPU (torch without a compiler)."""
+    """`None` picks automatically: triton on CUDA, the cpu kernel on CPU. The cpu backend
+    compiles a C kernel; when that cannot be built (no compiler, a failed build) the torch
+    reference is used instead, with a warning that says why."""
     if name is None:
-        if device.type == "cuda":
-            name = "triton"
-        else:
-            from services.worker.attention.cpu_backend import CpuAttentionBackend
-            try:
-                return CpuAttentionBackend()
-            except RuntimeError:
-                name = "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
     if name == "cpu":
         from services.worker.attention.cpu_backend import CpuAttentionBackend
-        return CpuAttentionBackend()
+        try:
+            return CpuAttentionBackend()
+        except (RuntimeError, OSError) as e:
+            logger.warning("attention backend 'cpu' cannot be built (%s); falling back to 'torch'", e)
+            name = "torch"
     if name == "torch":
         from services.worker.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()

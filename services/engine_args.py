@@ -1,0 +1,59 @@
+"""Engine flags, with vLLM's names, grouped by the service that reads them.
+
+The worker reads the model flags (what weights, in what dtype, with which attention
+backend); the scheduler reads the scheduling flags (batch bounds, KV block accounting).
+`myvllm worker` and `myvllm scheduler` list only their own group; `serve`, `generate`
+and `bench` (one process, or all three services) take both.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common.config import DEFAULT_ENGINE_TIMEOUT_S
+
+MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend")
+SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+                   "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """What the worker loads and how it computes."""
+    p.add_argument("--model", default=None, help="HF model directory (default: the converted SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, choices=["torch", "cpu", "triton"],
+                   help="default: triton on CUDA, cpu (C decode kernel) on CPU; torch when cpu cannot be built")
+
+
+def add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    """How the scheduler batches requests and accounts KV blocks."""
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=int, default=None,
+                   help="KV cache budget in bytes")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                   help="keep two steps in flight (default: on for CUDA, off on CPU)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+
+
+def add_engine_timeout_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
+                   help="seconds the scheduler waits for the worker's answer to a step before it treats the "
+                        f"worker as dead (default {DEFAULT_ENGINE_TIMEOUT_S:g})")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Both groups: for commands that run a whole engine replica."""
+    add_model_args(p)
+    add_scheduling_args(p)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig arguments among the parsed flags."""
+    return {k: getattr(args, k) for k in MODEL_KEYS + SCHEDULING_KEYS if hasattr(args, k)}

@@ -1,0 +1,86 @@
+"""Keeps `myvllm serve`'s service processes running: one that exits is started again, after
+a delay that doubles with each quick failure (so a service that cannot start does not spin),
+with a log line naming the service and its exit code."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+INITIAL_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+# A process that stayed up this long counts as healthy again: its next failure restarts quickly.
+STABLE_AFTER_S = 60.0
+
+
+def log(message: str) -> None:
+    print(f"myvllm serve: {message}", file=sys.stderr, flush=True)
+
+
+class ServiceProcess:
+    """One service's command and its current process."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.command = command
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.backoff_s = INITIAL_BACKOFF_S
+        self.restart_at: float | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        # Its own session: Ctrl-C in the terminal reaches serve only, which stops the
+        # services in order; and a signal to one service never hits the others.
+        self.proc = subprocess.Popen(self.command, start_new_session=True, env=self.env)
+        self.started_at = time.monotonic()
+        log(f"started {self.name} (pid {self.proc.pid})")
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def supervise(self) -> None:
+        """Call periodically: notices an exit, and restarts once the backoff has passed."""
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.restarts += 1
+                self.start()
+            return
+        code = self.exit_code
+        if code is None:
+            if now - self.started_at > STABLE_AFTER_S:
+                self.backoff_s = INITIAL_BACKOFF_S
+            return
+        log(f"{self.name} (pid {self.proc.pid}) exited with code {code}; restarting in {self.backoff_s:g}s")
+        self.restart_at = now + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, MAX_BACKOFF_S)
+
+    def stop(self) -> None:
+        """SIGTERM the service's process group (it may have children)."""
+        if self.exit_code is None and self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def wait_or_kill(self, deadline: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def stop_all(services: list[ServiceProcess], grace_s: float = 10.0) -> None:
+    """Stop in reverse start order (the gateway first), then wait; SIGKILL stragglers."""
+    for service in reversed(services):
+        service.stop()
+    deadline = time.monotonic() + grace_s
+    for service in services:
+        service.wait_or_kill(deadline)

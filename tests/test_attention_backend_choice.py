@@ -1,0 +1,21 @@
+"""Which attention backend a worker gets (services/worker/attention/base.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("asked", [None, "cpu"])
+def test_a_cpu_backend_that_cannot_be_built_falls_back_to_torch_with_the_reason(monkeypatch, caplog, asked) -> None:
+    from services.worker.attention import base, cpu_backend
+
+    def no_compiler():
+        raise RuntimeError("no C compiler found for the cpu attention backend")
+
+    monkeypatch.setattr(cpu_backend, "load_library", no_compiler)
+    with caplog.at_level("WARNING", logger="myvllm.worker"):
+        backend = base.get_attention_backend(asked, torch.device("cpu"))
+    assert backend.name == "torch"
+    assert "attention backend 'cpu' cannot be built (no C compiler found" in caplog.text
+    assert "falling back to 'torch'" in caplog.text

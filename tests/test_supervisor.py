@@ -1,0 +1,72 @@
+"""`myvllm serve`'s supervision (services/supervisor.py) on a tiny process that keeps exiting.
+The real thing (a killed worker under serve) is in test_worker_faults.py."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from services import supervisor
+from services.supervisor import ServiceProcess, stop_all
+
+
+def test_an_exiting_service_is_restarted_with_a_growing_backoff_and_a_log_line(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(supervisor, "INITIAL_BACKOFF_S", 0.05)
+    service = ServiceProcess("flaky", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    service.start()
+    deadline = time.monotonic() + 30
+    while service.restarts < 3:
+        assert time.monotonic() < deadline, "never restarted three times"
+        service.supervise()
+        time.sleep(0.01)
+    err = capsys.readouterr().err
+    assert err.count("started flaky (pid ") == 4
+    assert "flaky (pid " in err and "exited with code 3; restarting in 0.05s" in err
+    assert "restarting in 0.1s" in err and "restarting in 0.2s" in err  # doubles each time
+    stop_all([service], grace_s=5)
+
+
+def test_stop_all_ends_a_running_service(capsys) -> None:
+    service = ServiceProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+    service.start()
+    service.supervise()
+    assert service.exit_code is None
+    t0 = time.monotonic()
+    stop_all([service], grace_s=10)
+    assert service.exit_code is not None and time.monotonic() - t0 < 10
+    assert "exited" not in capsys.readouterr().err  # a stop is not a crash to report
+
+
+@pytest.mark.parametrize("flags", [[], ["--dtype", "bfloat16", "--no-enable-prefix-caching", "--async-scheduling"]])
+def test_serve_forwards_each_flag_to_the_service_that_reads_it(flags: list[str]) -> None:
+    from services.cli import build_parser
+    from services.launcher import _serve_commands
+
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "4", "--engine-timeout", "7", *flags])
+    worker, scheduler, gateway = (cmd for _, cmd, _ in _serve_commands(args, "/m", 1, 2))
+    assert worker[worker.index("--model") + 1] == "/m" and "--max-num-seqs" not in worker
+    assert scheduler[scheduler.index("--max-num-seqs") + 1] == "4"
+    assert scheduler[scheduler.index("--engine-timeout") + 1] == "7.0"
+    assert ("--dtype" in worker) == bool(flags) and "--dtype" not in scheduler
+    assert ("--no-enable-prefix-caching" in scheduler) == ("--async-scheduling" in scheduler) == bool(flags)
+    # Every forwarded command parses with that service's own CLI.
+    for cmd in (worker, scheduler, gateway):
+        build_parser().parse_args(cmd[cmd.index("services.cli") + 1:])
+
+
+@pytest.mark.parametrize(("command", "foreign_flag"), [
+    (["worker", "--port", "1"], ["--max-num-seqs", "4"]),
+    (["worker", "--port", "1"], ["--engine-timeout", "3"]),
+    (["scheduler", "--port", "1", "--workers", "w:2"], ["--dtype", "bfloat16"]),
+    (["scheduler", "--port", "1", "--workers", "w:2"], ["--model", "/m"]),
+])
+def test_each_service_refuses_flags_it_does_not_read(command: list[str], foreign_flag: list[str], capsys) -> None:
+    from services.cli import build_parser
+
+    build_parser().parse_args(command)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(command + foreign_flag)
+    assert "unrecognized arguments" in capsys.readouterr().err
+
