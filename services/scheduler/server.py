@@ -181,7 +181,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 error = str(e)
         if error is not None:
             stream.queue.put_nowait(pb.StepOutputs(outputs=[pb.RequestOutput(
-                request_id=req.request_id, finish_reason="abort", error=error, stop_token_id=-1)]))
+                request_id=req.request_id, finish_reason="abort", error=error, stop_token_id=-1,
+                error_kind=pb.INVALID_REQUEST)]))
             return
         self.owners[req.request_id] = stream
         stream.request_ids.add(req.request_id)

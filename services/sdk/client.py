@@ -49,12 +49,22 @@ class SchedulerUnavailable(ConnectionError):
 
 
 class RequestRejected(RuntimeError):
-    """The scheduler refused a request (`RequestOutput.error` was set)."""
+    """The scheduler refused or failed a request (`RequestOutput.error` was set).
 
-    def __init__(self, request_id: str, message: str) -> None:
+    `error_kind` says whose fault it was (`pb.ErrorKind`): INVALID_REQUEST is the client's;
+    ENGINE_FAULT and UNAVAILABLE are the engine's (a gateway migrates such a request).
+    """
+
+    def __init__(self, request_id: str, message: str, error_kind: int = pb.ERROR_KIND_UNSPECIFIED) -> None:
         super().__init__(f"request {request_id} rejected by the scheduler: {message}")
         self.request_id = request_id
         self.message = message
+        self.error_kind = error_kind
+
+    @property
+    def is_engine_failure(self) -> bool:
+        """Not the client's mistake (an old peer that sets no kind counts as an engine fault)."""
+        return self.error_kind != pb.INVALID_REQUEST
 
 
 class _StreamBroken:
@@ -215,13 +225,15 @@ class AsyncClient:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        resumed_output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[pb.RequestOutput, None]:
         """Submit one request and yield its `RequestOutput`s as engine steps produce them.
 
         The iteration ends after the output whose `finish_reason` is set. Leaving the
         loop early (break, cancellation, `aclose()`) aborts the request in the scheduler.
         Raises `SchedulerUnavailable` if the stream breaks and `RequestRejected` if the
-        scheduler refuses the request.
+        scheduler refuses the request. `resumed_output_token_ids` (request migration): the
+        tokens this request already generated elsewhere; only tokens after them come back.
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = sampling_params.to_proto()
@@ -237,6 +249,7 @@ class AsyncClient:
             sampling=sampling_params,
             priority=priority,
             cache_salt=cache_salt,
+            resumed_output_token_ids=resumed_output_token_ids or [],
         )))
         finished = False
         try:
@@ -247,7 +260,7 @@ class AsyncClient:
                     raise SchedulerUnavailable(f"request {request_id} lost: {item.reason}")
                 if item.error:
                     finished = True
-                    raise RequestRejected(request_id, item.error)
+                    raise RequestRejected(request_id, item.error, item.error_kind)
                 finished = bool(item.finish_reason)
                 yield item
         finally:
