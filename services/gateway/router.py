@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Iterable
@@ -57,12 +58,23 @@ class Replica:
         self.healthy = True
 
 
+def _client_kwargs(internal_token: str | None) -> dict[str, str]:
+    """The SDK client's credentials: the internal token, where this SDK takes one (`token=`)."""
+    if not internal_token:
+        return {}
+    if "token" not in inspect.signature(AsyncClient).parameters:
+        logger.warning("--internal-token is set but this SDK's AsyncClient takes no token; not sending it")
+        return {}
+    return {"token": internal_token}
+
+
 class ReplicaRouter:
     """Owns one scheduler client per replica and picks one per request."""
 
     def __init__(self, addresses: Iterable[str], redis_url: str | None = None, timeout_s: float = 1.5,
-                 refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
+                 refresh_interval_s: float = REFRESH_INTERVAL_S, internal_token: str | None = None) -> None:
         self.timeout_s = timeout_s
+        self._client_kwargs = _client_kwargs(internal_token)
         self.refresh_interval_s = refresh_interval_s
         self.replicas: dict[str, Replica] = {}
         for address in addresses:
@@ -77,7 +89,7 @@ class ReplicaRouter:
         self._task: asyncio.Task | None = None
 
     def _add(self, address: str, static: bool) -> Replica:
-        replica = Replica(address, AsyncClient(address, timeout=self.timeout_s), static)
+        replica = Replica(address, AsyncClient(address, timeout=self.timeout_s, **self._client_kwargs), static)
         self.replicas[address] = replica
         return replica
 
@@ -94,10 +106,20 @@ class ReplicaRouter:
         healthy = [r for r in candidates if r.healthy] or candidates
         # Ties go to the replica with the oldest routing (dict order rotates below).
         chosen = min(healthy, key=lambda r: r.score)
-        chosen.sent_since_update += 1
-        self.replicas.pop(chosen.address)
-        self.replicas[chosen.address] = chosen  # move to the end: round-robin among equals
+        self.note_sent(chosen)
         return chosen
+
+    def note_sent(self, replica: Replica) -> None:
+        """Count a request routed to `replica` (until its next load update)."""
+        replica.sent_since_update += 1
+        if self.replicas.get(replica.address) is replica:
+            self.replicas.pop(replica.address)
+            self.replicas[replica.address] = replica  # move to the end: round-robin among equals
+
+    def ranked(self, avoid: set[str] = frozenset()) -> list[Replica]:
+        """Every known replica, best first: healthy before down, lowest score first, and the
+        ones in `avoid` (they just failed a request) last of all."""
+        return sorted(self.replicas.values(), key=lambda r: (r.address in avoid, not r.healthy, r.score))
 
     def mark_down(self, replica: Replica, reason: BaseException) -> None:
         if replica.healthy:
