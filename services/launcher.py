@@ -18,6 +18,7 @@ import time
 
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
+from services.gateway.options import add_gateway_options, gateway_option_flags
 
 
 def _fail(message: str) -> int:
@@ -66,6 +67,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
+    from services.gateway.options import gateway_options
     from services.gateway.server import serve_gateway
 
     model = args.model or default_model_path()
@@ -74,8 +76,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         if not args.scheduler and not args.redis:
             return _fail("gateway: give --scheduler addresses, --redis to discover them, or both")
         serve_gateway(args.host, args.port, args.scheduler or "", model, served_model_name=args.served_model_name,
-                      redis_url=args.redis)
-    except (StartupError, FileNotFoundError, OSError) as e:
+                      redis_url=args.redis, options=gateway_options(args))
+    except (StartupError, FileNotFoundError, OSError, ValueError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
         pass
@@ -164,8 +166,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                             "--workers", f"127.0.0.1:{worker_port}"] + sched_flags),
         ("gateway", py + ["gateway", "--host", args.host, "--port", str(args.port),
                           "--scheduler", f"127.0.0.1:{scheduler_port}", "--model", model]
-         + (["--served-model-name", args.served_model_name] if args.served_model_name else [])),
+         + (["--served-model-name", args.served_model_name] if args.served_model_name else [])
+         + gateway_option_flags(args)),
     ]
+    # Secrets reach the gateway through its environment, never its (world-readable) command line.
+    gateway_env = dict(os.environ, **{k: v for k, v in (("MYVLLM_API_KEY", args.api_key),
+                                                        ("MYVLLM_INTERNAL_TOKEN", args.internal_token)) if v})
     procs: list[tuple[str, subprocess.Popen]] = []
     # `kill` (SIGTERM) stops the children too, exactly like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -176,7 +182,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     }
     try:
         for name, cmd in commands:
-            procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
+            env = gateway_env if name == "gateway" else None
+            procs.append((name, subprocess.Popen(cmd, start_new_session=True, env=env)))
             _wait_healthy(procs, checks[name], name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         base = f"http://{host}:{args.port}/v1"
@@ -197,7 +204,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         return 0
     finally:
+        _drain_gateway(procs, args.shutdown_timeout)
         _stop_all(procs)
+
+
+def _drain_gateway(procs: list[tuple[str, subprocess.Popen]], shutdown_timeout_s: float) -> None:
+    """Shutdown order: the gateway first, alone, so its in-flight requests can still finish
+    on the engine (it exits once they are done, or after its --shutdown-timeout); only
+    then do the scheduler and worker go."""
+    for name, p in procs:
+        if name == "gateway" and p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=shutdown_timeout_s + 10)  # its own drain deadline, plus uvicorn's exit
+            except subprocess.TimeoutExpired:
+                pass  # _stop_all escalates
 
 
 def _stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
@@ -242,6 +263,7 @@ def add_subcommands(sub, add_engine_args) -> None:
                    help="redis URL: also route to every replica that publishes its load there (DP)")
     g.add_argument("--model", default=None, help="model directory (for the tokenizer and chat template)")
     g.add_argument("--served-model-name", default=None)
+    add_gateway_options(g)
     g.set_defaults(func=_cmd_gateway)
 
     v = sub.add_parser("serve", help="start worker, scheduler and gateway locally and serve the OpenAI API")
@@ -251,5 +273,6 @@ def add_subcommands(sub, add_engine_args) -> None:
     v.add_argument("--scheduler-port", type=int, default=None)
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--startup-timeout", type=float, default=300.0)
+    add_gateway_options(v)
     add_engine_args(v)
     v.set_defaults(func=_cmd_serve)
