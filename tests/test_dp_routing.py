@@ -9,23 +9,16 @@ client; requests spread over both replicas, and when one replica dies the other 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from conftest import free_port
+from mesh import Replica
 
 from services.gateway.router import REFRESH_INTERVAL_S, ReplicaRouter
 from services.gateway.server import BackgroundGateway
-from services.sdk.client import Client, SchedulerUnavailable
-
-REPO = Path(__file__).resolve().parents[1]
-
+from services.sdk.client import SchedulerUnavailable
 
 # ---------------------------------------------------------------------- pick()
 
@@ -74,47 +67,6 @@ def test_router_needs_a_replica_or_redis() -> None:
 
 
 # ---------------------------------------------------------------------- two real replicas
-
-
-class Replica:
-    """One engine replica as processes: a worker and a scheduler publishing to Redis."""
-
-    def __init__(self, model_dir: str, redis_url: str) -> None:
-        self.worker_port, self.scheduler_port = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.scheduler_port}"
-        env = dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_NUM_THREADS="1")
-        cli = [sys.executable, "-m", "services.cli"]
-        engine = ["--max-num-seqs", "8", "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]
-        self.worker = subprocess.Popen(
-            [*cli, "worker", "--host", "127.0.0.1", "--port", str(self.worker_port), "--model", model_dir, *engine],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.scheduler = subprocess.Popen(
-            [*cli, "scheduler", "--host", "127.0.0.1", "--port", str(self.scheduler_port),
-             "--workers", f"127.0.0.1:{self.worker_port}", "--redis", redis_url, *engine],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def wait_ready(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        with Client(self.address, timeout=1.0) as client:
-            while not client.health():
-                for proc in (self.worker, self.scheduler):
-                    assert proc.poll() is None, f"replica process exited: {proc.stderr.read().decode()[-2000:]}"
-                assert time.monotonic() < deadline, "replica never became healthy"
-                time.sleep(0.5)
-
-    def num_steps(self) -> int:
-        with Client(self.address, timeout=5.0) as client:
-            return client.get_stats().num_steps
-
-    def stop(self) -> None:
-        for proc in (self.scheduler, self.worker):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in (self.scheduler, self.worker):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def test_gateway_routes_over_replicas_found_in_redis(smollm2_dir: str, redis_server: str) -> None:
