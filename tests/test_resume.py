@@ -4,6 +4,8 @@ alike, penalties and max_tokens counting the resumed tokens) and streams back on
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.common.proto import myvllm_pb2 as pb
@@ -70,3 +72,18 @@ def test_nothing_left_to_generate_is_refused(llm: LLM) -> None:
     with pytest.raises(ValueError, match="resumed output token id"):
         llm.engine.add_request(pb.GenerateRequest(request_id="bad", prompt_token_ids=[1, 2, 3],
                                                   sampling=params.to_proto(), resumed_output_token_ids=[-1]))
+
+
+def test_preempted_seeded_requests_continue_their_random_streams(llm: LLM, smollm2_dir: str) -> None:
+    """Preemption recomputes a request exactly as migration does: its seeded stream must go on
+    (the generator is keyed by output position, not restarted from the seed)."""
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 49000) for _ in range(n)]} for n in (40, 100, 150, 64)]
+    params = [SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params,
+                                                                                            strict=True)]
+    small = LLM(smollm2_dir, seed=0, max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=26)
+    together = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.stats()["num_preemptions"] > 0
+    assert together == alone
