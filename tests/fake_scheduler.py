@@ -45,6 +45,8 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
     model: str = "fake-model"
     reject: RejectRule | None = None
     reject_kind: int = pb.INVALID_REQUEST  # the ErrorKind rejections carry
+    # > 0: a request (not a resumed one) fails with ENGINE_FAULT after this many tokens.
+    fail_after_tokens: int = 0
     healthy: bool = True
 
     def __post_init__(self) -> None:
@@ -120,6 +122,10 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
 
     def _step(self, running: _Running) -> pb.RequestOutput:
         request, sampling = running.request, running.request.sampling
+        if self.fail_after_tokens and not request.resumed_output_token_ids and \
+                running.num_generated == self.fail_after_tokens:
+            return pb.RequestOutput(request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
+                                    error="engine step failed: injected fault", error_kind=pb.ENGINE_FAULT)
         token = running.script[running.num_generated % len(running.script)]
         running.num_generated += 1
         output = pb.RequestOutput(
