@@ -329,6 +329,12 @@ def test_engine_fault_is_migrated_and_else_a_500(smollm2_dir: str) -> None:
             response = httpx.post(f"{gw.url}/v1/completions", json={**COMPLETION, "max_tokens": 4}, timeout=10)
             assert response.status_code == 200, response.text
         assert failing.requests, "no request was routed to the failing replica"
+    with FakeSchedulerServer(failing) as bad, BackgroundGateway(bad.address, smollm2_dir) as gw:
+        failing.requests.clear()
+        response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
+        assert_error(response, 503, code="migration_failed", error_type="service_unavailable_error",
+                     message_has=("failed 4 times", "--max-migrations 3", "worker died"))
+        assert [r.request_id.rsplit("-", 1)[-1] for r in failing.requests] == ["0", "m1", "m2", "m3"]
     for kind, status, code in ((pb.ENGINE_FAULT, 500, "engine_fault"), (pb.UNAVAILABLE, 503, "engine_unavailable"),
                                (pb.ERROR_KIND_UNSPECIFIED, 500, "engine_fault")):
         failing = FakeScheduler(reject=lambda request: "no worker", reject_kind=kind)

@@ -138,8 +138,9 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
             if policy.max_migrations == 0:
                 raise failure  # migration is off: report the engine's own error
             raise MigrationFailed(
-                f"request {request.request_id} failed on {request.num_migrations + 1} engine replicas "
-                f"(--max-migrations {policy.max_migrations}); last failure: {failure}") from failure
+                f"request {request.request_id} failed {request.num_migrations + 1} times on engine replicas "
+                f"{', '.join(sorted(failed_on))} (--max-migrations {policy.max_migrations}); "
+                f"last failure: {failure}") from failure
         if deadline is None:
             deadline = time.monotonic() + policy.wait_s
         replica = await _find_replica(router, request, failed_on, deadline, policy, failure)
