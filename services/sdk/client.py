@@ -345,9 +345,11 @@ class Client:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        resumed_output_token_ids: list[int] | None = None,
     ) -> Iterator[pb.RequestOutput]:
         """Like `AsyncClient.generate`; closing the iterator early aborts the request."""
-        outputs = self._async_client.generate(prompt_token_ids, sampling_params, request_id, priority, cache_salt)
+        outputs = self._async_client.generate(prompt_token_ids, sampling_params, request_id, priority, cache_salt,
+                                              resumed_output_token_ids)
         try:
             while True:
                 try:
