@@ -3,7 +3,9 @@
 Replicas come from two places: the `--scheduler` addresses given on the command line, and,
 with `--redis`, every replica whose scheduler publishes its load to Redis (hash
 `myvllm:engines`, written by `services/scheduler/load_reporter.py`). A replica whose
-entry goes stale (its scheduler stopped publishing) is dropped from routing.
+entry goes stale (its scheduler stopped publishing) is polled directly for a few seconds,
+then dropped from routing. While Redis itself is unreachable, routing goes on with the
+replicas last seen there, polled directly.
 
 Each request goes to the healthy replica with the lowest score, vLLM's DP load-balancing
 score `4 * waiting + running`, using the last published load plus the requests this gateway
@@ -45,6 +47,7 @@ class Replica:
     sent_since_update: int = 0    # requests routed here since the last load update
     healthy: bool = True
     load_ts: float = field(default=0.0)
+    last_published: float = field(default_factory=time.monotonic)  # last seen in Redis (monotonic)
 
     @property
     def score(self) -> int:
@@ -165,12 +168,18 @@ class ReplicaRouter:
                 logger.warning("cannot read replica loads from redis: %s", e)
                 loads = None
             if loads is not None:
+                now = time.monotonic()
                 for entry in loads.values():
                     address = entry["address"]
                     replica = self.replicas.get(address) or self._add(address, static=False)
                     replica.update_load(int(entry["num_waiting"]), int(entry["num_running"]), float(entry["ts"]))
+                    replica.last_published = now
                     published.add(address)
-                for address in [a for a, r in self.replicas.items() if not r.static and a not in published]:
+                # A replica missing from Redis is polled directly for a while before it is dropped:
+                # a Redis that restarts empty must not cut off (and break the streams of) live
+                # replicas in the second before they publish again.
+                for address in [a for a, r in self.replicas.items() if not r.static and a not in published
+                                and now - r.last_published > REDIS_MAX_AGE_S]:
                     logger.info("engine replica %s stopped publishing its load; no longer routed to", address)
                     await self.replicas.pop(address).client.close()
         polled = [r for r in self.replicas.values() if r.address not in published]
