@@ -23,6 +23,7 @@ from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
 from services.engine_args import add_engine_args, add_engine_timeout_arg, add_model_args, add_scheduling_args
+from services.gateway.options import add_gateway_options, gateway_option_flags
 from services.supervisor import ServiceProcess, stop_all
 
 
@@ -75,6 +76,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
+    from services.gateway.options import gateway_options
     from services.gateway.server import serve_gateway
 
     model = args.model or default_model_path()
@@ -83,8 +85,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         if not args.scheduler and not args.redis:
             return _fail("gateway: give --scheduler addresses, --redis to discover them, or both")
         serve_gateway(args.host, args.port, args.scheduler or "", model, served_model_name=args.served_model_name,
-                      redis_url=args.redis)
-    except (StartupError, FileNotFoundError, OSError) as e:
+                      redis_url=args.redis, options=gateway_options(args))
+    except (StartupError, FileNotFoundError, OSError, ValueError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
         pass
@@ -173,7 +175,8 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_port: int, sche
         + _forwarded_flags(args, add_engine_timeout_arg)
     gateway = py + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler",
                     f"127.0.0.1:{scheduler_port}", "--model", model] \
-        + (["--served-model-name", args.served_model_name] if args.served_model_name else [])
+        + (["--served-model-name", args.served_model_name] if args.served_model_name else []) \
+        + gateway_option_flags(args)
     return [("worker", worker, lambda: _grpc_healthy(f"127.0.0.1:{worker_port}", "worker")),
             ("scheduler", scheduler, lambda: _grpc_healthy(f"127.0.0.1:{scheduler_port}", "scheduler")),
             ("gateway", gateway, lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health"))]
@@ -191,13 +194,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     scheduler_port = args.scheduler_port or free_port()
     # One secret per run, shared by the three services (and this process's health checks)
     # through the environment, so it never shows in `ps`.
-    os.environ[TOKEN_ENV] = token_from_env() or secrets.token_urlsafe(32)
+    os.environ[TOKEN_ENV] = args.internal_token or token_from_env() or secrets.token_urlsafe(32)
+    # The API key reaches the gateway alone, also through its environment.
+    gateway_env = dict(os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else None
     services: list[ServiceProcess] = []
     # `kill` (SIGTERM) stops the children too, exactly like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         for name, command, healthy in _serve_commands(args, model, worker_port, scheduler_port):
-            services.append(ServiceProcess(name, command))
+            services.append(ServiceProcess(name, command, env=gateway_env if name == "gateway" else None))
             services[-1].start()
             _wait_healthy(services, healthy, name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
@@ -218,7 +223,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("stopping...", file=sys.stderr)
         return 0
     finally:
+        _drain_gateway(services, args.shutdown_timeout)
         stop_all(services)
+
+
+def _drain_gateway(services: list[ServiceProcess], shutdown_timeout_s: float) -> None:
+    """Shutdown order: the gateway first, alone, so its in-flight requests can still finish
+    on the engine (it exits once they are done, or after its --shutdown-timeout); only
+    then do the scheduler and worker go."""
+    for service in services:
+        if service.name == "gateway" and service.exit_code is None:
+            service.stop()
+            # its own drain deadline, plus uvicorn's exit; stop_all escalates after that
+            service.wait_or_kill(time.monotonic() + shutdown_timeout_s + 10)
 
 
 def _add_internal_token_arg(p: argparse.ArgumentParser) -> None:
@@ -260,6 +277,7 @@ def add_subcommands(sub) -> None:
                    help="redis URL: also route to every replica that publishes its load there (DP)")
     g.add_argument("--model", default=None, help="model directory (for the tokenizer and chat template)")
     g.add_argument("--served-model-name", default=None)
+    add_gateway_options(g)
     g.set_defaults(func=_cmd_gateway)
 
     v = sub.add_parser("serve", help="start worker, scheduler and gateway locally and serve the OpenAI API")
@@ -270,5 +288,6 @@ def add_subcommands(sub) -> None:
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--startup-timeout", type=float, default=300.0)
     add_engine_timeout_arg(v)
+    add_gateway_options(v)
     add_engine_args(v)
     v.set_defaults(func=_cmd_serve)

@@ -164,8 +164,8 @@ def tiny_qwen3_dir(tiny_model_dir: Callable[[str], str]) -> str:
 # --------------------------------------------------------------------------- redis
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[str]:
+def start_redis(port: int) -> subprocess.Popen:
+    """A throwaway redis-server on 127.0.0.1:`port`, answering PING when this returns."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail(
@@ -173,33 +173,43 @@ def redis_server() -> Iterator[str]:
         )
     import redis
 
-    port = free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"redis://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"redis-server exited early with code {proc.returncode} (port {port})", pytrace=False)
-            try:
-                client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-                if client.ping():
-                    client.close()
-                    break
-            except redis.exceptions.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"redis-server on port {port} did not answer PING within 15 s", pytrace=False)
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
+    deadline = time.monotonic() + 15
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"redis-server exited early with code {proc.returncode} (port {port})", pytrace=False)
         try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+            client = redis.Redis.from_url(f"redis://127.0.0.1:{port}", socket_connect_timeout=0.5)
+            if client.ping():
+                client.close()
+                return proc
+        except redis.exceptions.ConnectionError:
+            pass
+        if time.monotonic() > deadline:
             proc.kill()
-            proc.wait(timeout=5)
+            pytest.fail(f"redis-server on port {port} did not answer PING within 15 s", pytrace=False)
+        time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 5 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    port = free_port()
+    proc = start_redis(port)
+    try:
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)

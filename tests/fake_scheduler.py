@@ -2,9 +2,9 @@
 
 It speaks the real proto but runs no model: each step it emits one token per active
 request from a script (by default a fixed token sequence, repeated), honouring
-max_tokens, EOS / stop_token_ids, aborts and stream close, and it records what it was
-sent so tests can assert, e.g., that a client disconnect reached the scheduler as an
-abort. `FakeSchedulerServer` runs it on a free loopback port in a background thread so
+max_tokens, EOS / stop_token_ids, aborts, stream close and resumed (migrated) requests,
+and it records what it was sent so tests can assert, e.g., that a client disconnect
+reached the scheduler as an abort. `FakeSchedulerServer` runs it on a free loopback port in a background thread so
 synchronous tests (and a uvicorn gateway in another thread) can talk to it.
 """
 
@@ -44,6 +44,9 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
     step_delay_s: float = 0.001
     model: str = "fake-model"
     reject: RejectRule | None = None
+    reject_kind: int = pb.INVALID_REQUEST  # the ErrorKind rejections carry
+    # > 0: a request (not a resumed one) fails with ENGINE_FAULT after this many tokens.
+    fail_after_tokens: int = 0
     healthy: bool = True
 
     def __post_init__(self) -> None:
@@ -78,9 +81,12 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
                         if error:
                             rejected.append(pb.RequestOutput(
                                 request_id=request.request_id, finish_reason="abort", error=error,
-                                stop_token_id=-1, num_prompt_tokens=len(request.prompt_token_ids)))
+                                stop_token_id=-1, num_prompt_tokens=len(request.prompt_token_ids),
+                                error_kind=self.reject_kind))
                         else:
-                            active[request.request_id] = _Running(request, self.tokens_for(request))
+                            # A migrated request continues its script where it left off.
+                            active[request.request_id] = _Running(request, self.tokens_for(request),
+                                                                  len(request.resumed_output_token_ids))
                     else:
                         for request_id in message.abort.request_ids:
                             if active.pop(request_id, None) is not None:
@@ -116,6 +122,10 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
 
     def _step(self, running: _Running) -> pb.RequestOutput:
         request, sampling = running.request, running.request.sampling
+        if self.fail_after_tokens and not request.resumed_output_token_ids and \
+                running.num_generated == self.fail_after_tokens:
+            return pb.RequestOutput(request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
+                                    error="engine step failed: injected fault", error_kind=pb.ENGINE_FAULT)
         token = running.script[running.num_generated % len(running.script)]
         running.num_generated += 1
         output = pb.RequestOutput(

@@ -1,4 +1,5 @@
-"""Start the real mesh (`myvllm serve`: worker, scheduler, gateway as processes) for tests."""
+"""Start the real mesh for tests: `Mesh` (`myvllm serve`: worker, scheduler, gateway as
+processes) or one `Replica` (worker + scheduler processes) of a data-parallel deployment."""
 
 from __future__ import annotations
 

@@ -14,9 +14,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import free_port
 from replica import Replica
 
-from services.gateway.router import REFRESH_INTERVAL_S, ReplicaRouter
+from services.gateway.router import REDIS_MAX_AGE_S, REFRESH_INTERVAL_S, ReplicaRouter
 from services.gateway.server import BackgroundGateway
 from services.sdk.client import SchedulerUnavailable
 
@@ -59,6 +60,35 @@ def test_down_replicas_are_skipped_until_none_is_left() -> None:
     # A fresh load update brings a replica back.
     router.replicas["a:1"].update_load(0, 0, ts=time.time())
     assert router.replicas["a:1"].healthy
+
+
+def test_a_replica_missing_from_redis_is_kept_for_a_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis that comes back empty must not cut off live replicas before they publish again."""
+    import services.scheduler.load_reporter as load_reporter
+
+    address = f"127.0.0.1:{free_port()}"  # nobody listens: direct polls fail
+    published: dict[str, dict] = {"e1": {"address": address, "num_waiting": 0, "num_running": 1, "ts": time.time()}}
+
+    async def fake_read(client: object, max_age_s: float = 10.0) -> dict[str, dict]:
+        return dict(published)
+
+    monkeypatch.setattr(load_reporter, "read_engine_loads", fake_read)
+
+    async def scenario() -> None:
+        router = ReplicaRouter([], redis_url="redis://127.0.0.1:1")  # never dialled: reads are faked
+        try:
+            await router.refresh()
+            assert list(router.replicas) == [address] and router.replicas[address].healthy
+            published.clear()  # Redis restarted empty
+            await router.refresh()
+            assert list(router.replicas) == [address]  # kept (and polled directly meanwhile)
+            router.replicas[address].last_published -= REDIS_MAX_AGE_S + 1
+            await router.refresh()
+            assert router.replicas == {}
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
 
 
 def test_router_needs_a_replica_or_redis() -> None:

@@ -51,6 +51,7 @@ def stack(smollm2_dir: str) -> Iterator[Stack]:
 @pytest.fixture(autouse=True)
 def fresh_fake(stack: Stack) -> None:
     stack.fake.step_delay_s = 0.001
+    stack.fake.fail_after_tokens = 0
     stack.fake.running.set()
     stack.fake.requests.clear()
     stack.fake.aborted.clear()
@@ -400,3 +401,24 @@ def test_metrics(stack: Stack, client: openai.OpenAI) -> None:
     assert samples[f'myvllm:e2e_request_latency_seconds_bucket{{{labels},le="+Inf"}}'] == samples[
         f"myvllm:e2e_request_latency_seconds_count{{{labels}}}"]
     assert "# TYPE myvllm:time_to_first_token_seconds histogram" in text
+
+
+# ---------------------------------------------------------------------- migration
+
+
+@pytest.mark.parametrize("fail_after", [1, 3, 8, 13])  # 3 and 8: inside 世 and 🎉; 13: inside "are you"
+def test_text_pipeline_carries_on_across_a_migration(stack: Stack, client: openai.OpenAI, fail_after: int) -> None:
+    """The engine fails the request after some tokens (inside a multi-token character, inside a
+    stop string): the resumed request's tokens go on through the same detokenizer and stop
+    matcher, so the text is exactly the no-fault text."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, stop=["are you"], extra_body={"include_stop_str_in_output": False})
+    no_fault = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert no_fault == "Hello 世界 🎉! How "
+    stack.fake.fail_after_tokens = fail_after
+    stack.fake.requests.clear()
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                       client.chat.completions.create(**kwargs, stream=True) if chunk.choices)
+    assert streamed == no_fault
+    resumed = stack.fake.requests[-1]
+    assert list(resumed.resumed_output_token_ids) == stack.reply_ids[:fail_after]
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == no_fault

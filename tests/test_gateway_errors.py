@@ -3,15 +3,20 @@ a missing or dying scheduler gives a prompt 503, never a hang."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from fake_scheduler import FakeScheduler, FakeSchedulerServer
+from fake_scheduler import FakeScheduler, FakeSchedulerServer, wait_until
 
+from services.common.proto import myvllm_pb2 as pb
+from services.gateway.migration import MigrationPolicy
+from services.gateway.options import GatewayOptions
 from services.gateway.server import BackgroundGateway, PortInUseError, bind_socket, serve_gateway
 from services.gateway.tokenizer import GatewayTokenizer
 
@@ -256,9 +261,30 @@ def test_hung_scheduler_is_a_503_within_2_seconds(smollm2_dir: str) -> None:
                 assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
 
 
-def test_scheduler_dying_mid_stream_then_coming_back(smollm2_dir: str) -> None:
-    fake = FakeScheduler(step_delay_s=0.05)
+def test_stream_survives_its_scheduler_restarting(smollm2_dir: str) -> None:
+    fake = FakeScheduler(step_delay_s=0.02)
+    body = {**CHAT, "stream": True, "max_tokens": 60, "ignore_eos": True}
     with FakeSchedulerServer(fake) as scheduler, BackgroundGateway(scheduler.address, smollm2_dir) as gw:
+        expected = _streamed_text(httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10).text)
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=10) as response:
+            lines = response.iter_lines()
+            head = [next(lines) for _ in range(6)]
+            scheduler.stop()  # the stream breaks mid-generation...
+            time.sleep(0.5)
+            scheduler.start()  # ...and the same replica comes back (same port)
+            text = _streamed_text("\n".join(head + list(lines)))
+        assert text == expected and len(expected) == 60  # one character per scripted token
+        resumed = fake.requests[-1]
+        assert resumed.request_id.endswith("-m1") and len(resumed.resumed_output_token_ids) >= 1
+        assert 'myvllm:request_migrations_total{model_name="SmolLM2-135M-Instruct"} 1' in \
+            httpx.get(f"{gw.url}/metrics").text
+
+
+def test_migration_gives_up_with_an_sse_error_or_a_503(smollm2_dir: str) -> None:
+    fake = FakeScheduler(step_delay_s=0.05)
+    options = GatewayOptions(migration=MigrationPolicy(wait_s=1.0))
+    with FakeSchedulerServer(fake) as scheduler, BackgroundGateway(scheduler.address, smollm2_dir,
+                                                                   options=options) as gw:
         body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
         with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=10) as response:
             assert response.status_code == 200
@@ -267,19 +293,67 @@ def test_scheduler_dying_mid_stream_then_coming_back(smollm2_dir: str) -> None:
             scheduler.stop()
             started = time.monotonic()
             events = [line for line in lines if line]
-            assert time.monotonic() - started < 2
+            assert time.monotonic() - started < 3  # the 1 s migration wait, then the error
         assert events[-1] == "data: [DONE]"
-        assert '"scheduler_unavailable"' in events[-2] and events[-2].startswith('data: {"error"')
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "migration_failed" and "--migration-wait 1s" in error["message"], error
 
+        # Nothing in flight: an unreachable replica is still a prompt 503.
         response = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=10)
         assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
         assert httpx.get(f"{gw.url}/health").status_code == 503
 
-        scheduler.start()  # same port: the gateway reconnects on the next request
-        fake.step_delay_s = 0.001
+        scheduler.start()
         assert httpx.get(f"{gw.url}/health").status_code == 200
+        before = len(fake.requests)
+        with ThreadPoolExecutor(1) as pool:  # a non-streaming request in flight when it dies again
+            pending = pool.submit(httpx.post, f"{gw.url}/v1/chat/completions",
+                                  json={**CHAT, "max_tokens": 200, "ignore_eos": True}, timeout=10)
+            wait_until(lambda: len(fake.requests) > before, what="the request to reach the scheduler")
+            time.sleep(0.2)
+            scheduler.stop()
+            assert_error(pending.result(), 503, code="migration_failed", error_type="service_unavailable_error",
+                         message_has=("no replica answered",))
+        scheduler.start()
         response = httpx.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10)
         assert response.status_code == 200, response.text
+
+
+def test_engine_fault_is_migrated_and_else_a_500(smollm2_dir: str) -> None:
+    """A request the engine failed (not the client's fault) is never a 400: it is re-submitted,
+    and when migration is off it is a 500 (an UNAVAILABLE replica: 503)."""
+    failing = FakeScheduler(reject=lambda request: "engine step failed: worker died", reject_kind=pb.ENGINE_FAULT)
+    with FakeSchedulerServer(failing) as bad, FakeSchedulerServer() as good, \
+            BackgroundGateway(f"{bad.address},{good.address}", smollm2_dir) as gw:
+        for _ in range(3):  # whichever replica a request starts on, it ends on the good one
+            response = httpx.post(f"{gw.url}/v1/completions", json={**COMPLETION, "max_tokens": 4}, timeout=10)
+            assert response.status_code == 200, response.text
+        assert failing.requests, "no request was routed to the failing replica"
+    with FakeSchedulerServer(failing) as bad, BackgroundGateway(bad.address, smollm2_dir) as gw:
+        failing.requests.clear()
+        response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
+        assert_error(response, 503, code="migration_failed", error_type="service_unavailable_error",
+                     message_has=("failed 4 times", "--max-migrations 3", "worker died"))
+        assert [r.request_id.rsplit("-", 1)[-1] for r in failing.requests] == ["0", "m1", "m2", "m3"]
+    for kind, status, code in ((pb.ENGINE_FAULT, 500, "engine_fault"), (pb.UNAVAILABLE, 503, "engine_unavailable"),
+                               (pb.ERROR_KIND_UNSPECIFIED, 500, "engine_fault")):
+        failing = FakeScheduler(reject=lambda request: "no worker", reject_kind=kind)
+        options = GatewayOptions(migration=MigrationPolicy(max_migrations=0))
+        with FakeSchedulerServer(failing) as bad, BackgroundGateway(bad.address, smollm2_dir, options=options) as gw:
+            response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
+            error_type = "server_error" if status == 500 else "service_unavailable_error"
+            assert_error(response, status, code=code, error_type=error_type, message_has=("no worker",))
+
+
+def _streamed_text(sse: str) -> str:
+    """The content of a chat SSE stream (fails on an in-band error event)."""
+    text = []
+    for line in sse.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            text += [c["delta"].get("content") or "" for c in event["choices"]]
+    return "".join(text)
 
 
 # ---------------------------------------------------------------------- server

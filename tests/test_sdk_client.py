@@ -121,9 +121,29 @@ def test_rejected_request_raises(scheduler: FakeSchedulerServer) -> None:
             with pytest.raises(RequestRejected, match="prompt is too long") as info:
                 await collect(client, prompt_token_ids=list(range(200)), request_id="big")
             assert info.value.request_id == "big"
+            assert info.value.error_kind == pb.INVALID_REQUEST and not info.value.is_engine_failure
             assert len(await collect(client)) == 5  # the stream is still fine
 
     asyncio.run(main())
+
+
+def test_engine_failures_carry_their_kind_and_resumed_tokens_reach_the_scheduler(
+        scheduler: FakeSchedulerServer) -> None:
+    fake = scheduler.servicer
+
+    async def main() -> None:
+        async with AsyncClient(scheduler.address) as client:
+            fake.reject_kind = pb.ENGINE_FAULT
+            with pytest.raises(RequestRejected) as info:
+                await collect(client, prompt_token_ids=list(range(200)))
+            assert info.value.error_kind == pb.ENGINE_FAULT and info.value.is_engine_failure
+            # Resumed after 2 of its 5 tokens: only the other 3 come back.
+            outputs = await collect(client, resumed_output_token_ids=[10, 11], request_id="resumed")
+            assert [t for o in outputs for t in o.new_token_ids] == [12, 13, 10]
+            assert list(fake.requests[-1].resumed_output_token_ids) == [10, 11]
+
+    asyncio.run(main())
+    assert RequestRejected("r", "old peer").is_engine_failure  # no kind: an engine fault
 
 
 def test_duplicate_request_id_is_refused(scheduler: FakeSchedulerServer) -> None:

@@ -166,3 +166,15 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             msg.prompt_logprobs = int(self.prompt_logprobs)
         return msg
+
+
+def sampling_for_choice(sampling: pb.SamplingParams, index: int) -> pb.SamplingParams:
+    """The engine settings of sample `index` of an `n > 1` request (vLLM's rule, shared by the
+    offline `LLM` and the gateway): a seeded request's choices get seeds seed, seed+1, ...,
+    so they differ from each other yet each reproduces."""
+    if index == 0 or not sampling.HasField("seed"):
+        return sampling
+    choice = pb.SamplingParams()
+    choice.CopyFrom(sampling)
+    choice.seed = sampling.seed + index
+    return choice

@@ -15,9 +15,12 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from services.gateway.admission import AdmissionController, AdmissionMiddleware
+from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from services.gateway.context import GatewayContext
-from services.gateway.errors import install_error_handlers, invalid_request, scheduler_unavailable
+from services.gateway.errors import OpenAIError, install_error_handlers, invalid_request, scheduler_unavailable
+from services.gateway.options import GatewayOptions
 from services.gateway.prompts import chat_prompt, check_token_ids
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -47,19 +50,24 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     scheduler_timeout_s: float = 1.5,
     redis_url: str | None = None,
+    options: GatewayOptions | None = None,
 ) -> FastAPI:
     """Build the gateway app for the schedulers at `scheduler_addresses` (one address, a
     comma-separated list or a sequence) plus, with `redis_url`, every replica publishing
     its load there. The tokenizer loads and the scheduler clients are created at startup
     (lifespan); `max_model_len` is fetched from a scheduler in the background, and requests
-    arriving while none is reachable get a 503."""
+    arriving while none is reachable get a 503. `options`: limits, migration, credentials;
+    `app.state.admission` is the admission controller (the server drains it on SIGTERM)."""
     addresses = split_addresses(scheduler_addresses)
+    options = options or GatewayOptions()
+    admission = AdmissionController(options.max_concurrent_requests, options.max_queued_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(GatewayTokenizer.load, model_path)
-        router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s)
-        ctx = GatewayContext(router, tokenizer, model_path, served_model_name)
+        router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s,
+                               internal_token=options.internal_token)
+        ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration)
         app.state.ctx = ctx
         router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())
@@ -70,8 +78,12 @@ def create_app(
             await router.close()
 
     app = FastAPI(title="my-vllm gateway", lifespan=lifespan)
+    app.state.admission = admission
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(AdmissionMiddleware, controller=admission)
+    if options.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)  # outermost: before any work
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -93,6 +105,10 @@ def create_app(
 
     @app.get("/health")
     async def health(request: Request) -> Response:
+        if admission.draining:  # load balancers: send new work elsewhere
+            error = OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "The server is shutting down",
+                                type="service_unavailable_error", code="shutting_down")
+            return JSONResponse(error.to_dict(), status_code=error.status_code)
         if await _ctx(request).router.healthy():
             return JSONResponse({"status": "ok"})
         error = scheduler_unavailable(SchedulerUnavailable("no scheduler answered its health check"))

@@ -10,6 +10,7 @@ from http import HTTPStatus
 
 from services.gateway.errors import OpenAIError
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import MigrationPolicy
 from services.gateway.protocol import ModelCard
 from services.gateway.router import ReplicaRouter
 from services.gateway.tokenizer import GatewayTokenizer
@@ -24,8 +25,9 @@ class GatewayContext:
     """Shared state of one gateway process (one per FastAPI app)."""
 
     def __init__(self, router: ReplicaRouter, tokenizer: GatewayTokenizer, model_path: str,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, migration: MigrationPolicy | None = None) -> None:
         self.router = router
+        self.migration = migration or MigrationPolicy()
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))

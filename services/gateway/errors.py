@@ -16,7 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParamsError
+from services.gateway.migration import MigrationFailed
 from services.sdk.client import RequestRejected, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,23 @@ def scheduler_unavailable(error: Exception) -> OpenAIError:
                        type="service_unavailable_error", code="scheduler_unavailable")
 
 
+def engine_error(error: RequestRejected) -> OpenAIError:
+    """What the engine said about a request: 400 only when it was the client's mistake;
+    a request the engine failed is ours (500), one no replica could take is a 503."""
+    if error.error_kind == pb.INVALID_REQUEST:
+        return invalid_request(error.message, code="rejected_by_engine")
+    if error.error_kind == pb.UNAVAILABLE:
+        return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine cannot take the request: {error.message}",
+                           type="service_unavailable_error", code="engine_unavailable")
+    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine failed the request: {error.message}",
+                       type="server_error", code="engine_fault")
+
+
+def migration_failed(error: MigrationFailed) -> OpenAIError:
+    return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(error), type="service_unavailable_error",
+                       code="migration_failed")
+
+
 def as_openai_error(error: Exception) -> OpenAIError:
     """Map any exception raised while serving a request to the error to report."""
     if isinstance(error, OpenAIError):
@@ -68,7 +87,9 @@ def as_openai_error(error: Exception) -> OpenAIError:
     if isinstance(error, SchedulerUnavailable):
         return scheduler_unavailable(error)
     if isinstance(error, RequestRejected):
-        return invalid_request(error.message, code="rejected_by_engine")
+        return engine_error(error)
+    if isinstance(error, MigrationFailed):
+        return migration_failed(error)
     logger.exception("unexpected error while serving a request", exc_info=error)
     return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {type(error).__name__}",
                        type="server_error")
@@ -132,7 +153,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_known_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(as_openai_error(exc))
 
-    for known in (OpenAIError, SamplingParamsError, SchedulerUnavailable, RequestRejected):
+    for known in (OpenAIError, SamplingParamsError, SchedulerUnavailable, RequestRejected, MigrationFailed):
         app.add_exception_handler(known, _on_known_error)
     # Anything else is a bug: Starlette's ServerErrorMiddleware sends this and logs it.
     app.add_exception_handler(Exception, _on_known_error)

@@ -1,10 +1,11 @@
 """Runs the engine requests behind one HTTP request and merges their outputs.
 
 An OpenAI request becomes one engine request per choice (prompts x n). Each runs in
-its own task, feeding a shared queue, so a slow choice never blocks another. Leaving
-the merged stream early, for whatever reason (stop string, client gone, error),
-cancels those tasks, and the SDK turns each cancellation into an abort so the
-scheduler frees the KV blocks.
+its own task, feeding a shared queue, so a slow choice never blocks another. Each choice
+survives replica failures on its own (`migration.py`): its task keeps feeding the same
+output processor whichever replica the tokens come from. Leaving the merged stream early,
+for whatever reason (stop string, client gone, error), cancels those tasks, and the SDK
+turns each cancellation into an abort so the scheduler frees the KV blocks.
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from services.common.proto import myvllm_pb2 as pb
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, sampling_for_choice
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import MigrationPolicy, ResumableRequest, resumable_outputs
 from services.gateway.output_processor import ChoiceDelta, ChoiceOutputProcessor
-from services.gateway.router import ReplicaRouter
+from services.gateway.router import Replica, ReplicaRouter
 from services.gateway.tokenizer import GatewayTokenizer
-from services.sdk.client import AsyncClient, SchedulerUnavailable
+from services.sdk.client import SchedulerUnavailable
 
 
 @dataclass
 class ChoiceRequest:
-    """One engine request: a prompt, its sampling settings and the choice it fills."""
+    """One choice: its engine request (resumable on another replica) and its text pipeline."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: pb.SamplingParams
+    engine: ResumableRequest
     processor: ChoiceOutputProcessor
-    priority: int = 0
-    cache_salt: str = ""
+
+    @property
+    def request_id(self) -> str:
+        return self.engine.request_id
 
 
 @dataclass
@@ -54,11 +56,21 @@ class _Done:
         self.error = error
 
 
-async def _run_choice(client: AsyncClient, choice: ChoiceRequest, metrics: GatewayMetrics, arrival_time: float,
-                      deltas: asyncio.Queue[ChoiceDelta | _Done]) -> None:
-    timer = metrics.timer(arrival_time)
-    outputs = client.generate(choice.prompt_token_ids, choice.sampling, request_id=choice.request_id,
-                              priority=choice.priority, cache_salt=choice.cache_salt)
+@dataclass
+class _Run:
+    """What every choice task of one HTTP request shares."""
+
+    router: ReplicaRouter
+    replica: Replica              # where the choices start
+    metrics: GatewayMetrics
+    migration: MigrationPolicy
+    arrival_time: float
+
+
+async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[ChoiceDelta | _Done]) -> None:
+    timer = run.metrics.timer(run.arrival_time)
+    outputs = resumable_outputs(run.router, choice.engine, run.replica, run.migration,
+                                on_migration=run.metrics.on_migration)
     try:
         # aclosing: leaving this loop early (stop string) must abort the request *now*.
         async with contextlib.aclosing(outputs):
@@ -105,10 +117,9 @@ class DisconnectWatcher:
             self._task = None
 
 
-async def _merge_choices(client: AsyncClient, choices: list[ChoiceRequest], metrics: GatewayMetrics,
-                         arrival_time: float) -> AsyncGenerator[ChoiceDelta, None]:
+async def _merge_choices(run: _Run, choices: list[ChoiceRequest]) -> AsyncGenerator[ChoiceDelta, None]:
     queue: asyncio.Queue[ChoiceDelta | _Done] = asyncio.Queue()
-    tasks = [asyncio.create_task(_run_choice(client, c, metrics, arrival_time, queue)) for c in choices]
+    tasks = [asyncio.create_task(_run_choice(run, c, queue)) for c in choices]
     try:
         remaining = len(tasks)
         while remaining:
@@ -125,19 +136,25 @@ async def _merge_choices(client: AsyncClient, choices: list[ChoiceRequest], metr
             task.cancel()
 
 
-async def start_generation(client: AsyncClient, choices: list[ChoiceRequest], metrics: GatewayMetrics,
-                           http_request: Request | None, arrival_time: float | None = None,
-                           ) -> AsyncGenerator[ChoiceDelta, None]:
-    """Submit every choice and wait for the first delta, so that an unreachable or
-    refusing scheduler is still reported as an HTTP error status; return the merged
-    stream of deltas (the first one included). Close the returned iterator (or run it
-    to the end) to release everything; a client disconnect aborts all choices."""
+async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metrics: GatewayMetrics,
+                       http_request: Request | None, arrival_time: float | None = None,
+                       migration: MigrationPolicy | None = None) -> AsyncGenerator[ChoiceDelta, None]:
+    """Submit every choice to the replica the router picks (all together, so the n samples
+    of a prompt share its cached blocks) and wait for the first delta, so that a refused
+    request is still reported as an HTTP error status; return the merged stream of deltas
+    (the first one included). Close the returned iterator (or run it to the end) to
+    release everything; a client disconnect aborts all choices.
+
+    A replica that is down before anything was submitted is marked so and the next one is
+    tried (a prompt 503 when none answers); once submitted, a choice migrates instead."""
     arrival_time = time.monotonic() if arrival_time is None else arrival_time
-    merged = _merge_choices(client, choices, metrics, arrival_time)
+    run = _Run(router, await _connect_some_replica(router), metrics, migration or MigrationPolicy(), arrival_time)
+    merged = _merge_choices(run, choices)
 
     async def abort_all() -> None:
         # The merged stream then ends with "abort" deltas and releases itself.
-        await client.abort([choice.request_id for choice in choices])
+        for choice in choices:
+            await choice.engine.abort()
 
     watcher = DisconnectWatcher(http_request, abort_all)
     watcher.start()
@@ -152,17 +169,14 @@ async def start_generation(client: AsyncClient, choices: list[ChoiceRequest], me
     return _prepend(first, merged, watcher)
 
 
-async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metrics: GatewayMetrics,
-                       http_request: Request | None, arrival_time: float | None = None,
-                       ) -> AsyncGenerator[ChoiceDelta, None]:
-    """`start_generation` on the replica the router picks (all choices together, so the n
-    samples of a prompt share its cached blocks). A replica that turns out to be down is
-    marked so and the request goes to the next one: nothing was generated yet."""
+async def _connect_some_replica(router: ReplicaRouter) -> Replica:
+    """The picked replica, once its stream is open; the next one while they turn out down."""
     tried: set[str] = set()
     while True:
         replica = router.pick(exclude=tried)
         try:
-            return await start_generation(replica.client, choices, metrics, http_request, arrival_time)
+            await replica.client.connect()
+            return replica
         except SchedulerUnavailable as e:
             router.mark_down(replica, e)
             tried.add(replica.address)
@@ -186,14 +200,15 @@ def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: GatewayTo
             cache_salt: str = "") -> list[ChoiceRequest]:
     """One engine request per (prompt, sample): choice index = prompt_index * n + i and
     engine id `{request_id}-{index}`. The n samples of a prompt share its KV blocks
-    through the scheduler's prefix cache."""
+    through the scheduler's prefix cache; seeded samples get the offline `LLM`'s seeds."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         n = prompt.params.n
         for sample in range(n):
             index = prompt_index * n + sample
-            choices.append(ChoiceRequest(
-                request_id=f"{request_id}-{index}", prompt_token_ids=prompt.token_ids, sampling=prompt.sampling,
-                processor=ChoiceOutputProcessor(index, tokenizer, prompt.token_ids, prompt.params),
-                priority=priority, cache_salt=cache_salt))
+            engine = ResumableRequest(request_id=f"{request_id}-{index}", prompt_token_ids=prompt.token_ids,
+                                      sampling=sampling_for_choice(prompt.sampling, sample), priority=priority,
+                                      cache_salt=cache_salt)
+            choices.append(ChoiceRequest(engine, ChoiceOutputProcessor(index, tokenizer, prompt.token_ids,
+                                                                       prompt.params)))
     return choices

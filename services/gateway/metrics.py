@@ -79,6 +79,10 @@ class GatewayMetrics:
         self.e2e_request_latency = Histogram(
             "myvllm:e2e_request_latency_seconds", "Time from request arrival to its end.", E2E_BUCKETS)
         self.request_success: dict[str, int] = defaultdict(int)  # by finish reason
+        self.request_migrations = 0  # engine requests re-submitted after their replica failed
+
+    def on_migration(self) -> None:
+        self.request_migrations += 1
 
     def timer(self, arrival_time: float) -> RequestTimer:
         return RequestTimer(self, arrival_time)
@@ -107,6 +111,8 @@ class GatewayMetrics:
         for reason in sorted(set(self.request_success) | {"stop", "length", "abort"}):
             lines.append(f"myvllm:request_success_total{_labels({**labels, 'finished_reason': reason})} "
                          f"{self.request_success[reason]}")
+        lines += _single("myvllm:request_migrations_total", "counter", "Requests re-submitted to a replica "
+                         "after theirs failed (request migration).", self.request_migrations, labels)
         for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency):
             lines += histogram.render(labels)
         return "\n".join(lines) + "\n"

@@ -3,7 +3,9 @@
 Replicas come from two places: the `--scheduler` addresses given on the command line, and,
 with `--redis`, every replica whose scheduler publishes its load to Redis (hash
 `myvllm:engines`, written by `services/scheduler/load_reporter.py`). A replica whose
-entry goes stale (its scheduler stopped publishing) is dropped from routing.
+entry goes stale (its scheduler stopped publishing) is polled directly for a few seconds,
+then dropped from routing. While Redis itself is unreachable, routing goes on with the
+replicas last seen there, polled directly.
 
 Each request goes to the healthy replica with the lowest score, vLLM's DP load-balancing
 score `4 * waiting + running`, using the last published load plus the requests this gateway
@@ -44,6 +46,7 @@ class Replica:
     sent_since_update: int = 0    # requests routed here since the last load update
     healthy: bool = True
     load_ts: float = field(default=0.0)
+    last_published: float = field(default_factory=time.monotonic)  # last seen in Redis (monotonic)
 
     @property
     def score(self) -> int:
@@ -61,8 +64,9 @@ class ReplicaRouter:
     """Owns one scheduler client per replica and picks one per request."""
 
     def __init__(self, addresses: Iterable[str], redis_url: str | None = None, timeout_s: float = 1.5,
-                 refresh_interval_s: float = REFRESH_INTERVAL_S) -> None:
+                 refresh_interval_s: float = REFRESH_INTERVAL_S, internal_token: str | None = None) -> None:
         self.timeout_s = timeout_s
+        self._client_kwargs = {"token": internal_token} if internal_token else {}
         self.refresh_interval_s = refresh_interval_s
         self.replicas: dict[str, Replica] = {}
         for address in addresses:
@@ -77,7 +81,7 @@ class ReplicaRouter:
         self._task: asyncio.Task | None = None
 
     def _add(self, address: str, static: bool) -> Replica:
-        replica = Replica(address, AsyncClient(address, timeout=self.timeout_s), static)
+        replica = Replica(address, AsyncClient(address, timeout=self.timeout_s, **self._client_kwargs), static)
         self.replicas[address] = replica
         return replica
 
@@ -94,10 +98,20 @@ class ReplicaRouter:
         healthy = [r for r in candidates if r.healthy] or candidates
         # Ties go to the replica with the oldest routing (dict order rotates below).
         chosen = min(healthy, key=lambda r: r.score)
-        chosen.sent_since_update += 1
-        self.replicas.pop(chosen.address)
-        self.replicas[chosen.address] = chosen  # move to the end: round-robin among equals
+        self.note_sent(chosen)
         return chosen
+
+    def note_sent(self, replica: Replica) -> None:
+        """Count a request routed to `replica` (until its next load update)."""
+        replica.sent_since_update += 1
+        if self.replicas.get(replica.address) is replica:
+            self.replicas.pop(replica.address)
+            self.replicas[replica.address] = replica  # move to the end: round-robin among equals
+
+    def ranked(self, avoid: set[str] = frozenset()) -> list[Replica]:
+        """Every known replica, best first: healthy before down, lowest score first, and the
+        ones in `avoid` (they just failed a request) last of all."""
+        return sorted(self.replicas.values(), key=lambda r: (r.address in avoid, not r.healthy, r.score))
 
     def mark_down(self, replica: Replica, reason: BaseException) -> None:
         if replica.healthy:
@@ -143,12 +157,18 @@ class ReplicaRouter:
                 logger.warning("cannot read replica loads from redis: %s", e)
                 loads = None
             if loads is not None:
+                now = time.monotonic()
                 for entry in loads.values():
                     address = entry["address"]
                     replica = self.replicas.get(address) or self._add(address, static=False)
                     replica.update_load(int(entry["num_waiting"]), int(entry["num_running"]), float(entry["ts"]))
+                    replica.last_published = now
                     published.add(address)
-                for address in [a for a, r in self.replicas.items() if not r.static and a not in published]:
+                # A replica missing from Redis is polled directly for a while before it is dropped:
+                # a Redis that restarts empty must not cut off (and break the streams of) live
+                # replicas in the second before they publish again.
+                for address in [a for a, r in self.replicas.items() if not r.static and a not in published
+                                and now - r.last_published > REDIS_MAX_AGE_S]:
                     logger.info("engine replica %s stopped publishing its load; no longer routed to", address)
                     await self.replicas.pop(address).client.close()
         polled = [r for r in self.replicas.values() if r.address not in published]

@@ -8,6 +8,9 @@ from services.gateway.errors import invalid_request
 from services.gateway.protocol import GenerationRequest
 from services.gateway.tokenizer import GatewayTokenizer
 
+# OpenAI's limit on choices per request: each one is an engine request.
+MAX_N = 128
+
 # OpenAI fields whose `null` means "the default"; SamplingParams wants a value.
 _NULLABLE_DEFAULTS = {
     "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
@@ -48,6 +51,8 @@ def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenize
                           ) -> tuple[SamplingParams, pb.SamplingParams]:
     """Validated params (SamplingParamsError names a bad field) and their engine proto;
     `prompt_logprobs` defaults to the request's own (vLLM's extension field)."""
+    if not 1 <= request.n <= MAX_N:
+        raise invalid_request(f"n must be between 1 and {MAX_N}, got {request.n}", param="n")
     values = {name: default if getattr(request, name) is None else getattr(request, name)
               for name, default in _NULLABLE_DEFAULTS.items()}
     params = SamplingParams(

@@ -2,6 +2,10 @@
 
 We bind the listening socket ourselves and hand it to uvicorn: uvicorn answers a busy
 port by logging and calling sys.exit, while the CLI wants one clear error line.
+
+SIGTERM (or Ctrl-C) drains: the socket stays open so new requests get a clear 503,
+in-flight ones run to the end (at most --shutdown-timeout seconds), then uvicorn shuts
+down. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ import socket
 import sys
 import threading
 import time
+from types import FrameType
 
 import uvicorn
 
 from services.common.grpc_utils import StartupError
+from services.gateway.admission import AdmissionController
 from services.gateway.app import create_app
 from services.gateway.body_limit import DEFAULT_MAX_BODY_BYTES
+from services.gateway.options import GatewayOptions, add_gateway_options, gateway_options
 
 
 class PortInUseError(StartupError):
@@ -41,18 +48,46 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before its shutdown: the first signal stops admitting requests
+    and waits (up to `shutdown_timeout_s`) until the in-flight ones are done."""
+
+    def __init__(self, config: uvicorn.Config, admission: AdmissionController, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.admission = admission
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_deadline is not None or self.should_exit:
+            super().handle_exit(sig, frame)  # a second signal: stop now
+            return
+        self._captured_signals.append(sig)  # re-raised by uvicorn once it has shut down
+        self.admission.start_draining()
+        self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            if self.admission.num_in_flight == 0 or time.monotonic() >= self._drain_deadline:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def _uvicorn_server(host: str, port: int, scheduler_address: str, model_path: str,
                     served_model_name: str | None, log_level: str, max_body_bytes: int,
-                    redis_url: str | None = None) -> uvicorn.Server:
+                    redis_url: str | None = None, options: GatewayOptions | None = None) -> DrainingServer:
+    options = options or GatewayOptions()
     app = create_app(scheduler_address, model_path, served_model_name, max_body_bytes=max_body_bytes,
-                     redis_url=redis_url)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+                     redis_url=redis_url, options=options)
+    # The drain already waited for requests: uvicorn's own grace is only for the last bytes.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    return DrainingServer(config, app.state.admission, options.shutdown_timeout_s)
 
 
 def serve_gateway(host: str, port: int, scheduler_address: str, model_path: str,
                   served_model_name: str | None = None, log_level: str = "warning",
-                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None) -> None:
+                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None,
+                  options: GatewayOptions | None = None) -> None:
     """Serve the OpenAI-compatible gateway until interrupted (blocking). `scheduler_address`
     may list several replicas (comma-separated); `redis_url` adds the ones publishing there.
 
@@ -61,7 +96,7 @@ def serve_gateway(host: str, port: int, scheduler_address: str, model_path: str,
     """
     sock = bind_socket(host, port)
     server = _uvicorn_server(host, port, scheduler_address, model_path, served_model_name, log_level,
-                             max_body_bytes, redis_url)
+                             max_body_bytes, redis_url, options)
     server.run(sockets=[sock])
     if not server.started:  # uvicorn logs the cause (e.g. no tokenizer in model_path) and returns
         raise StartupError(f"gateway: failed to start (see the log above; model {model_path})")
@@ -72,12 +107,13 @@ class BackgroundGateway:
 
     def __init__(self, scheduler_address: str, model_path: str, served_model_name: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None,
+                 options: GatewayOptions | None = None) -> None:
         self._sock = bind_socket(host, port)
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._server = _uvicorn_server(host, self.port, scheduler_address, model_path, served_model_name,
-                                       log_level, max_body_bytes, redis_url)
+                                       log_level, max_body_bytes, redis_url, options)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="myvllm-gateway", daemon=True)
 
@@ -118,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis", default=None, help="redis URL: also route to replicas publishing there")
     parser.add_argument("--model", default=default_model_path(), help="HF model directory (tokenizer)")
     parser.add_argument("--served-model-name", default=None)
+    add_gateway_options(parser)
     args = parser.parse_args(argv)
     try:
         serve_gateway(args.host, args.port, args.scheduler, args.model, args.served_model_name,
-                      redis_url=args.redis)
-    except StartupError as e:
+                      redis_url=args.redis, options=gateway_options(args))
+    except (StartupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

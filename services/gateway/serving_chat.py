@@ -62,7 +62,7 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = fan_out(request_id, [PromptSampling(prompt.token_ids, params, sampling)], ctx.tokenizer,
                       request.priority, request.cache_salt or "")
-    deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time)
+    deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
     writer = _ChatWriter(ctx, request, request_id, prompt.token_ids, num_top)
     if request.stream:
         return sse_response(writer.stream(deltas, params.n))

@@ -54,7 +54,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = fan_out(request_id, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
-    deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time)
+    deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
     writer = _CompletionWriter(ctx, request, request_id, prompts, request.n)
     if request.stream:
         return sse_response(writer.stream(deltas))

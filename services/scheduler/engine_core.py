@@ -59,9 +59,19 @@ class EngineCore:
         prompt = list(req.prompt_token_ids)
         room = self.max_model_len - len(prompt)
         max_tokens = req.sampling.max_tokens or room
+        resumed = list(req.resumed_output_token_ids)
+        self._check_resumed(resumed, max_tokens)
         self.scheduler.add_request(Request(
             req.request_id, prompt, req.sampling, self.eos_token_ids, max_tokens=max_tokens,
-            priority=req.priority, cache_salt=req.cache_salt))
+            priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed))
+
+    def _check_resumed(self, resumed: list[int], max_tokens: int) -> None:
+        """A migrated request must still have something left to generate."""
+        bad = [t for t in resumed if not 0 <= t < self.model_info.vocab_size]
+        if bad:
+            raise ValueError(f"resumed output token id {bad[0]} is out of range [0, {self.model_info.vocab_size})")
+        if len(resumed) >= max_tokens:
+            raise ValueError(f"request already has {len(resumed)} output tokens; max_tokens is {max_tokens}")
 
     def abort(self, request_ids: list[str]) -> list[pb.RequestOutput]:
         return [pb.RequestOutput(request_id=r.request_id, finish_reason="abort",

@@ -43,11 +43,15 @@ class Request:
         priority: int = 0,
         cache_salt: str = "",
         arrival_time: float | None = None,
+        resumed_output_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A migrated request arrives with the tokens it generated on a failed replica: like a
+        # preempted request's outputs they count for max_tokens, min_tokens and penalties,
+        # are recomputed with the prompt, and are never sent back.
+        self.output_token_ids: list[int] = list(resumed_output_token_ids or [])
+        self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.sampling = sampling
         self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(sampling.stop_token_ids)

@@ -59,10 +59,11 @@ class Scheduler:
         # A request that could not finish even with the whole pool to itself would preempt
         # itself forever: refuse it now, with the numbers.
         capacity = (self.kv_cache_manager.block_pool.num_blocks - 1) * self.block_size
-        needed = min(request.num_tokens + request.max_tokens, self.max_model_len)
+        # (max_tokens counts a migrated request's resumed outputs too: they are not extra.)
+        needed = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if needed > capacity:
             raise ValueError(
-                f"request needs KV cache for up to {needed} tokens ({request.num_tokens} prompt + "
+                f"request needs KV cache for up to {needed} tokens ({request.num_prompt_tokens} prompt + "
                 f"{request.max_tokens} max_tokens) but the cache holds only {capacity}")
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)

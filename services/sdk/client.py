@@ -219,13 +219,15 @@ class AsyncClient:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        resumed_output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[pb.RequestOutput, None]:
         """Submit one request and yield its `RequestOutput`s as engine steps produce them.
 
         The iteration ends after the output whose `finish_reason` is set. Leaving the
         loop early (break, cancellation, `aclose()`) aborts the request in the scheduler.
         Raises `SchedulerUnavailable` if the stream breaks and `RequestRejected` if the
-        scheduler refuses the request.
+        scheduler refuses the request. `resumed_output_token_ids` (request migration): the
+        tokens this request already generated elsewhere; only tokens after them come back.
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = sampling_params.to_proto()
@@ -241,6 +243,7 @@ class AsyncClient:
             sampling=sampling_params,
             priority=priority,
             cache_salt=cache_salt,
+            resumed_output_token_ids=resumed_output_token_ids or [],
         )))
         finished = False
         try:
@@ -336,9 +339,11 @@ class Client:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str = "",
+        resumed_output_token_ids: list[int] | None = None,
     ) -> Iterator[pb.RequestOutput]:
         """Like `AsyncClient.generate`; closing the iterator early aborts the request."""
-        outputs = self._async_client.generate(prompt_token_ids, sampling_params, request_id, priority, cache_salt)
+        outputs = self._async_client.generate(prompt_token_ids, sampling_params, request_id, priority, cache_salt,
+                                              resumed_output_token_ids)
         try:
             while True:
                 try:

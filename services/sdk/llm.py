@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, sampling_for_choice
 from services.gateway.output_processor import ChoiceOutputProcessor
 from services.gateway.tokenizer import GatewayTokenizer
 from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
@@ -94,9 +94,7 @@ class LLM:
                                              cumulative_logprob=0.0 if sp.logprobs is not None else None)
                     result.outputs.append(child)
                     rid = f"{result.request_id}-{index}" if sp.n > 1 else result.request_id
-                    msg = sp.to_proto(self.engine.model_info.vocab_size)
-                    if sp.seed is not None and index > 0:
-                        msg.seed = sp.seed + index  # distinct but reproducible streams per choice
+                    msg = sampling_for_choice(sp.to_proto(self.engine.model_info.vocab_size), index)
                     if index > 0:
                         msg.ClearField("prompt_logprobs")  # the prompt is the same: choice 0 scores it
                     self.engine.add_request(pb.GenerateRequest(

@@ -6,10 +6,24 @@ computed-token counter) instead of re-sending each request's history.
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import numpy as np
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
+
+
+def position_seed(seed: int, output_index: int) -> int:
+    """The generator seed for a seeded request's `output_index`-th output token.
+
+    A function of the position alone (not of how many numbers earlier draws consumed, which
+    depends on the sampling path), so a request that resumes after a preemption or a
+    migration, its earlier outputs recomputed, continues with exactly the random stream it
+    would have had."""
+    digest = hashlib.blake2b(struct.pack("<qq", seed, output_index), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class InputBatch:
@@ -83,6 +97,14 @@ class InputBatch:
             self.num_blocks[row] = start + blocks.size
         self.num_computed_tokens[row] = data.num_computed_tokens
         return row
+
+    def reseed_generators(self, rows: np.ndarray) -> None:
+        """Before sampling: point each seeded row's generator at the output position it samples."""
+        for row in rows.tolist():
+            gen = self.generators.get(row)
+            if gen is not None:
+                gen.manual_seed(position_seed(self.sampling[row].seed,
+                                              int(self.num_tokens[row] - self.num_prompt_tokens[row])))
 
     def remove(self, request_id: str) -> None:
         row = self.req_id_to_row.pop(request_id, None)

@@ -239,6 +239,7 @@ class ModelRunner:
             return out
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         sample_rows = rows[samples]
+        self.input_batch.reseed_generators(sample_rows)
         sampled, logprobs = self.sampler(logits, self._sampling_metadata(sample_rows))
         token_ids = sampled.cpu().numpy().astype(np.int32)
         self.input_batch.append_tokens(sample_rows, token_ids)

@@ -1,0 +1,79 @@
+"""The gateway's operational settings (its command-line flags), in one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from services.gateway.migration import MigrationPolicy
+
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """Limits and credentials of one gateway process."""
+
+    migration: MigrationPolicy = field(default_factory=MigrationPolicy)
+    # Generation requests served at once; up to max_queued_requests more wait, the rest get 429.
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    # On SIGTERM: how long in-flight requests may take to finish before the gateway exits.
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    # Clients must send `Authorization: Bearer <api_key>` on /v1/* (None: open).
+    api_key: str | None = None
+    # Presented to the schedulers (the engine's internal token), if the SDK supports it.
+    internal_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must not be negative, got {self.max_queued_requests}")
+        if self.migration.max_migrations < 0 or self.migration.wait_s < 0:
+            raise ValueError("--max-migrations and --migration-wait must not be negative")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must not be negative, got {self.shutdown_timeout_s}")
+
+
+def env_default(name: str) -> str | None:
+    """A flag's default from the environment (empty = unset)."""
+    return os.environ.get(name) or None
+
+
+def add_gateway_options(parser: argparse.ArgumentParser) -> None:
+    """The gateway's limit, migration, shutdown and credential flags (also `myvllm serve`'s)."""
+    defaults = GatewayOptions()
+    parser.add_argument("--max-migrations", type=int, default=defaults.migration.max_migrations,
+                        help="times one request may be re-submitted after its engine replica failed (0 = never)")
+    parser.add_argument("--migration-wait", type=float, default=defaults.migration.wait_s,
+                        help="seconds a request whose replica failed waits for one to answer before giving up")
+    parser.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests,
+                        help="generation requests served at once")
+    parser.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
+                        help="requests waiting for a slot; beyond that: 429 with Retry-After")
+    parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s,
+                        help="on SIGTERM, seconds in-flight requests get to finish (new ones get 503)")
+    parser.add_argument("--api-key", default=env_default("MYVLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MYVLLM_API_KEY; none = open)")
+    parser.add_argument("--internal-token", default=env_default("MYVLLM_INTERNAL_TOKEN"),
+                        help="token presented to the schedulers (default: $MYVLLM_INTERNAL_TOKEN)")
+
+
+def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    """`GatewayOptions` from the flags of `add_gateway_options` (ValueError names a bad one)."""
+    return GatewayOptions(
+        migration=MigrationPolicy(max_migrations=args.max_migrations, wait_s=args.migration_wait),
+        max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
+        shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key, internal_token=args.internal_token)
+
+
+def gateway_option_flags(args: argparse.Namespace) -> list[str]:
+    """The same flags as a command line (for a launcher that starts the gateway process);
+    credentials travel through the environment, not the process list."""
+    return ["--max-migrations", str(args.max_migrations), "--migration-wait", str(args.migration_wait),
+            "--max-concurrent-requests", str(args.max_concurrent_requests),
+            "--max-queued-requests", str(args.max_queued_requests), "--shutdown-timeout", str(args.shutdown_timeout)]

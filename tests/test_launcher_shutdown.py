@@ -1,0 +1,46 @@
+"""`myvllm serve` shutdown order: the gateway drains first, alone; the engine goes after it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.launcher import _drain_gateway, _stop_all
+
+# Records when it got SIGTERM, takes `delay` seconds to finish (a gateway draining), then exits.
+CHILD = """
+import signal, sys, time
+path, delay = sys.argv[1], float(sys.argv[2])
+def on_term(*_):
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+    time.sleep(delay)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _child(tmp_path: Path, name: str, delay: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / name), str(delay)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_the_gateway_drains_before_the_engine_is_stopped(tmp_path: Path) -> None:
+    procs = [("worker", _child(tmp_path, "worker", 0.0)), ("scheduler", _child(tmp_path, "scheduler", 0.0)),
+             ("gateway", _child(tmp_path, "gateway", 1.0))]
+    started = time.monotonic()
+    _drain_gateway(procs, shutdown_timeout_s=5)
+    gateway_done = time.time()
+    assert procs[2][1].poll() == 0 and time.monotonic() - started >= 1.0  # it was waited for
+    assert not (tmp_path / "scheduler").exists() and not (tmp_path / "worker").exists()  # untouched meanwhile
+    _stop_all(procs)
+    for name in ("scheduler", "worker"):
+        assert float((tmp_path / name).read_text()) >= float((tmp_path / "gateway").read_text()) + 1.0
+        assert float((tmp_path / name).read_text()) >= gateway_done - 0.05
