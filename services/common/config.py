@@ -44,6 +44,8 @@ class EngineConfig:
     attention_backend: str | None = None
     # None: on where the worker runs on CUDA, off on CPU (see resolve_async_scheduling).
     async_scheduling: bool | None = None
+    # Worker ranks per engine, each holding 1/T of the heads and MLP columns.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -54,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
 
     def resolve_async_scheduling(self, device: str) -> bool:
         """Fix the automatic choice once the worker's device is known."""

@@ -22,7 +22,7 @@ from services.gateway.output_processor import ChoiceOutputProcessor
 from services.gateway.tokenizer import GatewayTokenizer
 from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
-from services.worker.worker import Worker
+from services.worker.tp_workers import make_workers
 
 PromptType = str | dict[str, Any]
 
@@ -42,11 +42,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, **engine_args)
-        self.worker = Worker()
-        info = self.worker.load_model(load_model_request(self.config))
-        capacity = self.worker.get_kv_capacity(kv_capacity_request(self.config))
-        num_blocks = choose_num_blocks(self.config, capacity, info.max_model_len)
-        self.worker.init_kv_cache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=self.config.block_size))
+        self.worker = make_workers(self.config.tensor_parallel_size)
+        try:
+            info, num_blocks = self._start_worker()
+        except BaseException:
+            self.close()
+            raise
         self.engine = EngineCore(self.config, info, num_blocks)
         # Text, stop strings and bad words go through the gateway's own pieces, so offline
         # and served completions of the same request read the same.
@@ -56,6 +57,20 @@ class LLM:
         self._ids = itertools.count()
         # Async scheduling computes on this thread while the caller schedules the next step.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute")
+
+    def _start_worker(self) -> tuple[pb.ModelInfo, int]:
+        """Load the model on the worker (every TP rank) and size its KV cache: (model info, blocks)."""
+        info = self.worker.load_model(load_model_request(self.config))
+        capacity = self.worker.get_kv_capacity(kv_capacity_request(self.config))
+        num_blocks = choose_num_blocks(self.config, capacity, info.max_model_len)
+        self.worker.init_kv_cache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=self.config.block_size))
+        return info, num_blocks
+
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes, if any (they also die with this process)."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ public API
 

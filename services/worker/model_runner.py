@@ -11,7 +11,6 @@ computed tokens catch up with their known tokens (a partial prefill chunk sample
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
 from services.worker.input_batch import InputBatch
 from services.worker.models.loader import load_model, resolve_dtype
+from services.worker.parallel import broadcast_from_first, get_tp, init_tensor_parallel, threads_per_rank
 from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
 
 logger = logging.getLogger(__name__)
@@ -64,14 +64,17 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0, max_num_seqs: int = 256,
                  max_model_len: int | None = None, attention_backend: str | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
+                 distributed_init_method: str = "") -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu":
-            torch.set_num_threads(int(os.environ.get("MYVLLM_NUM_THREADS", os.cpu_count() or 1)))
+            torch.set_num_threads(threads_per_rank(tensor_parallel_size))
         torch.manual_seed(seed)
         self.seed = seed
         self.dtype = resolve_dtype(dtype)
         self.model_dir = check_model_dir(model_dir)
+        # Joins the TP group (if any) first: the model builds only this rank's shard.
+        init_tensor_parallel(tensor_parallel_rank, tensor_parallel_size, distributed_init_method, self.device)
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
         self.vocab_size = self.config.vocab_size
         model_max = int(self.config.max_position_embeddings)
@@ -241,6 +244,10 @@ class ModelRunner:
         sample_rows = rows[samples]
         self.input_batch.reseed_generators(sample_rows)
         sampled, logprobs = self.sampler(logits, self._sampling_metadata(sample_rows))
+        # Every TP rank sampled from the same gathered logits with the same generators; rank 0's
+        # ids are made everyone's anyway, so the ranks' batches can never drift apart.
+        if get_tp().size > 1:
+            sampled = broadcast_from_first(sampled.contiguous())
         token_ids = sampled.cpu().numpy().astype(np.int32)
         self.input_batch.append_tokens(sample_rows, token_ids)
         out.request_ids.extend([self.input_batch.row_req_ids[r] for r in sample_rows.tolist()])

@@ -44,7 +44,9 @@ class Worker:
         self.runner = ModelRunner(
             req.model, dtype=req.dtype or "float32", seed=req.seed, max_num_seqs=max_num_seqs,
             max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
-            device=self.device)
+            device=self.device, tensor_parallel_rank=req.tensor_parallel_rank,
+            tensor_parallel_size=max(req.tensor_parallel_size, 1),
+            distributed_init_method=req.distributed_init_method)
         r = self.runner
         self._loaded_key = weights_key(req)
         self.info = pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,

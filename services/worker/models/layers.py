@@ -2,7 +2,9 @@
 
 Projections are fused where HF keeps them apart (q/k/v into one `qkv_proj`, gate/up into
 one `gate_up_proj`): one matmul instead of three or two per layer. `load_weights` maps
-HF checkpoint names onto the fused parameters.
+HF checkpoint names onto the fused parameters. Under tensor parallelism each rank builds
+and loads only its shard (services/worker/parallel.py says how things split); with one rank
+the arithmetic is exactly the unsharded model's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.base import AttentionLayer
+from services.worker.parallel import (
+    all_gather_last_dim,
+    all_reduce,
+    column_range,
+    get_tp,
+    head_range,
+    kv_head_range,
+    vocab_range,
+)
 
 
 @dataclass
@@ -41,6 +52,34 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input columns are split across TP ranks: each rank's partial
+    product is summed by one all-reduce, then the (replicated) bias is added once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_tp().size == 1:
+            return super().forward(x)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each TP rank holds the rows of one vocabulary range; ids outside it contribute zeros
+    and one all-reduce assembles every token's row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        self.vocab_start, rows = vocab_range(vocab_size, get_tp())
+        super().__init__(rows, hidden_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp().size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        rows = F.embedding(torch.where(inside, local, 0), self.weight)
+        return all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
 
 
 class RotaryEmbedding(nn.Module):
@@ -82,14 +121,16 @@ class RotaryEmbedding(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, config, layer_idx: int, spec: DecoderSpec) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        tp = get_tp()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # This rank's heads (all of them with one rank): the first one's index and how many.
+        self.head_start, self.num_heads = head_range(config.num_attention_heads, tp)
+        self.kv_head_start, self.num_kv_heads = kv_head_range(config.num_key_value_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = spec.qkv_bias or getattr(config, "attention_bias", False)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.attn = AttentionLayer(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -112,10 +153,11 @@ class MLP(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported")
-        self.intermediate_size = config.intermediate_size
+        # This rank's slice of the intermediate columns (all of them with one rank).
+        self.intermediate_start, self.intermediate_size = column_range(config.intermediate_size, get_tp())
         bias = spec.mlp_bias or getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -154,12 +196,13 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.spec) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            # Same vocabulary rows as the embedding shard.
+            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         head_dim = self.layers[0].self_attn.head_dim
         rope_theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get(
             "rope_theta", 10000.0)
@@ -178,7 +221,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = all_gather_last_dim(F.linear(hidden, weight))
+        return logits[..., :self.config.vocab_size].float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -196,15 +240,40 @@ class DecoderForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
-            if shard is None:
-                param.copy_(tensor)
-            else:
-                param.narrow(0, *self._shard_range(target, shard)).copy_(tensor)
+            tensor = self._tp_slice(name, tensor)
+            if shard is not None:
+                param = param.narrow(0, *self._shard_range(target, shard))
+            if tensor.shape[0] < param.shape[0]:  # the last vocabulary shard's padding rows
+                param[tensor.shape[0]:].zero_()
+                param = param[:tensor.shape[0]]
+            param.copy_(tensor)
             loaded.add(f"{target}#{shard}")
         expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (the whole tensor with one rank)."""
+        tp = get_tp()
+        if tp.size == 1:
+            return tensor
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        d = attn.head_dim
+        if "embed_tokens." in name or "lm_head." in name:
+            start, rows = self.embed_tokens.vocab_start, self.embed_tokens.num_embeddings
+            return tensor[start:start + rows]
+        if ".q_proj." in name:
+            return tensor.narrow(0, attn.head_start * d, attn.q_size)
+        if ".k_proj." in name or ".v_proj." in name:
+            return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
+        if ".o_proj.weight" in name:
+            return tensor.narrow(1, attn.head_start * d, attn.q_size)
+        if ".gate_proj." in name or ".up_proj." in name:
+            return tensor.narrow(0, mlp.intermediate_start, mlp.intermediate_size)
+        if ".down_proj.weight" in name:
+            return tensor.narrow(1, mlp.intermediate_start, mlp.intermediate_size)
+        return tensor  # norms and row-parallel biases: every rank holds them whole
 
     def _shards_of(self, name: str) -> tuple:
         if "qkv_proj" in name:
@@ -218,7 +287,7 @@ class DecoderForCausalLM(nn.Module):
         if "qkv_proj" in name:
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [self.layers[0].mlp.intermediate_size] * 2
         return sum(sizes[:shard]), sizes[shard]
 
 

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
+from services.worker.parallel import check_divisible, get_tp
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -54,6 +55,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progres
     arch = archs[0]
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}")
+    check_divisible(config, get_tp().size)  # this rank builds and loads only its shard
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch](config)
     model = model.to_empty(device=device)
