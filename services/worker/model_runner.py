@@ -11,6 +11,7 @@ computed tokens catch up with their known tokens (a partial prefill chunk sample
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch

@@ -16,7 +16,9 @@ logger = logging.getLogger("myvllm.worker")
 
 # The LoadModelRequest fields the weights depend on: a LoadModel that changes none of them
 # keeps the loaded weights (a reconnecting scheduler, or one that only sizes the batch).
-WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend")
+# A new TP rank, group size or rendezvous means new shards and a new process group: a reload.
+WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_rank",
+                 "tensor_parallel_size", "distributed_init_method")
 DEFAULT_MAX_NUM_SEQS = 256
 MAX_INT32 = 2**31 - 1
 
