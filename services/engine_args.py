@@ -12,7 +12,7 @@ import argparse
 
 from services.common.config import DEFAULT_ENGINE_TIMEOUT_S
 
-MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend")
+MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling")
 
@@ -25,6 +25,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "cpu", "triton"],
                    help="default: triton on CUDA, cpu (C decode kernel) on CPU; torch when cpu cannot be built")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split each layer's heads and MLP columns (a worker started with T > 1 waits "
+                        "for its scheduler to assign its rank)")
 
 
 def add_scheduling_args(p: argparse.ArgumentParser) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -58,9 +60,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if root is not None and not os.path.isdir(root):
         return _fail(f"--allowed-model-root {root} is not a directory")
     load = pb.LoadModelRequest(model=model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len or 0,
-                               attention_backend=args.attention_backend or "")
+                               attention_backend=args.attention_backend or "",
+                               tensor_parallel_size=args.tensor_parallel_size)
+    # A tensor-parallel rank loads its shard once its scheduler says which rank it is.
     return _run_async(serve_worker(args.host, args.port, load, device=args.device,
-                                   token=token_from_env(args.internal_token), allowed_model_root=root))
+                                   preload=args.tensor_parallel_size <= 1, token=token_from_env(args.internal_token),
+                                   allowed_model_root=root))
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
@@ -164,22 +169,59 @@ def _forwarded_flags(args: argparse.Namespace, add_args) -> list[str]:
     return flags
 
 
-def _serve_commands(args: argparse.Namespace, model: str, worker_port: int, scheduler_port: int) -> list[tuple]:
-    """(name, command, health check) of each service, in start order."""
+def _redis_healthy(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1.0).ping())
+    except redis.exceptions.RedisError:
+        return False
+
+
+def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[list[int]],
+                    scheduler_ports: list[int], redis_port: int | None) -> list[tuple]:
+    """(name, command, health check) of each service, in start order: an embedded redis when
+    there are several replicas, then each replica's worker ranks and scheduler, then the gateway."""
     py = [sys.executable, "-m", "services.cli"]
+    services: list[tuple] = []
+    redis_url = args.redis
+    if redis_port is not None:
+        services.append(("redis", [shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
+                                   "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                         lambda: _redis_healthy(redis_port)))
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
     worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved default model
-    worker = py + ["worker", "--host", "127.0.0.1", "--port", str(worker_port)] \
-        + _forwarded_flags(worker_args, add_model_args)
-    scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
-                      "--workers", f"127.0.0.1:{worker_port}"] + _forwarded_flags(args, add_scheduling_args) \
-        + _forwarded_flags(args, add_engine_timeout_arg)
+    for replica, (ranks, scheduler_port) in enumerate(zip(worker_ports, scheduler_ports, strict=True)):
+        suffix = f"-{replica}" if len(scheduler_ports) > 1 else ""
+        for rank, port in enumerate(ranks):
+            name = f"worker{suffix}" + (f"-rank{rank}" if len(ranks) > 1 else "")
+            command = py + ["worker", "--host", "127.0.0.1", "--port", str(port)] \
+                + _forwarded_flags(worker_args, add_model_args)
+            services.append((name, command, functools.partial(_grpc_healthy, f"127.0.0.1:{port}", "worker")))
+        scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
+                          "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
+            + (["--redis", redis_url, "--engine-id", f"replica-{replica}"] if redis_url else []) \
+            + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_engine_timeout_arg)
+        services.append((f"scheduler{suffix}", scheduler,
+                         functools.partial(_grpc_healthy, f"127.0.0.1:{scheduler_port}", "scheduler")))
     gateway = py + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler",
-                    f"127.0.0.1:{scheduler_port}", "--model", model] \
+                    ",".join(f"127.0.0.1:{p}" for p in scheduler_ports), "--model", model] \
+        + (["--redis", redis_url] if redis_url else []) \
         + (["--served-model-name", args.served_model_name] if args.served_model_name else []) \
         + gateway_option_flags(args)
-    return [("worker", worker, lambda: _grpc_healthy(f"127.0.0.1:{worker_port}", "worker")),
-            ("scheduler", scheduler, lambda: _grpc_healthy(f"127.0.0.1:{scheduler_port}", "scheduler")),
-            ("gateway", gateway, lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health"))]
+    services.append(("gateway", gateway, lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health")))
+    return services
+
+
+def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
+    d, t = args.data_parallel_size, args.tensor_parallel_size
+    parts = [f"{d} engine replica{'s' if d > 1 else ''} (data parallel)",
+             f"{t} worker rank{'s' if t > 1 else ''} each (tensor parallel)"]
+    if redis_port is not None:
+        parts.append(f"redis on 127.0.0.1:{redis_port}")
+    elif args.redis:
+        parts.append(f"redis at {args.redis}")
+    return "topology: " + ", ".join(parts) + ", 1 gateway"
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -190,8 +232,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if not _port_free(args.host, args.port):
         return _fail(f"port {args.port} on {args.host} is already in use (pick another with --port)")
-    worker_port = args.worker_port or free_port()
-    scheduler_port = args.scheduler_port or free_port()
+    if args.data_parallel_size < 1 or args.tensor_parallel_size < 1:
+        return _fail("--data-parallel-size and --tensor-parallel-size must be at least 1")
+    if args.data_parallel_size > 1 and (args.worker_port or args.scheduler_port):
+        return _fail("--worker-port / --scheduler-port name one replica's ports; leave them out with "
+                     "--data-parallel-size > 1")
+    if args.data_parallel_size > 1 and not args.redis and shutil.which("redis-server") is None:
+        return _fail("--data-parallel-size > 1 starts a redis-server (none on PATH; `make setup` installs it) "
+                     "unless --redis URL names one")
+    # Replica r's workers (rank order) and scheduler; --worker-port is rank 0's, the others follow it.
+    base_worker_port = args.worker_port
+    worker_ports = [[base_worker_port + rank if base_worker_port else free_port()
+                     for rank in range(args.tensor_parallel_size)] for _ in range(args.data_parallel_size)]
+    scheduler_ports = [args.scheduler_port or free_port() for _ in range(args.data_parallel_size)]
+    redis_port = free_port() if args.data_parallel_size > 1 and not args.redis else None
     # One secret per run, shared by the three services (and this process's health checks)
     # through the environment, so it never shows in `ps`.
     os.environ[TOKEN_ENV] = args.internal_token or token_from_env() or secrets.token_urlsafe(32)
@@ -201,7 +255,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # `kill` (SIGTERM) stops the children too, exactly like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        for name, command, healthy in _serve_commands(args, model, worker_port, scheduler_port):
+        print(_topology(args, redis_port), flush=True)
+        for name, command, healthy in _serve_commands(args, model, worker_ports, scheduler_ports, redis_port):
             services.append(ServiceProcess(name, command, env=gateway_env if name == "gateway" else None))
             services[-1].start()
             _wait_healthy(services, healthy, name, args.startup_timeout)
@@ -257,7 +312,8 @@ def add_subcommands(sub) -> None:
     s = sub.add_parser("scheduler", help="run a scheduler service (queues, KV block accounting)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, required=True)
-    s.add_argument("--workers", required=True, help="worker address host:port (one; TP is not implemented)")
+    s.add_argument("--workers", required=True,
+                   help="worker address host:port; several (comma-separated, in rank order) = tensor-parallel ranks")
     s.add_argument("--redis", default=None, help="redis URL to publish this replica's load to (DP routing)")
     s.add_argument("--engine-id", default=None, help="this replica's name in redis (default: its address)")
     s.add_argument("--advertise-address", default=None,
@@ -283,8 +339,14 @@ def add_subcommands(sub) -> None:
     v = sub.add_parser("serve", help="start worker, scheduler and gateway locally and serve the OpenAI API")
     v.add_argument("--host", default="127.0.0.1", help="address the gateway binds (the other services: loopback)")
     v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--worker-port", type=int, default=None)
+    v.add_argument("--worker-port", type=int, default=None,
+                   help="the worker's port (rank 0's with tensor parallelism; the other ranks take the next ones)")
     v.add_argument("--scheduler-port", type=int, default=None)
+    v.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (each a scheduler and its worker ranks); with more than one, serve starts "
+                        "a redis-server for their load (or uses --redis) and the gateway routes between them")
+    v.add_argument("--redis", default=None, help="redis URL for the replicas' load (default: an embedded redis-server "
+                                                 "when --data-parallel-size > 1)")
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--startup-timeout", type=float, default=300.0)
     add_engine_timeout_arg(v)

@@ -18,12 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Mesh:
-    def __init__(self, extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 one_replica: bool = True) -> None:
+        """`one_replica`: serve picks a known scheduler port (`scheduler_port`); off for
+        --data-parallel-size > 1, where serve picks every replica's ports itself."""
         self.port = free_port()
-        self.scheduler_port = free_port()
+        self.scheduler_port = free_port() if one_replica else None
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
-               "--scheduler-port", str(self.scheduler_port), *(extra_args or [])]
+               *(["--scheduler-port", str(self.scheduler_port)] if one_replica else []), *(extra_args or [])]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
         self.banner: list[str] = []

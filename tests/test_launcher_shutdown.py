@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.launcher import _drain_gateway, _stop_all
+from services.launcher import _drain_gateway
+from services.supervisor import ServiceProcess, stop_all
 
 # Records when it got SIGTERM, takes `delay` seconds to finish (a gateway draining), then exits.
 CHILD = """
@@ -25,22 +26,21 @@ while True:
 """
 
 
-def _child(tmp_path: Path, name: str, delay: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / name), str(delay)],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
+def _child(tmp_path: Path, name: str, delay: float) -> ServiceProcess:
+    service = ServiceProcess(name, [sys.executable, "-c", CHILD, str(tmp_path / name), str(delay)])
+    service.proc = subprocess.Popen(service.command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert service.proc.stdout.readline().strip() == "ready"
+    return service
 
 
 def test_the_gateway_drains_before_the_engine_is_stopped(tmp_path: Path) -> None:
-    procs = [("worker", _child(tmp_path, "worker", 0.0)), ("scheduler", _child(tmp_path, "scheduler", 0.0)),
-             ("gateway", _child(tmp_path, "gateway", 1.0))]
+    services = [_child(tmp_path, "worker", 0.0), _child(tmp_path, "scheduler", 0.0), _child(tmp_path, "gateway", 1.0)]
     started = time.monotonic()
-    _drain_gateway(procs, shutdown_timeout_s=5)
+    _drain_gateway(services, shutdown_timeout_s=5)
     gateway_done = time.time()
-    assert procs[2][1].poll() == 0 and time.monotonic() - started >= 1.0  # it was waited for
+    assert services[2].exit_code == 0 and time.monotonic() - started >= 1.0  # it was waited for
     assert not (tmp_path / "scheduler").exists() and not (tmp_path / "worker").exists()  # untouched meanwhile
-    _stop_all(procs)
+    stop_all(services)
     for name in ("scheduler", "worker"):
         assert float((tmp_path / name).read_text()) >= float((tmp_path / "gateway").read_text()) + 1.0
         assert float((tmp_path / name).read_text()) >= gateway_done - 0.05

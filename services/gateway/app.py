@@ -118,7 +118,8 @@ def create_app(
     async def metrics(request: Request) -> Response:
         ctx = _ctx(request)
         stats = await ctx.router.stats()  # None when no scheduler answers: still the gateway's own histograms
-        return PlainTextResponse(ctx.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(ctx.metrics.render(stats, ctx.router.routed),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

@@ -10,6 +10,7 @@ import bisect
 import math
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 
 from services.common.proto import myvllm_pb2 as pb
 
@@ -87,8 +88,9 @@ class GatewayMetrics:
     def timer(self, arrival_time: float) -> RequestTimer:
         return RequestTimer(self, arrival_time)
 
-    def render(self, stats: pb.Stats | None) -> str:
-        """The exposition text; scheduler gauges and counters only if `stats` came back."""
+    def render(self, stats: pb.Stats | None, routed: Mapping[str, int] | None = None) -> str:
+        """The exposition text; scheduler gauges and counters only if `stats` came back;
+        engine requests routed to each replica (by address) when `routed` is given."""
         lines: list[str] = []
         labels = self.labels
         if stats is not None:
@@ -113,6 +115,11 @@ class GatewayMetrics:
                          f"{self.request_success[reason]}")
         lines += _single("myvllm:request_migrations_total", "counter", "Requests re-submitted to a replica "
                          "after theirs failed (request migration).", self.request_migrations, labels)
+        if routed:
+            lines += ["# HELP myvllm:replica_requests_total Engine requests routed to each replica.",
+                      "# TYPE myvllm:replica_requests_total counter"]
+            lines += [f"myvllm:replica_requests_total{_labels({**labels, 'replica': address})} {count}"
+                      for address, count in sorted(routed.items())]
         for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency):
             lines += histogram.render(labels)
         return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -69,6 +70,9 @@ class ReplicaRouter:
         self._client_kwargs = {"token": internal_token} if internal_token else {}
         self.refresh_interval_s = refresh_interval_s
         self.replicas: dict[str, Replica] = {}
+        # Engine requests routed to each replica since start (for /metrics): never reset, so a
+        # replica that left and came back keeps its count.
+        self.routed: Counter[str] = Counter()
         for address in addresses:
             self._add(address, static=True)
         self._redis = None
@@ -104,6 +108,7 @@ class ReplicaRouter:
     def note_sent(self, replica: Replica) -> None:
         """Count a request routed to `replica` (until its next load update)."""
         replica.sent_since_update += 1
+        self.routed[replica.address] += 1
         if self.replicas.get(replica.address) is replica:
             self.replicas.pop(replica.address)
             self.replicas[replica.address] = replica  # move to the end: round-robin among equals

@@ -29,6 +29,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.load_reporter import LoadReporter
+from services.scheduler.worker_group import WorkerGroup
 from services.scheduler.worker_link import DEFAULT_ENGINE_TIMEOUT_S, WorkerFault, WorkerLink
 
 logger = logging.getLogger("myvllm.scheduler")
@@ -51,7 +52,8 @@ IDLE_PROBE_S = 2.0
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, config: EngineConfig, worker: WorkerLink, load_reporter: LoadReporter | None = None) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerLink | WorkerGroup,
+                 load_reporter: LoadReporter | None = None) -> None:
         self.config = config
         self.worker = worker
         self.core: EngineCore | None = None
@@ -284,13 +286,16 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
                           redis_url: str | None = None, engine_id: str | None = None,
                           connect_timeout: float = 120.0, advertise_address: str | None = None,
                           token: str | None = None, engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S) -> None:
-    if len(worker_addresses) != 1:
-        raise StartupError("scheduler: exactly one worker is supported (tensor parallelism is not implemented)")
+    if not worker_addresses:
+        raise StartupError("scheduler: give at least one worker address (several = tensor-parallel ranks)")
     if engine_timeout <= 0:
         raise StartupError(f"scheduler: --engine-timeout must be positive, got {engine_timeout}")
-    worker = WorkerLink(worker_addresses[0], token=token, engine_timeout=engine_timeout)
-    await worker.connect(connect_timeout)
     address = advertise_address or advertised_address(host, port)
+    # Several workers are one engine's tensor-parallel ranks, in rank order; they rendezvous at
+    # a store this scheduler hosts, on the host they reach it by.
+    worker = WorkerGroup([WorkerLink(a, token=token, engine_timeout=engine_timeout) for a in worker_addresses],
+                         rendezvous_host=host, advertise_host=address.rpartition(":")[0])
+    await worker.connect(connect_timeout)
     reporter = LoadReporter(redis_url, engine_id or address, address) if redis_url else None
     servicer = SchedulerServicer(config, worker, reporter)
     server = grpc_utils.server(server_interceptors(token))

@@ -49,14 +49,22 @@ class WorkerLink:
         """LoadModel (sizes the worker's batch; the weights are the worker's own), size and
         allocate the KV cache. Returns the model info and the number of KV blocks.
         Raises grpc.aio.AioRpcError, or ValueError when the budget is too small."""
-        md = self.metadata
-        info = await self.stub.LoadModel(worker_load_request(config), timeout=SETUP_TIMEOUT_S, metadata=md,
-                                         wait_for_ready=True)
-        capacity = await self.stub.GetKVCapacity(kv_capacity_request(config), timeout=UNARY_TIMEOUT_S, metadata=md)
-        num_blocks = choose_num_blocks(config, capacity, info.max_model_len)
-        await self.stub.InitKVCache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=config.block_size),
-                                    timeout=SETUP_TIMEOUT_S, metadata=md)
+        info = await self.load_model(worker_load_request(config))
+        num_blocks = choose_num_blocks(config, await self.kv_capacity(config), info.max_model_len)
+        await self.init_kv_cache(config, num_blocks)
         return info, num_blocks
+
+    async def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
+        return await self.stub.LoadModel(request, timeout=SETUP_TIMEOUT_S, metadata=self.metadata,
+                                         wait_for_ready=True)
+
+    async def kv_capacity(self, config: EngineConfig) -> pb.KVCapacity:
+        return await self.stub.GetKVCapacity(kv_capacity_request(config), timeout=UNARY_TIMEOUT_S,
+                                             metadata=self.metadata)
+
+    async def init_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
+        await self.stub.InitKVCache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=config.block_size),
+                                    timeout=SETUP_TIMEOUT_S, metadata=self.metadata)
 
     async def send(self, so: pb.SchedulerOutput) -> None:
         if self.stream is None:

@@ -1,0 +1,80 @@
+"""The tensor-parallel ranks of one engine, behind `WorkerLink`'s interface.
+
+The scheduler stays the only owner of KV block accounting: every rank holds the same block
+ids for its own shard of the KV heads, so every step (the same `SchedulerOutput`) goes to
+every rank. Rank 0's answer is the step's; the other ranks' answers are read too, so their
+streams keep flowing and a rank that fails or dies is noticed at once (any rank's fault is
+the engine's fault: the ranks share every collective).
+
+Set-up: the ranks rendezvous at a store this scheduler hosts (services/worker/parallel.py),
+each LoadModel naming its rank, the group size and this set-up's generation; the KV cache
+gets the blocks that fit on the fullest rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from services.common.config import EngineConfig
+from services.common.proto import myvllm_pb2 as pb
+from services.scheduler.engine_core import choose_num_blocks
+from services.scheduler.worker_link import WorkerLink, worker_load_request
+
+
+async def _all(awaitables: list[Awaitable]) -> list:
+    """Await all; on the first failure cancel the rest (a rank blocked in a rendezvous or a
+    stream read whose peer failed would otherwise wait out its deadline) and raise it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+class WorkerGroup:
+    def __init__(self, links: list[WorkerLink], rendezvous_host: str = "127.0.0.1",
+                 advertise_host: str | None = None) -> None:
+        self.links = links
+        self.address = ",".join(link.address for link in links)
+        self.rendezvous = None
+        if len(links) > 1:
+            # torch only where there are ranks to join: a one-worker scheduler never imports it.
+            from services.worker.parallel import RendezvousStore
+
+            self.rendezvous = RendezvousStore(rendezvous_host, advertise_host)
+
+    async def connect(self, timeout: float) -> None:
+        await _all([link.connect(timeout) for link in self.links])
+
+    async def set_up(self, config: EngineConfig) -> tuple[pb.ModelInfo, int]:
+        if self.rendezvous is None:
+            return await self.links[0].set_up(config)
+        init_method = self.rendezvous.next_init_method()
+        requests = []
+        for rank in range(len(self.links)):
+            request = worker_load_request(config)
+            request.tensor_parallel_rank, request.tensor_parallel_size = rank, len(self.links)
+            request.distributed_init_method = init_method
+            requests.append(request)
+        infos = await _all([link.load_model(r) for link, r in zip(self.links, requests, strict=True)])
+        capacities = await _all([link.kv_capacity(config) for link in self.links])
+        smallest = min(capacities, key=lambda c: c.num_blocks)
+        num_blocks = choose_num_blocks(config, smallest, infos[0].max_model_len)
+        await _all([link.init_kv_cache(config, num_blocks) for link in self.links])
+        return infos[0], num_blocks
+
+    async def send(self, so: pb.SchedulerOutput) -> None:
+        await _all([link.send(so) for link in self.links])
+
+    async def receive(self) -> pb.ModelRunnerOutput:
+        return (await _all([link.receive() for link in self.links]))[0]
+
+    async def probe(self) -> None:
+        await _all([link.probe() for link in self.links])
+
+    def reset(self) -> None:
+        for link in self.links:
+            link.reset()
