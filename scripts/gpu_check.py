@@ -413,7 +413,8 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: st
     return outs, all_logits
 
 
-def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool = True) -> bool | None:
+def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool = True,
+                        tensor_parallel_size: int = 1) -> bool | None:
     """None: skipped (the engine does not import here)."""
     why = engine_import_error()
     if why is None and not try_import("transformers")[0]:
@@ -439,9 +440,13 @@ def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool 
     max_new = 4 if quick else 24
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype="float32", attention_backend="triton", block_size=16, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=1 << 30, max_model_len=1024, enable_prefix_caching=True, seed=0)
+              kv_cache_memory_bytes=1 << 30, max_model_len=1024, enable_prefix_caching=True, seed=0,
+              tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.close()
     got = [list(o.outputs[0].token_ids) for o in outs]
     del llm
     if not try_import("transformers")[0]:
@@ -449,7 +454,8 @@ def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool 
         return None
     want, logits = hf_greedy(model_dir, prompts, max_new, device)
     ok = compare_greedy("engine vs HF", got, want, logits)
-    say(f"  engine level, {label}: LLM(attention_backend='triton') vs HF transformers, {len(prompts)} prompts x "
+    tp = f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    say(f"  engine level, {label}: LLM(attention_backend='triton'{tp}) vs HF transformers, {len(prompts)} prompts x "
         f"{max_new} tokens, {'equal' if ok else 'DIFFERENT'} ({time.perf_counter() - t0:.1f} s)")
     return ok
 
@@ -470,6 +476,23 @@ def stage_greedy(args: argparse.Namespace) -> int:
     if engine_ok is False:
         ok = False
     say(f"greedy: {'PASS' if ok else 'FAIL'}" + (" (model level only)" if engine_ok is None else ""))
+    return 0 if ok else 1
+
+
+def stage_tp2(args: argparse.Namespace) -> int:
+    """Tensor parallelism over NCCL: LLM(tensor_parallel_size=2), one rank per GPU, vs HF."""
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        say(f"tp2: SKIPPED, tensor parallelism over NCCL needs two GPUs and this machine has {count}")
+        return SKIP
+    torch.set_float32_matmul_precision("highest")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        ok = engine_level_greedy("cuda", args.quick, Path(tmp), use_smollm2=not args.no_smollm2,
+                                 tensor_parallel_size=2)
+    if ok is None:
+        return SKIP
+    say(f"tp2: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
@@ -551,7 +574,7 @@ def stage_throughput(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["probe", "kernels", "greedy", "throughput"])
+    ap.add_argument("stage", choices=["probe", "kernels", "greedy", "tp2", "throughput"])
     ap.add_argument("--device", default=None, help="force a device (e.g. cpu with TRITON_INTERPRET=1, for testing)")
     ap.add_argument("--interpret", action="store_true", help="kernels: run under TRITON_INTERPRET=1 even with CUDA")
     ap.add_argument("--quick", action="store_true", help="greedy: fewer, shorter prompts")
@@ -565,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-gib", type=int, default=64)
     args = ap.parse_args(argv)
-    stage = {"probe": stage_probe, "kernels": stage_kernels, "greedy": stage_greedy,
+    stage = {"probe": stage_probe, "kernels": stage_kernels, "greedy": stage_greedy, "tp2": stage_tp2,
              "throughput": stage_throughput}[args.stage]
     try:
         return stage(args)

@@ -5,9 +5,11 @@
 #   (a) kernels     tests/test_triton_kernels.py compiled on CUDA (TRITON_INTERPRET unset)
 #   (b) greedy      paged model + Triton attention vs a dense pure-torch reference (always), and the
 #                   engine vs HF transformers (where the engine and transformers import)
-#   (c) throughput  Qwen3-0.6B-shaped random weights, 256 requests, lengths 100..1024, output tok/s
+#   (c) tp2         LLM(tensor_parallel_size=2) over NCCL vs HF transformers, when two GPUs are
+#                   present (says so and skips otherwise)
+#   (d) throughput  Qwen3-0.6B-shaped random weights, 256 requests, lengths 100..1024, output tok/s
 #
-# Each stage runs under `timeout` (30 + 100 + 110 + 220 s: inside 8 minutes). A stage whose packages are
+# Each stage runs under `timeout` (30 + 100 + 110 + 90 + 220 s: inside 9 minutes). A stage whose packages are
 # missing says which and is skipped; a failing or timed-out stage makes the script exit non-zero.
 # Without CUDA it runs the kernel tests under TRITON_INTERPRET=1 only.
 set -u
@@ -86,6 +88,7 @@ run_stage() {  # name, timeout in seconds, gpu_check.py arguments...
 
 run_stage kernels 100 kernels
 run_stage greedy 110 greedy
+run_stage tp2 90 tp2 --quick
 run_stage throughput 220 throughput
 echo "[gpu-check] ===== summary"
 printf '%s' "$SUMMARY"

@@ -74,6 +74,10 @@ class ModelRunner:
         self.seed = seed
         self.dtype = resolve_dtype(dtype)
         self.model_dir = check_model_dir(model_dir)
+        if self.device.type == "cuda" and tensor_parallel_size > 1 and self.device.index is None:
+            # One GPU per rank on a machine with several (NCCL refuses two ranks on one device).
+            self.device = torch.device("cuda", tensor_parallel_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         # Joins the TP group (if any) first: the model builds only this rank's shard.
         init_tensor_parallel(tensor_parallel_rank, tensor_parallel_size, distributed_init_method, self.device)
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
