@@ -85,6 +85,16 @@ class Deployment:
                 return float(line.rpartition(" ")[2])
         raise AssertionError(f"no metric {name}")
 
+    def assert_idle(self, timeout_s: float = 30) -> None:
+        """/metrics (summed over the replicas) settles at nothing running and no KV in use."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            running, usage = self.metric("myvllm:num_requests_running"), self.metric("myvllm:kv_cache_usage_perc")
+            if running == 0 and usage == 0:
+                return
+            assert time.monotonic() < deadline, f"after the fault: {running} running, KV usage {usage}"
+            time.sleep(0.25)
+
     def gateway_rss_mb(self) -> float:
         with open(f"/proc/{self.gateway.pid}/status") as status:
             line = next(line for line in status if line.startswith("VmRSS:"))
@@ -198,7 +208,9 @@ def test_scheduler_killed_mid_stream(deployment: Deployment, no_fault_texts: lis
         deployment.replicas[0].scheduler.send_signal(signal.SIGKILL)
 
     _streams_through_a_fault(deployment, no_fault_texts, kill_scheduler_of_replica_0)
+    deployment.assert_idle()  # the surviving replica finished and freed everything
     deployment.restart_replica(0)
+    deployment.assert_idle()
 
 
 def test_worker_killed_mid_stream(deployment: Deployment, no_fault_texts: list[str]) -> None:
@@ -208,7 +220,9 @@ def test_worker_killed_mid_stream(deployment: Deployment, no_fault_texts: list[s
         deployment.replicas[1].worker.send_signal(signal.SIGKILL)
 
     _streams_through_a_fault(deployment, no_fault_texts, kill_worker_of_replica_1)
+    deployment.assert_idle()
     deployment.restart_replica(1)
+    deployment.assert_idle()
 
 
 def test_redis_killed_routing_goes_on_and_recovers(deployment: Deployment, no_fault_texts: list[str]) -> None:
@@ -229,6 +243,7 @@ def test_redis_killed_routing_goes_on_and_recovers(deployment: Deployment, no_fa
     assert texts == no_fault_texts[:4]
     deployment.wait_routed()  # the schedulers publish again and the gateway routes by it
     assert _complete(client, STREAM_PROMPTS[0]) == no_fault_texts[0]
+    deployment.assert_idle()
 
 
 def test_n_seeded_choices_distinct_reproducible_and_as_offline(deployment: Deployment, smollm2_dir: str) -> None:
