@@ -18,12 +18,13 @@ from services.common.proto import myvllm_pb2 as pb
 from services.worker.parallel import RendezvousStore, destroy_tensor_parallel
 from services.worker.worker import Worker
 
-# Each call's proto type, so the child can parse what the pipe carries.
+# Each call's proto type, so the child can parse what the pipe carries (None: no argument).
 _REQUEST_TYPES = {
     "load_model": pb.LoadModelRequest,
     "get_kv_capacity": pb.KVCapacityRequest,
     "init_kv_cache": pb.InitKVCacheRequest,
     "execute": pb.SchedulerOutput,
+    "reset_batch": None,
 }
 
 
@@ -38,7 +39,9 @@ def _rank_main(conn: Connection, device: str | None) -> None:
         if method == "stop":
             return
         try:
-            getattr(worker, method)(_REQUEST_TYPES[method].FromString(payload))
+            request_type = _REQUEST_TYPES[method]
+            call = getattr(worker, method)
+            call() if request_type is None else call(request_type.FromString(payload))
             conn.send(None)
         except Exception as e:  # reported to rank 0, which raises it
             conn.send(f"{type(e).__name__}: {e}")
@@ -70,11 +73,12 @@ class TensorParallelWorkers:
         """Send each child its request, run rank 0's, then collect every child's answer."""
         for rank, (conn, request) in enumerate(zip(self.conns, requests, strict=True), start=1):
             try:
-                conn.send((method, request.SerializeToString()))
+                conn.send((method, b"" if request is None else request.SerializeToString()))
             except (BrokenPipeError, OSError):
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone") from None
         try:
-            result = getattr(self.local, method)(local_request)
+            call = getattr(self.local, method)
+            result = call() if local_request is None else call(local_request)
         except BaseException:
             # The children may be blocked in a collective rank 0 never reached: they cannot
             # be trusted to answer, and the group is broken anyway.
@@ -111,6 +115,10 @@ class TensorParallelWorkers:
 
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
         return self._mirror("execute", [so] * len(self.conns), so)
+
+    def reset_batch(self) -> None:
+        """Every rank forgets every request (after a failed step)."""
+        self._mirror("reset_batch", [None] * len(self.conns), None)
 
     def close(self, graceful: bool = True) -> None:
         for conn in self.conns if graceful else ():
