@@ -10,7 +10,9 @@ import sys
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine arguments, with vLLM's flag names."""
     p.add_argument("--model", default=None, help="HF model directory (default: the converted SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX), "
+                        "float32 on other CPUs, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

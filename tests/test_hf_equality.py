@@ -123,7 +123,9 @@ def test_greedy_matches_hf(request: pytest.FixtureRequest, hf_cache: dict, model
     expected = _reference(hf_cache, model_dir, prompts)
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    llm = LLM(model_dir, seed=0, block_size=BLOCK_SIZE, **_engine_args(config, prompts, len(shared_idx)))
+    # fp32 explicitly: the default dtype ("auto") is bf16 on CPUs with bf16 instructions.
+    llm = LLM(model_dir, seed=0, dtype="float32", block_size=BLOCK_SIZE,
+              **_engine_args(config, prompts, len(shared_idx)))
     try:
         if config == "prefix":
             # One request computes the shared prefix first; its blocks stay cached once it is done.

@@ -50,7 +50,7 @@ def _eos_token_ids(model_dir: str, config) -> list[int]:
 class ModelRunner:
     """Owns the weights, the paged KV tensors, the persistent batch and the sampler."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0, max_num_seqs: int = 256,
+    def __init__(self, model_dir: str, dtype: str = "auto", seed: int = 0, max_num_seqs: int = 256,
                  max_model_len: int | None = None, attention_backend: str | None = None,
                  device: str | None = None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -58,7 +58,7 @@ class ModelRunner:
             torch.set_num_threads(int(os.environ.get("MYVLLM_NUM_THREADS", os.cpu_count() or 1)))
         torch.manual_seed(seed)
         self.seed = seed
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir = check_model_dir(model_dir)
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
         self.vocab_size = self.config.vocab_size

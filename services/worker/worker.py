@@ -17,7 +17,7 @@ class Worker:
 
     def load_model(self, req: pb.LoadModelRequest) -> pb.ModelInfo:
         self.runner = ModelRunner(
-            req.model, dtype=req.dtype or "float32", seed=req.seed, max_num_seqs=req.max_num_seqs or 256,
+            req.model, dtype=req.dtype or "auto", seed=req.seed, max_num_seqs=req.max_num_seqs or 256,
             max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
             device=self.device)
         r = self.runner
