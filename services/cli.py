@@ -28,12 +28,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="keep two steps in flight (default: on for CUDA, off on CPU)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    p.add_argument("--compile", dest="compile_model", action="store_true",
+                   help="CPU: compile the model's forward with torch.compile (inductor; opt-in: the first start "
+                        "compiles for minutes; see BENCHMARKS.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model", "dtype", "seed", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
             "enable_prefix_caching", "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy",
-            "attention_backend", "async_scheduling")
+            "attention_backend", "async_scheduling", "compile_model")
     return {k: getattr(args, k) for k in keys if hasattr(args, k)}
 
 

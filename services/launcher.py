@@ -48,7 +48,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         return _fail(str(e))
     load = pb.LoadModelRequest(model=model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len or 0,
-                               attention_backend=args.attention_backend or "", max_num_seqs=args.max_num_seqs)
+                               attention_backend=args.attention_backend or "", max_num_seqs=args.max_num_seqs,
+                               compile_model=getattr(args, "compile_model", False))
     return _run_async(serve_worker(args.host, args.port, load, device=args.device))
 
 
@@ -148,6 +149,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine_flags += ["--max-model-len", str(args.max_model_len)]
     if args.attention_backend:
         engine_flags += ["--attention-backend", args.attention_backend]
+    if getattr(args, "compile_model", False):
+        engine_flags.append("--compile")
     sched_flags = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
                    "--scheduling-policy", args.scheduling_policy]
     if not args.enable_prefix_caching:

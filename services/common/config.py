@@ -109,6 +109,9 @@ class EngineConfig:
     attention_backend: str | None = None
     # None: on where the worker runs on CUDA, off on CPU (see resolve_async_scheduling).
     async_scheduling: bool | None = None
+    # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
+    # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
+    compile_model: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None:

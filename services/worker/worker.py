@@ -19,7 +19,7 @@ class Worker:
         self.runner = ModelRunner(
             req.model, dtype=req.dtype or "auto", seed=req.seed, max_num_seqs=req.max_num_seqs or 256,
             max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
-            device=self.device)
+            device=self.device, compile_model=req.compile_model)
         r = self.runner
         return pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
                             eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
