@@ -73,6 +73,9 @@ def peer_env(python: str, threads: int, kv_cache_bytes: int) -> dict[str, str]:
     same KV budget, and its documented preloads."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # our packages must not shadow the peer venv's
+    # vLLM sets up its own OpenMP runtime (libiomp5, KMP_BLOCKTIME); ours (services/__init__.py)
+    # must not leak into it.
+    env.pop("GOMP_SPINCOUNT", None)
     env.update({
         "VLLM_CPU_OMP_THREADS_BIND": cpu_bind_list(threads),
         # vLLM's CPU KV budget is whole GiB; ours defaults to 2 GiB.
