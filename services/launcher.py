@@ -61,7 +61,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return _fail(f"--allowed-model-root {root} is not a directory")
     load = pb.LoadModelRequest(model=model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len or 0,
                                attention_backend=args.attention_backend or "",
-                               tensor_parallel_size=args.tensor_parallel_size)
+                               tensor_parallel_size=args.tensor_parallel_size, compile_model=args.compile_model)
     # A tensor-parallel rank loads its shard once its scheduler says which rank it is.
     return _run_async(serve_worker(args.host, args.port, load, device=args.device,
                                    preload=args.tensor_parallel_size <= 1, token=token_from_env(args.internal_token),

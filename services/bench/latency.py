@@ -15,6 +15,8 @@ from typing import Any
 from services.bench.workload import BenchRequest, Peer, PeerSpec, SamplingKnobs, format_table, run_peer, torch_threads
 
 RATIO_LABEL = "ratio hf / my-vllm (inter-token latency)"
+# Ratios against the rivals come before the HF one (which stays the report's last line).
+RIVALS = ("llama.cpp", "vllm")
 
 
 @dataclass(frozen=True)
@@ -72,22 +74,27 @@ def benchmark(prompts: Sequence[list[int]], output_len: int, num_iters: int, kno
     return [run_peer(spec, warmup, knobs, measure) for spec in peers]
 
 
-def ratio(results: Sequence[LatencyResult]) -> float | None:
-    """HF's mean inter-token latency over my-vllm's (>1: my-vllm is faster; None without both)."""
+def ratio(results: Sequence[LatencyResult], other: str = "hf") -> float | None:
+    """`other`'s mean inter-token latency over my-vllm's (>1: my-vllm is faster; None without both)."""
     by_name = {r.peer: r for r in results}
-    if "my-vllm" not in by_name or "hf" not in by_name:
+    if "my-vllm" not in by_name or other not in by_name:
         return None
-    return by_name["hf"].mean_itl_s / by_name["my-vllm"].mean_itl_s
+    return by_name[other].mean_itl_s / by_name["my-vllm"].mean_itl_s
 
 
 def report(results: Sequence[LatencyResult]) -> str:
-    """The table (means over iterations), then (when HF ran) the ratio as the last line."""
+    """The table (means over iterations), the ratios against llama.cpp and vLLM when they ran, then
+    (when HF ran) the HF ratio as the last line."""
     header = ["peer", "input len", "output len", "iters", "TTFT ms", "E2E ms", "ITL ms", "decode tok/s", "threads"]
     rows = [[r.peer, r.input_len, r.output_len, len(r.ttft_s), f"{r.mean_ttft_s * 1e3:.1f}",
              f"{r.mean_e2e_s * 1e3:.1f}", f"{r.mean_itl_s * 1e3:.2f}",
              f"{1 / r.mean_itl_s:.1f}" if r.mean_itl_s > 0 else "n/a", r.threads]
             for r in results]
     text = format_table(header, rows)
+    for rival in RIVALS:
+        rival_ratio = ratio(results, rival)
+        if rival_ratio is not None:
+            text += f"\nratio {rival} / my-vllm (inter-token latency): {rival_ratio:.2f}"
     value = ratio(results)
     if value is not None:
         text += f"\n{RATIO_LABEL}: {value:.2f}"

@@ -3,9 +3,11 @@
 Starts `myvllm serve` (worker, scheduler, gateway as processes) unless `--base-url` names
 a running server, streams the random-token workload through `/v1/completions` at each
 concurrency level, and reports request throughput, output tok/s and TTFT / ITL / E2E
-p50 and p99. Then, in the same run and on the same workload, the offline `LLM` (the mesh's
-cost is the gap between the two) and HF transformers' static batch; a PNG plots
-throughput against latency over the sweep. The last line is the ratio against HF.
+p50 and p99. With `--vllm`, `vllm serve` (the peer venv of `make peer-vllm`, its threads bound
+to the same cores) gets the same workload at the same levels. Then, in the same run and on the
+same workload, the offline `LLM` (the mesh's cost is the gap between the two) and HF
+transformers' static batch; a PNG plots throughput against latency over the sweep. The last
+line is the ratio against vLLM (with --vllm), else against HF.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from services.bench.workload import (
     log,
     model_vocab_size,
     random_requests,
+    resolve_bench_dtype,
     run_peer,
+    torch_threads,
     warmup_request,
     write_json,
 )
@@ -83,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default="bench_serve.png", help="PNG of throughput against latency ('' = none)")
     p.add_argument("--no-offline", action="store_true", help="skip the in-process LLM on the same workload")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--vllm", action="store_true",
+                   help="also serve the workload with `vllm serve` (the .venv-vllm of `make peer-vllm`)")
     p.add_argument("--json", metavar="PATH", default=None)
     add_engine_args(p)
 
@@ -114,12 +120,13 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
     result.output_tokens += tokens
 
 
-async def _run_level(base_url: str, requests: list[BenchRequest], concurrency: int) -> ServeResult:
+async def _run_level(base_url: str, requests: list[BenchRequest], concurrency: int,
+                     name: str = "my-vllm serve") -> ServeResult:
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
         url = f"{base_url}/v1/completions"
-        result = ServeResult("my-vllm serve", concurrency, 0.0, len(requests), 0)
+        result = ServeResult(name, concurrency, 0.0, len(requests), 0)
         queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
         for r in requests:
             queue.put_nowait(r)
@@ -187,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from services.common.config import default_model_path
 
     model_dir = args.model or default_model_path()
+    args.dtype = resolve_bench_dtype(args.dtype)
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     requests = random_requests(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len_min,
                                args.output_len_max, model_vocab_size(model_dir), args.seed)
@@ -205,9 +213,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if proc is not None:
             _stop_mesh(proc)  # free the CPU for the in-process peers below
+    vllm_results = _serve_vllm(args, model_dir, requests, warmup, levels) if args.vllm else []
     rows = [[f"{r.name} c={r.concurrency}", f"{r.request_s:.2f}", f"{r.output_tok_s:.1f}",
              f"{r.pct(r.ttft_s, 50):.0f}", f"{r.pct(r.ttft_s, 99):.0f}", f"{r.pct(r.itl_s, 50):.1f}",
-             f"{r.pct(r.itl_s, 99):.1f}", f"{r.pct(r.e2e_s, 50):.0f}", f"{r.pct(r.e2e_s, 99):.0f}"] for r in results]
+             f"{r.pct(r.itl_s, 99):.1f}", f"{r.pct(r.e2e_s, 50):.0f}", f"{r.pct(r.e2e_s, 99):.0f}"]
+            for r in results + vllm_results]
     knobs = SamplingKnobs()
     peers: dict[str, float] = {}
     total_out = sum(r.output_len for r in requests)
@@ -235,10 +245,35 @@ def run(args: argparse.Namespace) -> int:
         _plot(results, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        write_json(args.json, {"levels": [r.to_dict() for r in results], "peers_output_tok_s": peers})
+        write_json(args.json, {"levels": [r.to_dict() for r in results + vllm_results], "peers_output_tok_s": peers})
     for name, tok_s in peers.items():
         if name.startswith("my-vllm offline"):
             print(f"mesh c={compared.concurrency} / offline LLM (output tok/s): {compared.output_tok_s / tok_s:.2f}")
     if "hf transformers" in peers:
         print(f"ratio my-vllm / hf (output tok/s): {compared.output_tok_s / peers['hf transformers']:.2f}")
+    for r in vllm_results:
+        if r.concurrency == compared.concurrency:
+            print(f"ratio my-vllm serve / vllm serve c={r.concurrency} (output tok/s): "
+                  f"{compared.output_tok_s / r.output_tok_s:.2f}")
     return 0
+
+
+def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRequest], warmup: BenchRequest,
+                levels: list[int]) -> list[ServeResult]:
+    """`vllm serve` on the same requests and levels, then stopped (before the in-process peers)."""
+    from services.bench import vllm_peer
+    from services.launcher import free_port
+    from services.worker.model_runner import DEFAULT_CPU_KV_CACHE_BYTES
+
+    proc, base_url, _ = vllm_peer.start_server(
+        model_dir, args.dtype, torch_threads(), free_port(), args.seed, args.max_num_seqs,
+        args.max_num_batched_tokens, args.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+    results = []
+    try:
+        asyncio.run(_run_level(base_url, [warmup], 1, "vllm serve"))
+        for c in levels:
+            log(f"vllm serve: {len(requests)} requests at concurrency {c}")
+            results.append(asyncio.run(_run_level(base_url, requests, c, "vllm serve")))
+    finally:
+        _stop_mesh(proc)
+    return results

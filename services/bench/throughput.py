@@ -14,6 +14,8 @@ from typing import Any
 from services.bench.workload import BenchRequest, Peer, PeerSpec, SamplingKnobs, format_table, run_peer, torch_threads
 
 RATIO_LABEL = "ratio my-vllm / hf (output tok/s)"
+# Ratios against the rivals come before the HF one (which stays the report's last line).
+RIVALS = ("llama.cpp", "vllm")
 
 
 @dataclass(frozen=True)
@@ -53,21 +55,26 @@ def benchmark(requests: Sequence[BenchRequest], knobs: SamplingKnobs, peers: Seq
     return [run_peer(spec, warmup, knobs, measure) for spec in peers]
 
 
-def ratio(results: Sequence[ThroughputResult]) -> float | None:
-    """my-vllm's output tok/s over HF's (None without both)."""
+def ratio(results: Sequence[ThroughputResult], other: str = "hf") -> float | None:
+    """my-vllm's output tok/s over `other`'s (None without both)."""
     by_name = {r.peer: r for r in results}
-    if "my-vllm" not in by_name or "hf" not in by_name:
+    if "my-vllm" not in by_name or other not in by_name:
         return None
-    return by_name["my-vllm"].output_tok_s / by_name["hf"].output_tok_s
+    return by_name["my-vllm"].output_tok_s / by_name[other].output_tok_s
 
 
 def report(results: Sequence[ThroughputResult]) -> str:
-    """The table, then (when HF ran) the ratio as the last line."""
+    """The table, the ratios against llama.cpp and vLLM when they ran, then (when HF ran) the HF
+    ratio as the last line."""
     header = ["peer", "requests", "prompt tokens", "output tokens", "elapsed s", "output tok/s", "total tok/s",
               "threads"]
     rows = [[r.peer, r.num_requests, r.prompt_tokens, r.output_tokens, f"{r.elapsed_s:.2f}", f"{r.output_tok_s:.1f}",
              f"{r.total_tok_s:.1f}", r.threads] for r in results]
     text = format_table(header, rows)
+    for rival in RIVALS:
+        rival_ratio = ratio(results, rival)
+        if rival_ratio is not None:
+            text += f"\nratio my-vllm / {rival} (output tok/s): {rival_ratio:.2f}"
     value = ratio(results)
     if value is not None:
         text += f"\n{RATIO_LABEL}: {value:.2f}"

@@ -199,6 +199,17 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
+def resolve_bench_dtype(dtype: str) -> str:
+    """Fix "auto" once, before any peer loads, so every peer (and the report) runs the dtype
+    my-vllm picks on this machine."""
+    import torch
+
+    from services.common.config import resolve_dtype_name
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_dtype_name(dtype, device, cuda_bf16=device == "cuda" and torch.cuda.is_bf16_supported())
+
+
 def same_model(model_dir: str, other: str) -> bool:
     """Whether two model paths name the same directory."""
     return os.path.realpath(model_dir) == os.path.realpath(other)

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def _dtype_logger() -> logging.Logger:
+    """The dtype choice is always shown (as vLLM's INFO line is), whatever the process's logging
+    setup: `serve` keeps the root logger at WARNING and the offline LLM configures none."""
+    log = logging.getLogger("myvllm.dtype")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s myvllm: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+dtype_logger = _dtype_logger()
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -26,11 +44,63 @@ def check_model_dir(model: str) -> str:
     return model
 
 
+# x86 (avx512_bf16: AVX-512 dot products of bf16 pairs; amx_bf16: AMX tiles) and Arm (bf16)
+# /proc/cpuinfo flags for bf16 arithmetic. Without one, oneDNN converts bf16 to fp32 in
+# software around every GEMM: bf16 halves the bytes but runs slower than fp32.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def choose_cpu_dtype(flags: Iterable[str]) -> tuple[str, str]:
+    """`--dtype auto` on CPU: ("bfloat16", why) where the CPU has bf16 instructions, else
+    ("float32", why). A pure function of the flags, so it is tested with fake ones."""
+    flags = set(flags)
+    found = [f for f in CPU_BF16_FLAGS if f in flags]
+    if found:
+        return "bfloat16", f"the CPU has bf16 instructions ({', '.join(found)})"
+    return "float32", f"the CPU has no bf16 instructions (none of {', '.join(CPU_BF16_FLAGS)})"
+
+
+def resolve_dtype_name(dtype: str, device_type: str, flags: Iterable[str] | None = None,
+                       cuda_bf16: bool = True) -> str:
+    """The dtype a worker on `device_type` runs for the requested `dtype` ("auto" included),
+    logging the automatic choice and warning when bf16 is asked of a CPU that lacks it."""
+    if device_type == "cpu":
+        flags = cpu_flags() if flags is None else set(flags)
+        if dtype == "auto":
+            chosen, why = choose_cpu_dtype(flags)
+            dtype_logger.info("dtype auto -> %s: %s", chosen, why)
+            return chosen
+        if dtype in ("bfloat16", "bf16") and choose_cpu_dtype(flags)[0] != "bfloat16":
+            dtype_logger.warning("dtype bfloat16 on a CPU without bf16 instructions (none of %s): it runs, but every "
+                           "GEMM converts in software and is slower than float32", ", ".join(CPU_BF16_FLAGS))
+        return dtype
+    if dtype == "auto":
+        chosen = "bfloat16" if cuda_bf16 else "float16"
+        dtype_logger.info("dtype auto -> %s on %s", chosen, device_type)
+        return chosen
+    return dtype
+
+
 @dataclass
 class EngineConfig:
     """Everything one engine replica (scheduler + its worker) is built from."""
 
     model: str | None = None
+    # "auto" picks as vLLM does (bf16 on a CPU with bf16 instructions, fp32 on other CPUs, bf16
+    # on CUDA), but float32 stays the default until our CPU bf16 path pays off: measured on an
+    # avx512_bf16 EPYC it ran at 0.4x of fp32 (BENCHMARKS.md), so "auto" would slow users down.
     dtype: str = "float32"
     seed: int = 0
     max_num_seqs: int = 256
@@ -46,6 +116,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Worker ranks per engine, each holding 1/T of the heads and MLP columns.
     tensor_parallel_size: int = 1
+    # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
+    # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
+    compile_model: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None:

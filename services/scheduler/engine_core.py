@@ -18,7 +18,8 @@ def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:
                                max_model_len=config.max_model_len or 0,
                                attention_backend=config.attention_backend or "",
                                max_num_seqs=config.max_num_seqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens)
+                               max_num_batched_tokens=config.max_num_batched_tokens,
+                               compile_model=config.compile_model)
 
 
 def kv_capacity_request(config: EngineConfig) -> pb.KVCapacityRequest:

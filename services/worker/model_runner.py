@@ -20,6 +20,7 @@ from services.common.config import check_model_dir
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
 from services.worker.input_batch import InputBatch
+from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.loader import load_model, resolve_dtype
 from services.worker.parallel import broadcast_from_first, get_tp, init_tensor_parallel, threads_per_rank
 from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
@@ -66,13 +67,13 @@ class ModelRunner:
     def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0, max_num_seqs: int = 256,
                  max_model_len: int | None = None, attention_backend: str | None = None,
                  device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
-                 distributed_init_method: str = "") -> None:
+                 distributed_init_method: str = "", compile_model: bool = False) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(tensor_parallel_size))
         torch.manual_seed(seed)
         self.seed = seed
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir = check_model_dir(model_dir)
         if self.device.type == "cuda" and tensor_parallel_size > 1 and self.device.index is None:
             # One GPU per rank on a machine with several (NCCL refuses two ranks on one device).
@@ -89,6 +90,13 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.block_size = 0
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()
+        # CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain here.
+        self.compiled: CompiledForward | None = None
+        if self.device.type == "cpu" and compile_model:
+            self.compiled = CompiledForward(self.model)
+        self.forward: Forward = self.compiled or self.model
         self.set_max_num_seqs(max_num_seqs)
 
     def set_max_num_seqs(self, max_num_seqs: int) -> None:
@@ -144,6 +152,27 @@ class ModelRunner:
             layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
                                          dtype=self.dtype, device=self.device)
         self.reset_batch()
+        if self.compiled is not None and self.compiled.enabled:
+            self._compile()
+
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        """Compile with dummy forwards (a single prompt of n tokens, its K/V stored in the null
+        block, which no request reads), then clear what they wrote."""
+        bs = self.block_size
+
+        def run(n: int) -> None:
+            meta = AttentionMetadata.from_host(np.zeros(n, dtype=np.int64), np.array([0, n]), np.array([n]),
+                                               np.array([0]), np.zeros((1, -(-n // bs)), dtype=np.int32), bs,
+                                               self.device)
+            meta.backend_data = self.attn_backend.prepare(meta)
+            with forward_context(self.attn_backend, meta):
+                self.compiled(torch.zeros(n, dtype=torch.long, device=self.device),
+                              torch.zeros(n, dtype=torch.long, device=self.device))
+
+        self.compiled.warm_up(run)
+        for layer in self.model.attention_layers():
+            layer.kv_cache[:, 0].zero_()
 
     def reset_batch(self) -> None:
         """Forget every request (a new scheduler stream starts from scratch)."""
@@ -241,7 +270,7 @@ class ModelRunner:
         num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)
         with forward_context(self.attn_backend, meta):
-            hidden = self.model(input_ids, positions)
+            hidden = self.forward(input_ids, positions)
         out.prompt_logprobs.extend(self._prompt_logprobs(rows, num_scheduled, meta, hidden))
         if logits_indices.numel() == 0:
             return out

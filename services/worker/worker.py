@@ -18,7 +18,7 @@ logger = logging.getLogger("myvllm.worker")
 # keeps the loaded weights (a reconnecting scheduler, or one that only sizes the batch).
 # A new TP rank, group size or rendezvous means new shards and a new process group: a reload.
 WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_rank",
-                 "tensor_parallel_size", "distributed_init_method")
+                 "tensor_parallel_size", "distributed_init_method", "compile_model")
 DEFAULT_MAX_NUM_SEQS = 256
 MAX_INT32 = 2**31 - 1
 
@@ -48,7 +48,7 @@ class Worker:
             max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
             device=self.device, tensor_parallel_rank=req.tensor_parallel_rank,
             tensor_parallel_size=max(req.tensor_parallel_size, 1),
-            distributed_init_method=req.distributed_init_method)
+            distributed_init_method=req.distributed_init_method, compile_model=req.compile_model)
         r = self.runner
         self._loaded_key = weights_key(req)
         self.info = pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from services.worker import opaque_ops
+
 logger = logging.getLogger("myvllm.worker")
 
 
@@ -103,12 +105,33 @@ class AttentionLayer(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         self.kv_cache: torch.Tensor | None = None
+        self.opaque_index = -1  # set by opaque_ops.assign when the model is compiled
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # torch.compile traces around attention: the backends read host metadata, plan per
+            # request and call a C kernel through ctypes, none of which inductor can trace.
+            return torch.ops.myvllm.paged_attention(q, k, v, self.opaque_index)
+        return self._attend(q, k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if _forward_context is None or self.kv_cache is None:
             raise RuntimeError("attention called outside a forward context or before the KV cache exists")
         backend, meta = _forward_context
         return backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+
+
+@torch.library.custom_op("myvllm::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
+    """Attention of one layer (`opaque_ops` index) as an op inductor does not look into. It also
+    writes k/v into the layer's paged cache, a side effect the graph need not order: only this
+    layer's op touches that cache, and its output (which the graph uses) comes after the write."""
+    return opaque_ops.lookup(index)._attend(q, k, v)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:

@@ -208,6 +208,8 @@ class DecoderForCausalLM(nn.Module):
             "rope_theta", 10000.0)
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, float(rope_theta),
                                           _plain_rope_scaling(config))
+        # The LM head over the tied embedding table, when `pack_for_cpu` gave it a packed copy.
+        self.tied_head: nn.Module | None = None
 
     def attention_layers(self) -> list[AttentionLayer]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -220,9 +222,28 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = all_gather_last_dim(F.linear(hidden, weight))
-        return logits[..., :self.config.vocab_size].float()
+        if self.tied_head is not None:
+            logits = self.tied_head(hidden)
+        elif self.tie_word_embeddings:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        # Under tensor parallelism each rank computed its vocabulary shard's columns.
+        return all_gather_last_dim(logits)[..., :self.config.vocab_size].float()
+
+    def pack_for_cpu(self) -> bool:
+        """Give every linear layer (and the LM head) oneDNN-prepacked weights (see cpu_linear.py);
+        False where this torch build or dtype has no such path (the layers stay as they are).
+        Tensor-parallel ranks keep plain layers: a packed copy would drop the row-parallel
+        all-reduce (RowParallelLinear's forward)."""
+        from services.worker.models import cpu_linear
+
+        if get_tp().size > 1 or not cpu_linear.available(self.embed_tokens.weight.dtype):
+            return False
+        cpu_linear.pack_linears(self)
+        if self.tie_word_embeddings:
+            self.tied_head = cpu_linear.PackedLinear(self.embed_tokens.weight, None)
+        return True
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig
 
+from services.common.config import resolve_dtype_name
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
 from services.worker.parallel import check_divisible, get_tp
 
@@ -18,11 +19,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """A torch dtype for `dtype`; "auto" picks by `device` (bf16 on CPUs with bf16 instructions,
+    see services.common.config.resolve_dtype_name)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        return torch.float32  # CPU default; HF checkpoints' bf16 would cost accuracy here
+    device_type = torch.device(device).type
+    cuda_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype = resolve_dtype_name(dtype, device_type, cuda_bf16=cuda_bf16)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose from float32, bfloat16, float16")
     return DTYPES[dtype]

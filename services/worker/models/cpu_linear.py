@@ -1,0 +1,80 @@
+"""Linear layers with oneDNN-prepacked weights, for CPU workers.
+
+`F.linear` on CPU hands a row-major [out, in] weight to the GEMM on every call, which then
+re-blocks it for its vector kernels each time; for fp32 that path also goes through a generic
+sgemm. Reordering each weight once into oneDNN's blocked layout and calling oneDNN's matmul on
+it measured 2.2-3x faster for fp32 at 16-256 rows and ~1.7x for bf16 at 1 row on this
+project's 2-core AVX-512 EPYC (single thread, SmolLM2's shapes), the same idea as vLLM's CPU
+`onednn_mm`. Works for any number of rows (no shape specialisation, nothing to compile).
+
+The reordered copy replaces the layer's weight (the model keeps one copy of the weights);
+the tied LM head gets its own reordered copy beside the embedding table it shares.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from services.worker import opaque_ops
+
+logger = logging.getLogger(__name__)
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack weights of `dtype` in this torch build."""
+    return dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            # No batch-size hint: one layout serves every number of rows.
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.opaque_index = -1  # set by opaque_ops.assign when the model is compiled
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.myvllm.packed_linear(x, self.opaque_index)
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every `nn.Linear` of `model` for a `PackedLinear`; returns how many were swapped."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, nn.Linear)]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear.from_linear(child))
+    return len(swaps)
+
+
+@torch.library.custom_op("myvllm::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, index: int) -> torch.Tensor:
+    """A `PackedLinear` (`opaque_ops` index) inside a compiled graph, which cannot hold its
+    oneDNN weight tensor."""
+    return opaque_ops.lookup(index).matmul(x)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, index: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], opaque_ops.lookup(index).out_features)
