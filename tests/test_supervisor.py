@@ -45,7 +45,7 @@ def test_serve_forwards_each_flag_to_the_service_that_reads_it(flags: list[str])
     from services.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", "--max-num-seqs", "4", "--engine-timeout", "7", *flags])
-    worker, scheduler, gateway = (cmd for _, cmd, _ in _serve_commands(args, "/m", 1, 2))
+    worker, scheduler, gateway = (cmd for _, cmd, _ in _serve_commands(args, "/m", [[1]], [2], None))
     assert worker[worker.index("--model") + 1] == "/m" and "--max-num-seqs" not in worker
     assert scheduler[scheduler.index("--max-num-seqs") + 1] == "4"
     assert scheduler[scheduler.index("--engine-timeout") + 1] == "7.0"
@@ -54,6 +54,29 @@ def test_serve_forwards_each_flag_to_the_service_that_reads_it(flags: list[str])
     # Every forwarded command parses with that service's own CLI.
     for cmd in (worker, scheduler, gateway):
         build_parser().parse_args(cmd[cmd.index("services.cli") + 1:])
+
+
+def test_serve_starts_data_and_tensor_parallel_topologies() -> None:
+    """--data-parallel-size 2 --tensor-parallel-size 2: a redis, two replicas of two worker ranks
+    and a scheduler naming both (in rank order), one gateway naming both schedulers and redis."""
+    from services.cli import build_parser
+    from services.launcher import _serve_commands
+
+    args = build_parser().parse_args(["serve", "--data-parallel-size", "2", "--tensor-parallel-size", "2"])
+    services = _serve_commands(args, "/m", [[11, 12], [21, 22]], [10, 20], 6379)
+    names = [name for name, _, _ in services]
+    assert names == ["redis", "worker-0-rank0", "worker-0-rank1", "scheduler-0", "worker-1-rank0", "worker-1-rank1",
+                     "scheduler-1", "gateway"]
+    commands = {name: cmd for name, cmd, _ in services}
+    assert commands["scheduler-1"][commands["scheduler-1"].index("--workers") + 1] == "127.0.0.1:21,127.0.0.1:22"
+    assert commands["scheduler-0"][commands["scheduler-0"].index("--redis") + 1] == "redis://127.0.0.1:6379/0"
+    worker = commands["worker-0-rank1"]
+    assert worker[worker.index("--tensor-parallel-size") + 1] == "2"
+    gateway = commands["gateway"]
+    assert gateway[gateway.index("--scheduler") + 1] == "127.0.0.1:10,127.0.0.1:20"
+    assert gateway[gateway.index("--redis") + 1] == "redis://127.0.0.1:6379/0"
+    for name in names[1:]:  # every myvllm command parses with its service's own CLI
+        build_parser().parse_args(commands[name][commands[name].index("services.cli") + 1:])
 
 
 @pytest.mark.parametrize(("command", "foreign_flag"), [
