@@ -19,8 +19,10 @@ from services.cli import main
 
 # A stand-in with vLLM's offline API: generate returns `max_tokens` ids per request and records
 # what it was given, so the test sees the engine args, sampling and environment that arrived.
+# It takes 20 ms per generated token, so a latency run measures a positive inter-token time
+# (an instant stand-in left e2e - ttft at the mercy of timer noise, sometimes below zero).
 FAKE_VLLM = '''
-import json, os
+import json, os, time
 
 __version__ = "fake"
 RECORD = os.environ["FAKE_VLLM_RECORD"]
@@ -52,6 +54,7 @@ class LLM:
                                 "params": [p.__dict__ for p in params],
                                 "bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                                 "kv": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}) + "\\n")
+        time.sleep(0.02 * max(p.max_tokens for p in params))
         return [_Output(p.max_tokens) for p in params]
 '''
 
