@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.config import cpu_flags as read_cpu_flags
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend, _TorchPlan
 
@@ -40,15 +41,6 @@ _X86_64_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsa
 _X86_64_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
-
-
 def isa_flags(machine: str | None = None, cpu_flags: set[str] | None = None) -> list[str]:
     """The -march for this CPU: a fixed x86-64 level, so the build depends on the level alone.
 
@@ -56,7 +48,7 @@ def isa_flags(machine: str | None = None, cpu_flags: set[str] | None = None) -> 
     machine = machine or platform.machine()
     if machine not in ("x86_64", "AMD64"):
         return []
-    cpu_flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    cpu_flags = read_cpu_flags() if cpu_flags is None else cpu_flags
     if _X86_64_V3 <= cpu_flags:
         return ["-march=x86-64-v3"]
     if _X86_64_V2 <= cpu_flags:
