@@ -25,7 +25,7 @@ from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
 from services.engine_args import add_engine_args, add_engine_timeout_arg, add_model_args, add_scheduling_args
-from services.gateway.options import add_gateway_options, gateway_option_flags
+from services.gateway.options import CREDENTIAL_OPTIONS, add_gateway_options
 from services.supervisor import ServiceProcess, stop_all
 
 
@@ -150,13 +150,16 @@ def _http_healthy(url: str) -> bool:
         return False
 
 
-def _forwarded_flags(args: argparse.Namespace, add_args) -> list[str]:
-    """The flags `add_args` defines, as given to serve (defaults left out): what serve passes
-    on to the service that reads them, so no serve flag is dropped on the way."""
+def _forwarded_flags(args: argparse.Namespace, add_args, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The flags `add_args` defines, as given to serve (defaults and the `exclude`d dests left
+    out): what serve passes on to the service that reads them, so no serve flag is dropped on
+    the way."""
     parser = argparse.ArgumentParser(add_help=False)
     add_args(parser)
     flags: list[str] = []
     for action in parser._actions:
+        if action.dest in exclude:
+            continue
         value = getattr(args, action.dest)
         if value == action.default:
             continue
@@ -208,7 +211,7 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
                     ",".join(f"127.0.0.1:{p}" for p in scheduler_ports), "--model", model] \
         + (["--redis", redis_url] if redis_url else []) \
         + (["--served-model-name", args.served_model_name] if args.served_model_name else []) \
-        + gateway_option_flags(args)
+        + _forwarded_flags(args, add_gateway_options, exclude=CREDENTIAL_OPTIONS)  # those go by environment
     services.append(("gateway", gateway, lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health")))
     return services
 
@@ -241,8 +244,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail("--data-parallel-size > 1 starts a redis-server (none on PATH; `make setup` installs it) "
                      "unless --redis URL names one")
     # Replica r's workers (rank order) and scheduler; --worker-port is rank 0's, the others follow it.
-    base_worker_port = args.worker_port
-    worker_ports = [[base_worker_port + rank if base_worker_port else free_port()
+    worker_ports = [[args.worker_port + rank if args.worker_port else free_port()
                      for rank in range(args.tensor_parallel_size)] for _ in range(args.data_parallel_size)]
     scheduler_ports = [args.scheduler_port or free_port() for _ in range(args.data_parallel_size)]
     redis_port = free_port() if args.data_parallel_size > 1 and not args.redis else None

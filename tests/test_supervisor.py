@@ -93,3 +93,14 @@ def test_each_service_refuses_flags_it_does_not_read(command: list[str], foreign
         build_parser().parse_args(command + foreign_flag)
     assert "unrecognized arguments" in capsys.readouterr().err
 
+
+
+def test_serve_forwards_gateway_flags_but_never_credentials() -> None:
+    from services.cli import build_parser
+    from services.launcher import _serve_commands
+
+    args = build_parser().parse_args(["serve", "--max-migrations", "5", "--api-key", "secret-key",
+                                      "--internal-token", "secret-token"])
+    gateway = _serve_commands(args, "/m", [[1]], [2], None)[-1][1]
+    assert gateway[gateway.index("--max-migrations") + 1] == "5"
+    assert not {"secret-key", "secret-token", "--api-key", "--internal-token"} & set(gateway)

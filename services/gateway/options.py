@@ -11,6 +11,9 @@ from services.gateway.migration import MigrationPolicy
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# Flags (argparse dests) that carry secrets: a launcher passes them through the environment,
+# never on the (world-readable) command line.
+CREDENTIAL_OPTIONS = ("api_key", "internal_token")
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,3 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         migration=MigrationPolicy(max_migrations=args.max_migrations, wait_s=args.migration_wait),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key, internal_token=args.internal_token)
-
-
-def gateway_option_flags(args: argparse.Namespace) -> list[str]:
-    """The same flags as a command line (for a launcher that starts the gateway process);
-    credentials travel through the environment, not the process list."""
-    return ["--max-migrations", str(args.max_migrations), "--migration-wait", str(args.migration_wait),
-            "--max-concurrent-requests", str(args.max_concurrent_requests),
-            "--max-queued-requests", str(args.max_queued_requests), "--shutdown-timeout", str(args.shutdown_timeout)]
