@@ -52,8 +52,7 @@ IDLE_PROBE_S = 2.0
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, config: EngineConfig, worker: WorkerLink | WorkerGroup,
-                 load_reporter: LoadReporter | None = None) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerGroup, load_reporter: LoadReporter | None = None) -> None:
         self.config = config
         self.worker = worker
         self.core: EngineCore | None = None

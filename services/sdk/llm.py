@@ -68,9 +68,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel rank processes, if any (they also die with this process)."""
-        close = getattr(self.worker, "close", None)
-        if close is not None:
-            close()
+        self.worker.close()
 
     # ------------------------------------------------------------------ public API
 

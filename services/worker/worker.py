@@ -76,6 +76,9 @@ class Worker:
         if self.runner is not None and self.runner.input_batch is not None:
             self.runner.reset_batch()
 
+    def close(self) -> None:
+        """Nothing to release in-process (TensorParallelWorkers stops its rank processes here)."""
+
     def _loaded(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("LoadModel must be called first")
