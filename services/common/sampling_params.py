@@ -8,9 +8,12 @@ into an OpenAI 400 with that `param`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.proto import myvllm_pb2 as pb
+
+if TYPE_CHECKING:
+    from services.common.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -60,6 +63,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Constrained decoding (JSON schema, regex, choice, grammar), vLLM's field.
+    structured_outputs: StructuredOutputsParams | None = None
     # Token-id sequences for bad_words, filled from `bad_words` by whoever holds the tokenizer.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
@@ -129,6 +134,12 @@ class SamplingParams:
                 raise SamplingParamsError("logit_bias", f"logit_bias value for {k!r} must be a number")
             if not -100 <= v <= 100:
                 raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {v}")
+        if self.structured_outputs is not None:
+            from services.common.structured_outputs import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise SamplingParamsError("structured_outputs",
+                                          "structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:
@@ -165,6 +176,8 @@ class SamplingParams:
             msg.seed = int(self.seed)
         if self.prompt_logprobs is not None:
             msg.prompt_logprobs = int(self.prompt_logprobs)
+        if self.structured_outputs is not None:
+            msg.structured_outputs.CopyFrom(self.structured_outputs.to_proto())
         return msg
 
 

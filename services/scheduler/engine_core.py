@@ -11,6 +11,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.scheduler.request import Request
 from services.scheduler.request_limits import validate_generate_request
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.structured_output import StructuredOutputManager
 
 
 def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:
@@ -46,11 +47,13 @@ class EngineCore:
         self.model_info = model_info
         self.max_model_len = model_info.max_model_len
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
+        self.structured_output = StructuredOutputManager(config.model, model_info.vocab_size,
+                                                         model_info.eos_token_ids, config.max_num_seqs)
         self.scheduler = Scheduler(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
-            async_scheduling=config.async_scheduling)
+            async_scheduling=config.async_scheduling, structured_output=self.structured_output)
         self.num_steps = 0
 
     def add_request(self, req: pb.GenerateRequest) -> None:
@@ -62,9 +65,13 @@ class EngineCore:
         max_tokens = req.sampling.max_tokens or room
         resumed = list(req.resumed_output_token_ids)
         self._check_resumed(resumed, max_tokens)
-        self.scheduler.add_request(Request(
+        request = Request(
             req.request_id, prompt, req.sampling, self.eos_token_ids, max_tokens=max_tokens,
-            priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed))
+            priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed)
+        if req.sampling.HasField("structured_outputs"):
+            # Parsed now (an invalid schema or grammar raises here), compiled in the background.
+            request.grammar = self.structured_output.grammar_for(req.sampling.structured_outputs)
+        self.scheduler.add_request(request)
 
     def _check_resumed(self, resumed: list[int], max_tokens: int) -> None:
         """A migrated request must still have something left to generate."""
@@ -94,6 +101,14 @@ class EngineCore:
     def schedule(self) -> pb.SchedulerOutput:
         return self.scheduler.schedule()
 
+    def compiling_grammars(self) -> list:
+        """Grammars that waiting requests wait for (nothing to schedule may mean: wait for these)."""
+        return self.scheduler.compiling_grammars()
+
+    def take_failed_outputs(self) -> list[pb.RequestOutput]:
+        """Requests ended outside a step (a grammar that failed to compile)."""
+        return self.scheduler.take_failed_outputs()
+
     def process(self, so: pb.SchedulerOutput, runner_output: pb.ModelRunnerOutput) -> list[pb.RequestOutput]:
         if runner_output.error:
             raise RuntimeError(f"worker failed: {runner_output.error}")
@@ -106,7 +121,10 @@ class EngineCore:
         return pb.Stats(max_model_len=self.max_model_len, model=self.config.model, block_size=self.config.block_size,
                         num_steps=self.num_steps, dtype=info.dtype, attention_backend=info.attention_backend,
                         max_num_seqs=self.config.max_num_seqs,
-                        max_num_batched_tokens=self.config.max_num_batched_tokens, **s)
+                        max_num_batched_tokens=self.config.max_num_batched_tokens,
+                        grammar_compiles=self.structured_output.num_compiles,
+                        grammar_compile_seconds=self.structured_output.compile_seconds,
+                        grammar_cache_hits=self.structured_output.cache_hits, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from services.common.proto import myvllm_pb2 as pb
+
+if TYPE_CHECKING:
+    from services.scheduler.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +78,8 @@ class Request:
         self.prompt_logprobs: list | None = (
             [None] * (len(prompt_token_ids) - 1) if sampling.HasField("prompt_logprobs") else None)
         self.prompt_logprobs_sent = False
+        # Structured outputs: the request's grammar and matcher (None: unconstrained).
+        self.grammar: RequestGrammar | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

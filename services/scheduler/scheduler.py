@@ -9,11 +9,15 @@ the head of the waiting queue (the prefix cache usually hands most blocks back l
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from services.common.proto import myvllm_pb2 as pb
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -29,6 +33,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
         async_scheduling: bool = False,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -47,6 +52,11 @@ class Scheduler:
         self.worker_known: set[str] = set()
         self.num_preemptions = 0
         self.step_id = 0
+        # Grammars and step bitmasks of constrained requests (None: no request may be constrained).
+        self.structured_output = structured_output
+        # Requests ended outside a step (their grammar failed to compile): reported with the
+        # next step's outputs, or by `take_failed_outputs` when no step runs.
+        self.failed_outputs: list[pb.RequestOutput] = []
 
     # ------------------------------------------------------------------ queue management
 
@@ -160,7 +170,9 @@ class Scheduler:
             request = self.running[idx]
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                           token_budget, self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0 or self._finishes_in_flight(request):
+            if num_new <= 0 or self._finishes_in_flight(request) or \
+                    (request.grammar is not None and request.num_output_placeholders):
+                # (A constrained request's next bitmask needs its in-flight token: it sits out.)
                 idx += 1
                 continue
             while True:
@@ -192,10 +204,17 @@ class Scheduler:
             token_budget -= num_new
             idx += 1
 
-        # 2) Waiting requests, only if nobody had to be preempted this step.
+        # 2) Waiting requests, only if nobody had to be preempted this step. Those whose grammar
+        # is still compiling are passed over (they keep their place in the queue).
+        skipped: list[Request] = []
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.grammar is not None and not self._grammar_ready(request):
+                self.waiting.popleft()
+                if not request.is_finished:
+                    skipped.append(request)
+                continue
             hit_blocks, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -214,8 +233,37 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             scheduled_new.append((request, num_new))
             token_budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         return self._build_output(scheduled_new, scheduled_cached)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether `request`'s grammar is compiled (its matcher built); a grammar that failed to
+        compile ends the request with the error."""
+        grammar = request.grammar
+        if grammar.matcher is not None:
+            return True
+        if grammar.is_compiling:
+            return False
+        try:
+            grammar.start(request.output_token_ids)
+        except Exception as e:  # compile error (e.g. no tokenizer here) or resumed tokens off-grammar
+            logger.warning("request %s: structured output grammar failed: %s", request.request_id, e)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self.failed_outputs.append(pb.RequestOutput(
+                request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
+                num_prompt_tokens=request.num_prompt_tokens, error_kind=pb.INVALID_REQUEST,
+                error=f"structured outputs: the grammar could not be compiled: {e}"))
+            return False
+        return True
+
+    def compiling_grammars(self) -> list:
+        """Grammars that waiting requests still wait for."""
+        return [r.grammar for r in self.waiting if r.grammar is not None and r.grammar.is_compiling]
+
+    def take_failed_outputs(self) -> list[pb.RequestOutput]:
+        failed, self.failed_outputs = self.failed_outputs, []
+        return failed
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """A token already in flight will end `request` by length: scheduling more is waste."""
@@ -267,7 +315,15 @@ class Scheduler:
             if self.async_scheduling and \
                     request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we do not know yet
+        self._attach_bitmask(out, scheduled)
         return out
+
+    def _attach_bitmask(self, out: pb.SchedulerOutput, scheduled: list[tuple[Request, int]]) -> None:
+        """The allowed-token rows of the constrained requests that sample in this step."""
+        constrained = [r for r, _ in scheduled if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
+        if constrained:
+            out.structured_output_request_ids.extend(r.request_id for r in constrained)
+            out.grammar_bitmask = self.structured_output.fill_bitmask([r.grammar for r in constrained])
 
     # ------------------------------------------------------------------ after the step
 
@@ -275,7 +331,7 @@ class Scheduler:
         self, scheduler_output: pb.SchedulerOutput, runner_output: pb.ModelRunnerOutput
     ) -> list[pb.RequestOutput]:
         """Append sampled tokens, check token-level stops, free finished requests."""
-        outputs: list[pb.RequestOutput] = []
+        outputs: list[pb.RequestOutput] = self.take_failed_outputs()
         self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         logprobs = runner_output.logprobs
         sampled = zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)
@@ -287,6 +343,8 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
+            if request.grammar is not None and status != RequestStatus.FINISHED_STOPPED:
+                status = self._advance_grammar(request, token_id) or status
             out = pb.RequestOutput(request_id=rid, new_token_ids=[token_id],
                                    num_prompt_tokens=request.num_prompt_tokens,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
@@ -312,6 +370,16 @@ class Scheduler:
                 continue
             start = chunk.first_position - 1
             request.prompt_logprobs[start:start + len(chunk.logprobs)] = list(chunk.logprobs)
+
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Feed the sampled token to the request's matcher: a finished grammar ends the request
+        with `stop` (as does a token the grammar refuses, which only an all-banned row yields)."""
+        if not request.grammar.accept(token_id):
+            logger.warning("request %s: token %d is outside its grammar; stopping it", request.request_id, token_id)
+            return RequestStatus.FINISHED_STOPPED
+        if request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         if request.num_output_tokens >= request.min_tokens and (

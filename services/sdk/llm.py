@@ -208,7 +208,13 @@ class LLM:
                             else self.worker.execute(so)
                         in_flight.append((so, result))
                     if not in_flight:
-                        raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
+                        grammars = self.engine.compiling_grammars()
+                        if not grammars and not self.engine.scheduler.failed_outputs:
+                            raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
+                        # Nothing runs until a grammar is compiled: wait for one.
+                        self.engine.structured_output.wait_for_any(grammars)
+                        yield self.engine.take_failed_outputs()
+                        continue
                     so, result = in_flight.popleft()
                     outputs = self.engine.process(so, result.result() if isinstance(result, Future) else result)
                 except Exception as e:

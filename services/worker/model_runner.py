@@ -19,6 +19,7 @@ import torch
 from services.common.config import check_model_dir
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
+from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.loader import load_model, resolve_dtype
@@ -276,6 +277,9 @@ class ModelRunner:
             return out
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         sample_rows = rows[samples]
+        if so.structured_output_request_ids:
+            row_req_ids = self.input_batch.row_req_ids
+            apply_grammar_bitmask(logits, so, {row_req_ids[r]: i for i, r in enumerate(sample_rows.tolist())})
         self.input_batch.reseed_generators(sample_rows)
         sampled, logprobs = self.sampler(logits, self._sampling_metadata(sample_rows))
         # Every TP rank sampled from the same gathered logits with the same generators; rank 0's

@@ -1,0 +1,197 @@
+"""Structured outputs through the offline `LLM` (the same EngineCore + Worker as the mesh):
+JSON schemas, regex, choice and an EBNF grammar hold for greedy and sampled outputs; the
+free rows of a mixed batch are untouched; invalid constraints are refused up front; a
+request waits for its grammar without holding up the batch."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from services.common.proto import myvllm_pb2 as pb
+from services.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.structured_output import StructuredOutputManager
+from services.sdk import LLM, SamplingParams
+from services.worker.grammar_mask import unpack_bitmask
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "structured_output_schemas.json").read_text())
+
+ARITHMETIC = r"""
+root ::= expr
+expr ::= term (" " op " " term)?
+term ::= num | "(" num " " op " " num ")"
+op ::= "+" | "-" | "*"
+num ::= [1-9] [0-9]?
+"""
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir: str) -> LLM:
+    return LLM(smollm2_dir, seed=0)
+
+
+def _chat(llm: LLM, contents: list[str], params: list[SamplingParams]) -> list:
+    return llm.chat([[{"role": "user", "content": c}] for c in contents], params, use_tqdm=False)
+
+
+def _greedy_and_sampled(spec: StructuredOutputsParams, max_tokens: int = 150) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec),
+            SamplingParams(temperature=1.0, seed=7, max_tokens=max_tokens, structured_outputs=spec)]
+
+
+def _check_all_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and not llm.engine.has_unfinished_requests()
+
+
+def test_at_least_20_schemas_greedy_and_sampled_validate(llm: LLM) -> None:
+    assert len(SCHEMAS) >= 20
+    contents, params = [], []
+    for schema in SCHEMAS:
+        spec = StructuredOutputsParams(json=schema)
+        for sp in _greedy_and_sampled(spec):
+            contents.append(f"Reply with JSON that follows this schema: {json.dumps(schema)}")
+            params.append(sp)
+    outputs = _chat(llm, contents, params)
+    for i, out in enumerate(outputs):
+        completion = out.outputs[0]
+        schema = SCHEMAS[i // 2]
+        assert completion.finish_reason == "stop", (i, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
+    _check_all_free(llm)
+
+
+def test_json_object(llm: LLM) -> None:
+    spec = StructuredOutputsParams(json_object=True)
+    outputs = _chat(llm, ["Describe a cat as a JSON object."] * 2, _greedy_and_sampled(spec, 200))
+    for out in outputs:
+        if out.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(out.outputs[0].text), dict)
+        else:  # free-form JSON may run past max_tokens; what there is still starts an object
+            assert out.outputs[0].text.startswith("{")
+
+
+@pytest.mark.parametrize("pattern", [r"[A-Z][a-z]{2,8}, (yes|no)", r"\d{3}-\d{4}", r"(cat|dog)s? [0-9]{1,2}"])
+def test_regex_outputs_fullmatch(llm: LLM, pattern: str) -> None:
+    spec = StructuredOutputsParams(regex=pattern)
+    for out in _chat(llm, ["Answer in the requested format."] * 2, _greedy_and_sampled(spec, 40)):
+        assert out.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+
+
+def test_choice_outputs_are_in_the_set(llm: LLM) -> None:
+    choices = ["Paris", "London", "Berlin", "New York City"]
+    spec = StructuredOutputsParams(choice=choices)
+    params = _greedy_and_sampled(spec, 20) + [SamplingParams(temperature=1.0, seed=s, max_tokens=20,
+                                                             structured_outputs=spec) for s in range(4)]
+    for out in _chat(llm, ["What is the capital of Germany?"] * len(params), params):
+        assert out.outputs[0].text in choices
+        assert out.outputs[0].finish_reason == "stop"
+
+
+def test_ebnf_arithmetic_grammar_holds(llm: LLM) -> None:
+    spec = StructuredOutputsParams(grammar=ARITHMETIC)
+    term = r"(?:[1-9][0-9]?|\([1-9][0-9]? [-+*] [1-9][0-9]?\))"
+    params = _greedy_and_sampled(spec, 40) + [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                                                             structured_outputs=spec) for s in range(3)]
+    for out in _chat(llm, ["Write an arithmetic expression."] * len(params), params):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(rf"{term}(?: [-+*] {term})?", text), text
+        eval(text, {"__builtins__": {}})  # noqa: S307 (the grammar admits only digits, ops, parens)
+
+
+def test_mixed_batch_leaves_free_rows_identical(llm: LLM) -> None:
+    free = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
+    free_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(free, free_params, use_tqdm=False)
+    constrained = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=s))
+                   for s in SCHEMAS[:4]]
+    mixed = llm.generate(free + ["Some JSON:"] * 4, [free_params] * 4 + constrained, use_tqdm=False)
+    for a, m in zip(alone, mixed[:4], strict=True):
+        assert m.outputs[0].token_ids == a.outputs[0].token_ids
+    for m, schema in zip(mixed[4:], SCHEMAS[:4], strict=True):
+        jsonschema.validate(json.loads(m.outputs[0].text), schema)
+
+
+def test_grammar_cache_hits_and_compile_time(llm: LLM) -> None:
+    manager = llm.engine.structured_output
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    spec = StructuredOutputsParams(json=schema)
+    compiles, hits = manager.num_compiles, manager.cache_hits
+    llm.generate(["x"] * 3, SamplingParams(temperature=0, max_tokens=20, structured_outputs=spec), use_tqdm=False)
+    assert manager.num_compiles == compiles + 1
+    assert manager.cache_hits == hits + 2
+    stats = llm.engine.stats()
+    assert stats.grammar_compiles == manager.num_compiles and stats.grammar_compile_seconds > 0
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"json": {"type": "objec"}}, "Unsupported type"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"regex": "(abc"}, "parenthesis"),
+    ({"grammar": "root ::= foo"}, "not defined"),
+    ({"choice": []}, "non-empty strings"),
+])
+def test_invalid_constraints_are_refused(llm: LLM, kwargs: dict, needle: str) -> None:
+    with pytest.raises(StructuredOutputsError, match=needle) as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs)), use_tqdm=False)
+    assert info.value.param.startswith("structured_outputs")
+    _check_all_free(llm)
+
+
+def test_exactly_one_constraint() -> None:
+    with pytest.raises(StructuredOutputsError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(StructuredOutputsError, match="exactly one"):
+        StructuredOutputsParams()
+
+
+def test_unpacked_bitmask_masks_like_xgrammar() -> None:
+    import xgrammar as xgr
+
+    vocab = 100
+    rng = np.random.default_rng(0)
+    packed = torch.from_numpy(rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int64).astype(np.int32))
+    logits = torch.randn(3, vocab)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, packed, vocab_size=vocab)
+    ours = logits.masked_fill(~unpack_bitmask(packed, vocab), float("-inf"))
+    assert torch.equal(ours, expected)
+
+
+def test_request_waits_for_its_grammar_without_holding_up_the_batch(smollm2_dir: str) -> None:
+    manager = StructuredOutputManager(smollm2_dir, vocab_size=49152, eos_token_ids=[2], max_num_seqs=8)
+    sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                      structured_output=manager)
+    release = threading.Event()
+    manager._executor.submit(release.wait)  # the compile thread is busy: the grammar stays pending
+    constrained = Request("c", [1, 2, 3], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
+    constrained.grammar = manager.grammar_for(pb.StructuredOutputs(regex="ab+"))
+    free = Request("f", [4, 5, 6], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
+    sched.add_request(constrained)
+    sched.add_request(free)
+    out = sched.schedule()
+    assert [r.request_id for r in out.new_requests] == ["f"]
+    assert [r.request_id for r in sched.waiting] == ["c"] and not out.structured_output_request_ids
+    release.set()
+    manager.wait_for_any(sched.compiling_grammars(), timeout=30)
+    sched.update_from_output(out, pb.ModelRunnerOutput(step_id=out.step_id, request_ids=["f"],
+                                                       sampled_token_ids=[7]))
+    out = sched.schedule()
+    assert [r.request_id for r in out.new_requests] == ["c"]
+    assert list(out.structured_output_request_ids) == ["c"]
+    allowed = unpack_bitmask(torch.from_numpy(np.frombuffer(out.grammar_bitmask, dtype="<i4").reshape(1, -1).copy()),
+                             49152)[0]
+    assert 0 < int(allowed.sum()) < 49152  # only tokens starting with "a" (or "ab...")
+    manager.close()
