@@ -106,6 +106,12 @@ class GatewayMetrics:
                              stats.prefix_cache_hits, labels)
             lines += _single("myvllm:num_preemptions_total", "counter", "Requests preempted by the scheduler.",
                              stats.num_preemptions, labels)
+            lines += _single("myvllm:grammar_compiles_total", "counter", "Structured-output grammars compiled "
+                             "(grammar cache misses).", stats.grammar_compiles, labels)
+            lines += _single("myvllm:grammar_compile_seconds_total", "counter", "Time spent compiling "
+                             "structured-output grammars.", stats.grammar_compile_seconds, labels)
+            lines += _single("myvllm:grammar_cache_hits_total", "counter", "Constrained requests whose grammar "
+                             "was already compiled.", stats.grammar_cache_hits, labels)
         lines += _single("myvllm:scheduler_up", "gauge", "1 if the scheduler answered this scrape.",
                          int(stats is not None), labels)
         lines += ["# HELP myvllm:request_success_total Finished requests, by finish reason.",

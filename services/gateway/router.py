@@ -207,6 +207,9 @@ class ReplicaRouter:
             total.num_waiting += s.num_waiting
             total.num_running += s.num_running
             total.num_steps += s.num_steps
+            total.grammar_compiles += s.grammar_compiles
+            total.grammar_compile_seconds += s.grammar_compile_seconds
+            total.grammar_cache_hits += s.grammar_cache_hits
         if total.num_total_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
         return total

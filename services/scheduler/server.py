@@ -86,6 +86,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             return
         self.config.model = info.model
         self.core = EngineCore(self.config, info, num_blocks)
+        # A request waiting only for its grammar must not wait for the idle probe.
+        loop = asyncio.get_running_loop()
+        self.core.structured_output.on_compiled = lambda: loop.call_soon_threadsafe(self.work_available.set)
         logger.warning("worker at %s: %s (%s on %s, attention backend %s), %d KV blocks", self.worker.address,
                        info.model, info.dtype, info.device, info.attention_backend, num_blocks)
 
@@ -124,6 +127,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 await self.worker.send(so)
                 in_flight.append(so)
             if not in_flight:
+                self._route(core.take_failed_outputs())  # requests whose grammar failed to compile
                 self._report_load()
                 self.work_available.clear()
                 try:

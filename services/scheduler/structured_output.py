@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -76,6 +76,9 @@ class StructuredOutputManager:
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self.cache_hits = 0
+        # Called (on the compile thread) when a grammar a request waits for is ready: an idle
+        # engine loop must wake up to schedule it.
+        self.on_compiled: Callable[[], None] | None = None
 
     def _get_compiler(self) -> Any:
         """The xgrammar compiler for this tokenizer (built once: reads the whole vocabulary)."""
@@ -98,12 +101,15 @@ class StructuredOutputManager:
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
             self.cache_hits += 1
-            return RequestGrammar(future)
-        grammar = build_grammar(spec)
-        future = self._executor.submit(self._compile, grammar)
-        self._cache[key] = future
-        while len(self._cache) > GRAMMAR_CACHE_SIZE:
-            self._cache.popitem(last=False)
+        else:
+            grammar = build_grammar(spec)
+            future = self._executor.submit(self._compile, grammar)
+            self._cache[key] = future
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        if self.on_compiled is not None and not future.done():
+            callback = self.on_compiled
+            future.add_done_callback(lambda _: callback())
         return RequestGrammar(future)
 
     def _compile(self, grammar: Any) -> Any:
