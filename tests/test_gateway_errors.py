@@ -128,11 +128,8 @@ def test_bad_values_are_400_naming_the_field(url: str, path: str, body: dict, pa
 
 
 @pytest.mark.parametrize(("path", "extra", "feature"), [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"logits_processors": ["x"]}, "logits_processors"),
     ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
@@ -142,6 +139,15 @@ def test_bad_values_are_400_naming_the_field(url: str, path: str, body: dict, pa
 def test_unsupported_features_are_400(url: str, path: str, extra: dict, feature: str) -> None:
     body = {**(CHAT if "chat" in path else COMPLETION), **extra}
     assert_error(httpx.post(f"{url}{path}", json=body), 400, param=feature, message_has=("is not supported",))
+
+
+def test_auto_tool_choice_needs_the_server_flags(url: str) -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for extra in ({"tools": tools}, {"tools": tools, "tool_choice": "auto"}):
+        assert_error(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, **extra}), 400, param="tool_choice",
+                     message_has=("--enable-auto-tool-choice",))
+    assert_error(httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "tool_choice": "auto"}), 400,
+                 param="tool_choice", message_has=("needs tools",))
 
 
 def test_non_text_content_parts_are_unsupported(url: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.proto import myvllm_pb2 as pb
@@ -52,6 +52,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    _proto: pb.StructuredOutputs | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -63,7 +64,9 @@ class StructuredOutputsParams:
                 f"got {', '.join(given) if given else 'none'}")
 
     def to_proto(self) -> pb.StructuredOutputs:
-        """The proto form (a dict schema becomes JSON text); validated with `build_grammar`."""
+        """The proto form (a dict schema becomes JSON text); validated with `build_grammar` once."""
+        if self._proto is not None:
+            return self._proto
         if self.json is not None:
             text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             spec = pb.StructuredOutputs(json=text)
@@ -78,6 +81,7 @@ class StructuredOutputsParams:
         else:
             spec = pb.StructuredOutputs(json_object=True)
         build_grammar(spec)
+        self._proto = spec
         return spec
 
 

@@ -35,7 +35,7 @@ from services.gateway.protocol import (
 from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
-from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.tokenizer import GatewayTokenizer, load_chat_template
 from services.sdk.client import SchedulerUnavailable
 
 
@@ -65,9 +65,11 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer = await asyncio.to_thread(GatewayTokenizer.load, model_path)
+        if options.chat_template is not None:
+            tokenizer.chat_template = load_chat_template(options.chat_template)
         router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s,
                                internal_token=options.internal_token)
-        ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration)
+        ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration, options.tools)
         app.state.ctx = ctx
         router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())

@@ -14,6 +14,7 @@ from services.gateway.migration import MigrationPolicy
 from services.gateway.protocol import ModelCard
 from services.gateway.router import ReplicaRouter
 from services.gateway.tokenizer import GatewayTokenizer
+from services.gateway.tools import ToolSettings
 from services.sdk.client import SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -25,8 +26,10 @@ class GatewayContext:
     """Shared state of one gateway process (one per FastAPI app)."""
 
     def __init__(self, router: ReplicaRouter, tokenizer: GatewayTokenizer, model_path: str,
-                 served_model_name: str | None = None, migration: MigrationPolicy | None = None) -> None:
+                 served_model_name: str | None = None, migration: MigrationPolicy | None = None,
+                 tools: ToolSettings | None = None) -> None:
         self.router = router
+        self.tools = tools or ToolSettings()
         self.migration = migration or MigrationPolicy()
         self.tokenizer = tokenizer
         self.model_path = model_path

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 
 from services.gateway.migration import MigrationPolicy
+from services.gateway.tool_parsers import TOOL_PARSERS
+from services.gateway.tools import ToolSettings
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
@@ -30,6 +32,10 @@ class GatewayOptions:
     api_key: str | None = None
     # Presented to the schedulers (the engine's internal token), if the SDK supports it.
     internal_token: str | None = None
+    # Tool calling: the parser for tool_choice "auto" and whether "auto" is allowed.
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    # A chat template (a file, or the template text) used instead of the model's.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1:
@@ -64,6 +70,12 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MYVLLM_API_KEY; none = open)")
     parser.add_argument("--internal-token", default=env_default("MYVLLM_INTERNAL_TOKEN"),
                         help="token presented to the schedulers (default: $MYVLLM_INTERNAL_TOKEN)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how tool calls are read from the model's output for tool_choice 'auto'")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="allow tool_choice 'auto' (needs --tool-call-parser)")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template file (or template text) to use instead of the model's")
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
@@ -71,4 +83,5 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     return GatewayOptions(
         migration=MigrationPolicy(max_migrations=args.max_migrations, wait_s=args.migration_wait),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
-        shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key, internal_token=args.internal_token)
+        shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key, internal_token=args.internal_token,
+        tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template)

@@ -3,6 +3,7 @@ four shapes a legacy-completions `prompt` can take."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,20 +31,29 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
         content = "\n".join(texts)
     # Templates concatenate content; a missing one (e.g. an assistant turn) is "".
     rendered["content"] = content or ""
+    for call in rendered.get("tool_calls") or []:
+        # OpenAI sends a call's arguments as JSON text; templates format them as an object.
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
     return rendered
 
 
 def chat_prompt(tokenizer: GatewayTokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
-    """Render `messages` with the model's chat template and tokenize the result."""
+                chat_template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> EnginePrompt:
+    """Render `messages` (and the `tools` offered) with the chat template and tokenize the result."""
     if add_generation_prompt and continue_final_message:
         raise invalid_request("add_generation_prompt and continue_final_message cannot both be true",
                               param="continue_final_message")
     template_input = [_template_message(i, m) for i, m in enumerate(messages)]
     try:
         text = tokenizer.render_chat(template_input, add_generation_prompt, continue_final_message,
-                                     chat_template_kwargs)
+                                     chat_template_kwargs, tools)
     except Exception as e:  # jinja errors, raise_exception() in templates, missing template
         raise invalid_request(f"Could not apply the chat template: {e}", param="messages") from None
     # The template already placed BOS and other special tokens.

@@ -49,8 +49,28 @@ class ChatMessage(BaseModel):
 # Features of vLLM's API that this engine does not implement (rejected when set).
 _UNSUPPORTED_FIELDS = (
     "logits_processors", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs",
 )
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class GenerationRequest(OpenAIBaseModel):
@@ -82,21 +102,21 @@ class GenerationRequest(OpenAIBaseModel):
     priority: Int32 = 0
     cache_salt: str | None = None
 
-    # Declared only to be rejected (see `unsupported_field`).
+    # Constrained decoding: OpenAI's response_format ({"type": "json_object"} or "json_schema")
+    # and vLLM's structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # Declared only to be rejected (see `unsupported_field`).
     logits_processors: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
     # vLLM's extension: each prompt token's logprob and top k (`prompt_logprobs` in the response).
     prompt_logprobs: Int32 | None = None
 
     def unsupported_field(self) -> str | None:
         """The first requested feature this server does not implement, if any."""
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format"
         for name in _UNSUPPORTED_FIELDS:
             if getattr(self, name) not in (None, [], {}):
                 return name
@@ -116,8 +136,9 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -125,10 +146,6 @@ class ChatCompletionRequest(GenerationRequest):
     prediction: Any = None
 
     def unsupported_field(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
         for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name) not in (None, [], {}):
                 return name
@@ -200,9 +217,43 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class OmitNoneModel(BaseModel):
+    """Serialised without its None fields (OpenAI stream deltas carry only what is present)."""
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OmitNoneModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNoneModel):
+    """A streamed piece of tool call `index`: id, type and name first, then argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -223,14 +274,12 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(OmitNoneModel):
+    # OpenAI deltas carry only what changed: {"role": ...} first, then {"content": ...} or
+    # {"tool_calls": [...]}, finally {}.
     role: str | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_present(self, handler: Any) -> dict[str, Any]:
-        # OpenAI deltas carry only what changed: {"role": ...} first, then {"content": ...}, finally {}.
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

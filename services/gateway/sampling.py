@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
+from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.errors import invalid_request
 from services.gateway.protocol import GenerationRequest
 from services.gateway.tokenizer import GatewayTokenizer
@@ -48,9 +49,11 @@ def check_prompt_logprobs_not_streamed(request: GenerationRequest) -> None:
 
 def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenizer, max_tokens: int,
                           logprobs: int | None, prompt_logprobs: int | None = None,
-                          ) -> tuple[SamplingParams, pb.SamplingParams]:
+                          structured_outputs: StructuredOutputsParams | None = None,
+                          skip_special_tokens: bool | None = None) -> tuple[SamplingParams, pb.SamplingParams]:
     """Validated params (SamplingParamsError names a bad field) and their engine proto;
-    `prompt_logprobs` defaults to the request's own (vLLM's extension field)."""
+    `prompt_logprobs` defaults to the request's own (vLLM's extension field), as does
+    `skip_special_tokens` (a tool-call parser may need the special tokens kept)."""
     if not 1 <= request.n <= MAX_N:
         raise invalid_request(f"n must be between 1 and {MAX_N}, got {request.n}", param="n")
     values = {name: default if getattr(request, name) is None else getattr(request, name)
@@ -68,7 +71,8 @@ def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenize
         prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         logit_bias=request.logit_bias,
         bad_words=request.bad_words,
-        skip_special_tokens=request.skip_special_tokens,
+        skip_special_tokens=request.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+        structured_outputs=structured_outputs,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         **values,
     )

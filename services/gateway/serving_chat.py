@@ -31,6 +31,9 @@ from services.gateway.protocol import (
 )
 from services.gateway.sampling import build_sampling_params, check_prompt_logprobs_not_streamed, resolve_max_tokens
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
+from services.gateway.structured_outputs import request_structured_outputs
+from services.gateway.tool_parsers import StreamPiece, ToolCallParser
+from services.gateway.tools import ToolPlan, plan_tools
 
 
 def _num_top_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -53,17 +56,28 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
         raise unsupported(field)
     num_top = _num_top_logprobs(request)
     check_prompt_logprobs_not_streamed(request)
+    tools = plan_tools(request, ctx.tools)
+    structured_outputs = request_structured_outputs(request)
+    if tools is not None and tools.structured_outputs is not None:
+        if structured_outputs is not None:
+            raise invalid_request("response_format / structured_outputs cannot be combined with tool_choice "
+                                  "'required' or a named function (those constrain the output to the tools)",
+                                  param="tool_choice")
+        structured_outputs = tools.structured_outputs
     prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
-                         request.continue_final_message, request.chat_template_kwargs)
+                         request.continue_final_message, request.chat_template_kwargs,
+                         tools.tools if tools is not None else None)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), await ctx.max_model_len(), "messages")
-    params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, num_top)
+    params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, num_top,
+                                             structured_outputs=structured_outputs,
+                                             skip_special_tokens=tools.skip_special_tokens if tools else None)
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = fan_out(request_id, [PromptSampling(prompt.token_ids, params, sampling)], ctx.tokenizer,
                       request.priority, request.cache_salt or "")
     deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
-    writer = _ChatWriter(ctx, request, request_id, prompt.token_ids, num_top)
+    writer = _ChatWriter(ctx, request, request_id, prompt.token_ids, num_top, tools)
     if request.stream:
         return sse_response(writer.stream(deltas, params.n))
     return json_response(await writer.collect(deltas, params.n))
@@ -73,8 +87,11 @@ class _ChatWriter:
     """Shapes one chat completion's deltas as OpenAI responses or chunks."""
 
     def __init__(self, ctx: GatewayContext, request: ChatCompletionRequest, request_id: str,
-                 prompt_token_ids: list[int], num_top: int | None) -> None:
+                 prompt_token_ids: list[int], num_top: int | None, tools: ToolPlan | None = None) -> None:
         self._ctx = ctx
+        self._tools = tools
+        # One tool-call parser per choice, made on first use (None: no tool calling).
+        self._parsers: dict[int, ToolCallParser] = {}
         self._request = request
         self._id = request_id
         self._created = int(time.time())
@@ -87,6 +104,36 @@ class _ChatWriter:
         if self._num_top is None:
             return None
         return chat_logprobs(self._ctx.tokenizer, delta.token_ids, delta.logprobs, self._num_top)
+
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if self._tools is None or self._tools.new_parser is None:
+            return None
+        if index not in self._parsers:
+            self._parsers[index] = self._tools.new_parser()
+        return self._parsers[index]
+
+    def _finish_reason(self, index: int, finish_reason: str | None, called: bool) -> str | None:
+        """A choice that ended normally with tool calls reports the plan's reason ("tool_calls")."""
+        if called and finish_reason == "stop":
+            return self._tools.finish_reason
+        return finish_reason
+
+    def _message(self, index: int, text: str) -> AssistantMessage:
+        parser = self._parser(index)
+        if parser is None:
+            return AssistantMessage(content=text)
+        extracted = parser.extract(text)
+        return AssistantMessage(content=extracted.content, tool_calls=extracted.tool_calls)
+
+    def _stream_piece(self, delta: ChoiceDelta) -> StreamPiece:
+        parser = self._parser(delta.index)
+        if parser is None:
+            return StreamPiece(content=delta.text)
+        piece = parser.feed(delta.text)
+        if delta.finish_reason:
+            rest = parser.finish()
+            piece = StreamPiece(piece.content + rest.content, piece.tool_calls + rest.tool_calls)
+        return piece
 
     def _usage(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self._num_prompt_tokens, completion_tokens=self._num_completion_tokens,
@@ -111,11 +158,13 @@ class _ChatWriter:
                 logprobs[delta.index] += self._logprobs(delta) or []
                 if delta.finish_reason:
                     endings[delta.index] = delta
+        messages = [self._message(i, "".join(texts[i])) for i in range(n)]
         choices = [ChatCompletionChoice(
             index=i,
-            message=AssistantMessage(content="".join(texts[i])),
+            message=messages[i],
             logprobs=ChatChoiceLogprobs(content=logprobs[i]) if self._num_top is not None else None,
-            finish_reason=endings[i].finish_reason if endings[i] else None,
+            finish_reason=self._finish_reason(i, endings[i].finish_reason if endings[i] else None,
+                                              bool(messages[i].tool_calls)),
             stop_reason=endings[i].stop_reason if endings[i] else None,
         ) for i in range(n)]
         return ChatCompletionResponse(id=self._id, created=self._created, model=self._ctx.served_model_name,
@@ -130,13 +179,16 @@ class _ChatWriter:
                 async for delta in deltas:
                     self._num_completion_tokens += len(delta.token_ids)
                     logprobs = self._logprobs(delta)
-                    if not (delta.text or delta.finish_reason or logprobs):
+                    piece = self._stream_piece(delta)
+                    if not (piece.content or piece.tool_calls or delta.finish_reason or logprobs):
                         continue  # a partial character or held-back text: nothing to show yet
+                    parser = self._parser(delta.index)
                     yield self._chunk([ChatCompletionStreamChoice(
                         index=delta.index,
-                        delta=DeltaMessage(content=delta.text or None),
+                        delta=DeltaMessage(content=piece.content or None, tool_calls=piece.tool_calls or None),
                         logprobs=ChatChoiceLogprobs(content=logprobs) if logprobs is not None else None,
-                        finish_reason=delta.finish_reason,
+                        finish_reason=self._finish_reason(delta.index, delta.finish_reason,
+                                                          parser is not None and parser.num_calls > 0),
                         stop_reason=delta.stop_reason,
                     )])
                 if self._request.include_usage:

@@ -27,6 +27,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.sampling import build_sampling_params, check_prompt_logprobs_not_streamed, resolve_max_tokens
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
+from services.gateway.structured_outputs import request_structured_outputs
 
 
 async def create_completion(ctx: GatewayContext, request: CompletionRequest,
@@ -42,6 +43,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     # echo + logprobs (OpenAI) needs the prompt's logprobs too; so does vLLM's prompt_logprobs.
     wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
     engine_prompt_logprobs = max(wanted) if wanted else None
+    structured_outputs = request_structured_outputs(request)
     prompts = completion_prompts(ctx.tokenizer, request.prompt)
     max_model_len = await ctx.max_model_len()
     sampled = []
@@ -49,7 +51,8 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
         # max_tokens defaults to 16; null lets each prompt use whatever context it leaves.
         max_tokens = resolve_max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
         params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs,
-                                                 prompt_logprobs=engine_prompt_logprobs)
+                                                 prompt_logprobs=engine_prompt_logprobs,
+                                                 structured_outputs=structured_outputs)
         sampled.append(PromptSampling(prompt.token_ids, params, sampling))
 
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -33,6 +33,16 @@ _RESERVED_TEMPLATE_ARGS = frozenset({
 })
 
 
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself when it is the template text."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a template")
+    return value
+
+
 def _as_id_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []
@@ -53,6 +63,8 @@ class GatewayTokenizer:
         # report the true bytes of a token that is only part of a character.
         self._byte_alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", []))
+        # The chat template to use instead of the model's own (--chat-template), if any.
+        self.chat_template: str | None = None
 
     @classmethod
     def load(cls, model_path: str) -> GatewayTokenizer:
@@ -83,8 +95,9 @@ class GatewayTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text the model's chat template makes of `messages`."""
+        """The prompt text the chat template makes of `messages` (and the `tools` offered)."""
         overridden = _RESERVED_TEMPLATE_ARGS.intersection(chat_template_kwargs or {})
         if overridden:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(overridden))}")
@@ -93,6 +106,8 @@ class GatewayTokenizer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template=self.chat_template,
             **(chat_template_kwargs or {}),
         )
 
