@@ -87,3 +87,29 @@ def test_bench_rejects_bad_sampling(smollm2_dir: str, capsys: pytest.CaptureFixt
     rc = main(["bench", "throughput", "--model", smollm2_dir, "--top-p", "0", "--no-hf"])
     assert rc == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_bench_throughput_json_schema(smollm2_dir: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    schema = {"type": "array", "minItems": 32, "items": {"type": "integer", "minimum": 0, "maximum": 99}}
+    schema_path, json_path = tmp_path / "schema.json", tmp_path / "throughput.json"
+    schema_path.write_text(json.dumps(schema))
+    rc = main(["bench", "throughput", "--model", smollm2_dir, "--num-prompts", "4", "--input-len-min", "8",
+               "--input-len-max", "16", "--output-len-min", "4", "--output-len-max", "8", "--no-llamacpp",
+               "--no-hf", "--json-schema", str(schema_path), "--json", str(json_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert re.search(rf"^my-vllm json-schema +4 .* ({NUMBER}) +{NUMBER} +[0-9]+$", out, re.MULTILINE)
+    last = out.strip().splitlines()[-1]
+    match = re.fullmatch(rf"ratio my-vllm json-schema / my-vllm \(output tok/s\): ({NUMBER})", last)
+    assert match and float(match.group(1)) > 0
+    data = json.loads(json_path.read_text())
+    assert [r["peer"] for r in data["results"]] == ["my-vllm", "my-vllm json-schema"]
+    assert data["ratio_json_schema_over_my_vllm_output_tok_s"] > 0
+
+
+def test_bench_rejects_a_bad_json_schema(smollm2_dir: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text('{"type": "objec"}')
+    rc = main(["bench", "throughput", "--model", smollm2_dir, "--no-hf", "--json-schema", str(schema_path)])
+    assert rc == 2
+    assert "Unsupported type" in capsys.readouterr().err

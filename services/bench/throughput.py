@@ -7,15 +7,27 @@ same count for every peer; a static batch's extra tokens past a request's length
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.bench.workload import BenchRequest, Peer, PeerSpec, SamplingKnobs, format_table, run_peer, torch_threads
+from services.bench.workload import (
+    BenchRequest,
+    Peer,
+    PeerSpec,
+    SamplingKnobs,
+    format_table,
+    run_peer,
+    torch_threads,
+)
 
 RATIO_LABEL = "ratio my-vllm / hf (output tok/s)"
 # Ratios against the rivals come before the HF one (which stays the report's last line).
 RIVALS = ("llama.cpp", "vllm")
+# The peer name of `--json-schema`'s run: my-vllm with every request constrained to the schema.
+STRUCTURED = "my-vllm json-schema"
+STRUCTURED_LABEL = "ratio my-vllm json-schema / my-vllm (output tok/s)"
 
 
 @dataclass(frozen=True)
@@ -47,12 +59,14 @@ def benchmark(requests: Sequence[BenchRequest], knobs: SamplingKnobs, peers: Seq
     prompt_tokens = sum(r.prompt_len for r in requests)
     output_tokens = sum(r.output_len for r in requests)
 
-    def measure(peer: Peer) -> ThroughputResult:
+    def measure(spec: PeerSpec, peer: Peer) -> ThroughputResult:
         threads = torch_threads()
         elapsed = peer.generate(requests, knobs)
-        return ThroughputResult(peer.name, len(requests), prompt_tokens, output_tokens, elapsed, threads)
+        # A constrained run may end outputs early (complete JSON): it counts what it generated.
+        generated = getattr(peer, "num_output_tokens", None) or output_tokens
+        return ThroughputResult(spec.name, len(requests), prompt_tokens, generated, elapsed, threads)
 
-    return [run_peer(spec, warmup, knobs, measure) for spec in peers]
+    return [run_peer(spec, warmup, knobs, functools.partial(measure, spec)) for spec in peers]
 
 
 def ratio(results: Sequence[ThroughputResult], other: str = "hf") -> float | None:
@@ -63,6 +77,14 @@ def ratio(results: Sequence[ThroughputResult], other: str = "hf") -> float | Non
     return by_name["my-vllm"].output_tok_s / by_name[other].output_tok_s
 
 
+def structured_ratio(results: Sequence[ThroughputResult]) -> float | None:
+    """The constrained run's output tok/s over the unconstrained one's (None without both)."""
+    by_name = {r.peer: r for r in results}
+    if STRUCTURED not in by_name or "my-vllm" not in by_name:
+        return None
+    return by_name[STRUCTURED].output_tok_s / by_name["my-vllm"].output_tok_s
+
+
 def report(results: Sequence[ThroughputResult]) -> str:
     """The table, the ratios against llama.cpp and vLLM when they ran, then (when HF ran) the HF
     ratio as the last line."""
@@ -71,6 +93,9 @@ def report(results: Sequence[ThroughputResult]) -> str:
     rows = [[r.peer, r.num_requests, r.prompt_tokens, r.output_tokens, f"{r.elapsed_s:.2f}", f"{r.output_tok_s:.1f}",
              f"{r.total_tok_s:.1f}", r.threads] for r in results]
     text = format_table(header, rows)
+    structured = structured_ratio(results)
+    if structured is not None:
+        text += f"\n{STRUCTURED_LABEL}: {structured:.2f}"
     for rival in RIVALS:
         rival_ratio = ratio(results, rival)
         if rival_ratio is not None:

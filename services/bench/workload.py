@@ -151,25 +151,36 @@ class PeerSpec:
 
 
 class MyVllmPeer:
-    """my-vllm through the offline `LLM`: one `generate` call with all requests."""
+    """my-vllm through the offline `LLM`: one `generate` call with all requests.
+
+    With `json_schema` every request's output is constrained to it (structured outputs); such
+    an output may end before its requested length (its JSON is complete), so the peer counts
+    the tokens it really generated in `num_output_tokens`.
+    """
 
     name = "my-vllm"
 
-    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(self, engine_kwargs: dict[str, Any], json_schema: dict[str, Any] | None = None) -> None:
+        from services.common.structured_outputs import StructuredOutputsParams
         from services.sdk import LLM
 
+        self.structured_outputs = StructuredOutputsParams(json=json_schema) if json_schema is not None else None
         self.llm = LLM(**engine_kwargs)
+        self.num_output_tokens: int | None = None
 
     def generate(self, requests: Sequence[BenchRequest], knobs: SamplingKnobs) -> float:
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         params = [knobs.sampling_params(r.output_len) for r in requests]
+        for p in params:
+            p.structured_outputs = self.structured_outputs
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        for request, output in zip(requests, outputs, strict=True):
-            got = len(output.outputs[0].token_ids)
-            if got != request.output_len:
+        counts = [len(output.outputs[0].token_ids) for output in outputs]
+        for request, got in zip(requests, counts, strict=True):
+            if got > request.output_len or (got < request.output_len and self.structured_outputs is None):
                 raise RuntimeError(f"my-vllm generated {got} tokens for a request of {request.output_len}")
+        self.num_output_tokens = sum(counts)
         return elapsed
 
     def close(self) -> None:
