@@ -195,3 +195,59 @@ def test_request_waits_for_its_grammar_without_holding_up_the_batch(smollm2_dir:
                              49152)[0]
     assert 0 < int(allowed.sum()) < 49152  # only tokens starting with "a" (or "ab...")
     manager.close()
+
+
+def _scheduler(smollm2_dir: str) -> tuple[StructuredOutputManager, Scheduler]:
+    manager = StructuredOutputManager(smollm2_dir, vocab_size=49152, eos_token_ids=[2], max_num_seqs=8)
+    return manager, Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                              max_model_len=256, structured_output=manager)
+
+
+def _allowed(out: pb.SchedulerOutput, row: int = 0) -> torch.Tensor:
+    packed = np.frombuffer(out.grammar_bitmask, dtype="<i4").reshape(len(out.structured_output_request_ids), -1)
+    return unpack_bitmask(torch.from_numpy(packed.copy()), 49152)[row]
+
+
+def test_a_migrated_request_resumes_its_grammar(smollm2_dir: str, llm: LLM) -> None:
+    """Resumed output tokens (request migration) advance the matcher before the first step;
+    tokens the grammar refuses end the request with an error instead."""
+    tokenizer = llm.get_tokenizer()
+    manager, sched = _scheduler(smollm2_dir)
+    spec = pb.StructuredOutputs(choice=pb.StringList(values=["alphabet soup", "alpha"]))
+    resumed = tokenizer.encode("alphabet", add_special_tokens=False)
+    good = Request("good", [1, 2, 3], pb.SamplingParams(max_tokens=20), frozenset({2}), max_tokens=20,
+                   resumed_output_token_ids=resumed)
+    good.grammar = manager.grammar_for(spec)
+    bad = Request("bad", [4, 5, 6], pb.SamplingParams(max_tokens=20), frozenset({2}), max_tokens=20,
+                  resumed_output_token_ids=tokenizer.encode("beta", add_special_tokens=False))
+    bad.grammar = manager.grammar_for(spec)
+    sched.add_request(good)
+    sched.add_request(bad)
+    manager.wait_for_any(sched.compiling_grammars(), timeout=30)
+    out = sched.schedule()
+    assert [r.request_id for r in out.new_requests] == ["good"]
+    allowed = _allowed(out)
+    soup = tokenizer.encode(" soup", add_special_tokens=False)[0]
+    assert allowed[soup] and not allowed[tokenizer.encode("alpha", add_special_tokens=False)[0]]
+    failed = sched.take_failed_outputs()
+    assert [(f.request_id, f.error_kind) for f in failed] == [("bad", pb.INVALID_REQUEST)]
+    assert "does not match" in failed[0].error and "bad" not in sched.requests
+    manager.close()
+
+
+def test_constrained_requests_survive_preemption(smollm2_dir: str, llm: LLM) -> None:
+    """A preempted constrained request keeps its matcher: the same greedy output as unpreempted."""
+    schemas = SCHEMAS[:6]
+    contents = [f"Reply with JSON that follows this schema: {json.dumps(s)}" for s in schemas]
+    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=s))
+              for s in schemas]
+    expected = [out.outputs[0].token_ids for out in _chat(llm, contents, params)]
+    small = LLM(smollm2_dir, seed=0, num_gpu_blocks_override=14, block_size=16, max_num_seqs=8)
+    try:
+        outputs = _chat(small, contents, params)
+        assert small.stats()["num_preemptions"] > 0
+        assert [out.outputs[0].token_ids for out in outputs] == expected
+        for out, schema in zip(outputs, schemas, strict=True):
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    finally:
+        small.close()

@@ -10,13 +10,15 @@ import openai
 import pytest
 from fake_scheduler import FakeScheduler, FakeSchedulerServer
 
+from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.options import GatewayOptions
+from services.gateway.protocol import ChatCompletionToolParam
 from services.gateway.server import BackgroundGateway
 from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.tool_parsers import ToolCallParser
 from services.gateway.tool_parsers.constrained import NamedFunctionParser, RequiredToolsParser, json_value_end
 from services.gateway.tool_parsers.hermes import HermesToolParser
-from services.gateway.tools import ToolSettings
+from services.gateway.tools import ToolSettings, required_schema
 
 HERMES_OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
                  '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
@@ -167,3 +169,15 @@ def test_tool_errors_are_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="not a usable JSON schema"):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=[bad_tool],
                                        tool_choice="required")
+
+
+
+def test_required_schema_hoists_defs() -> None:
+    tool = ChatCompletionToolParam.model_validate({"type": "function", "function": {"name": "add", "parameters": {
+        "$defs": {"num": {"type": "integer", "minimum": 0, "maximum": 9}}, "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/num"}, "b": {"$ref": "#/$defs/num"}}, "required": ["a", "b"]}}})
+    weather = ChatCompletionToolParam.model_validate(WEATHER_TOOL)
+    schema = required_schema([tool, weather], parallel=False)
+    assert schema["$defs"] == {"num": {"type": "integer", "minimum": 0, "maximum": 9}} and schema["maxItems"] == 1
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    StructuredOutputsParams(json=schema).to_proto()  # the references resolve at the top

@@ -57,14 +57,24 @@ def _parameters(tool: ChatCompletionToolParam) -> dict[str, Any]:
 
 def required_schema(tools: list[ChatCompletionToolParam], parallel: bool) -> dict[str, Any]:
     """A JSON array of at least one {"name", "parameters"} call of any of `tools` (at most one
-    unless parallel tool calls are allowed)."""
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                               "parameters": _parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
+    unless parallel tool calls are allowed). Each tool's `$defs` move to the top, where its
+    `#/$defs/...` references point once its parameters are nested in the array."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for tool in tools:
+        parameters = dict(_parameters(tool))
+        for name, definition in (parameters.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise invalid_request(f"tools define $defs/{name} differently; rename one", param="tools")
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                                        "parameters": parameters},
+                      "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 

@@ -85,6 +85,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 == num_blocks:
             return
         self.config.model = info.model
+        if core is not None:
+            core.structured_output.close()  # (no request is left: the worker's loss ended them all)
         self.core = EngineCore(self.config, info, num_blocks)
         # A request waiting only for its grammar must not wait for the idle probe.
         loop = asyncio.get_running_loop()

@@ -67,8 +67,11 @@ class LLM:
         return info, num_blocks
 
     def close(self) -> None:
-        """Stop the tensor-parallel rank processes, if any (they also die with this process)."""
+        """Stop the tensor-parallel rank processes, if any (they also die with this process), and
+        the grammar compile thread."""
         self.worker.close()
+        if getattr(self, "engine", None) is not None:
+            self.engine.structured_output.close()
 
     # ------------------------------------------------------------------ public API
 
