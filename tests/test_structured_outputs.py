@@ -254,8 +254,9 @@ def test_constrained_requests_survive_preemption(smollm2_dir: str, llm: LLM) -> 
 
 
 def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_dir: str, llm: LLM) -> None:
-    """With async scheduling a constrained request sits out the step after each of its own (its
-    next bitmask needs the token in flight); outputs are those of the synchronous engine."""
+    """With async scheduling step N+1 is on the worker while step N's tokens are folded in: its
+    constrained rows' bitmask follows it (the worker waits for it before sampling). Outputs are
+    those of the synchronous engine."""
     prompts = ["The capital of France is", "Some JSON:", "Once upon a time", "More JSON:"]
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     json_spec = StructuredOutputsParams(json=SCHEMAS[0])
@@ -264,8 +265,65 @@ def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_di
               SamplingParams(temperature=0, max_tokens=60, structured_outputs=regex_spec)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     overlapped = LLM(smollm2_dir, seed=0, async_scheduling=True, max_num_seqs=8)
+    followups = []
+    scheduler_followup = overlapped.engine.scheduler.grammar_followup
+
+    def counted(so: pb.SchedulerOutput) -> pb.SchedulerOutput | None:
+        followup = scheduler_followup(so)
+        if followup is not None:
+            followups.append(len(followup.structured_output_request_ids))
+        return followup
+
+    overlapped.engine.scheduler.grammar_followup = counted
     try:
         assert overlapped.config.async_scheduling
         assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == expected
+        assert len(followups) > 10 and max(followups) == 2  # both constrained rows, step after step
+        assert not overlapped.engine.scheduler.deferred_bitmasks
     finally:
         overlapped.close()
+
+
+def test_deferred_bitmask_follows_the_tokens_in_flight(smollm2_dir: str, llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    manager = StructuredOutputManager(smollm2_dir, vocab_size=49152, eos_token_ids=[2], max_num_seqs=8)
+    sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                      structured_output=manager, async_scheduling=True)
+    request = Request("c", [1, 2, 3], pb.SamplingParams(max_tokens=20), frozenset({2}), max_tokens=20)
+    request.grammar = manager.grammar_for(pb.StructuredOutputs(choice=pb.StringList(values=["alpha beta"])))
+    sched.add_request(request)
+    manager.wait_for_any(sched.compiling_grammars(), timeout=30)
+    first = sched.schedule()
+    assert list(first.structured_output_request_ids) == ["c"] and not first.grammar_bitmask_follows
+    second = sched.schedule()  # while `first` is in flight: the matcher cannot know its token yet
+    assert second.grammar_bitmask_follows and not second.structured_output_request_ids
+    assert sched.grammar_followup(first) is None
+    alpha, beta = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("alpha", " beta"))
+    sched.update_from_output(first, pb.ModelRunnerOutput(step_id=first.step_id, request_ids=["c"],
+                                                         sampled_token_ids=[alpha]))
+    followup = sched.grammar_followup(second)
+    assert followup.grammar_bitmask_only and followup.step_id == second.step_id
+    allowed = _allowed(followup)
+    assert allowed[beta] and int(allowed.sum()) < 10  # after "alpha": only " beta" (and its prefixes)
+    assert sched.grammar_followup(second) is None and not sched.deferred_bitmasks
+    manager.close()
+
+
+def test_tensor_parallel_ranks_apply_the_deferred_bitmask(tiny_llama_dir: str) -> None:
+    """Two TP ranks (real processes) with async scheduling: every rank masks the constrained rows
+    with the bitmask that follows the step; the output is the single-rank synchronous one."""
+    schemas = SCHEMAS[:3]
+    prompts = [f"JSON for {json.dumps(s)}" for s in schemas] + ["Once upon a time"]
+    params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=s))
+              for s in schemas] + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    results = []
+    for tp, overlapped in ((1, False), (2, True)):
+        engine = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=tp, async_scheduling=overlapped, seed=0)
+        try:
+            outputs = engine.generate(prompts, params, use_tqdm=False)
+        finally:
+            engine.close()
+        for out, schema in zip(outputs[:3], schemas, strict=True):
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        results.append([o.outputs[0].token_ids for o in outputs])
+    assert results[0] == results[1]

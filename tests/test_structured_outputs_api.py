@@ -33,8 +33,10 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def mesh(smollm2_dir: str) -> Iterator[Mesh]:
+    # Async scheduling (off by default on CPU): constrained steps take the deferred-bitmask path
+    # over gRPC (the worker waits for the bitmask message that follows the step).
     m = Mesh(["--model", smollm2_dir, "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20),
-              "--tool-call-parser", "hermes", "--enable-auto-tool-choice"])
+              "--async-scheduling", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"])
     yield m
     assert m.stop() == 0
 

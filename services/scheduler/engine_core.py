@@ -101,6 +101,10 @@ class EngineCore:
     def schedule(self) -> pb.SchedulerOutput:
         return self.scheduler.schedule()
 
+    def grammar_followup(self, so: pb.SchedulerOutput) -> pb.SchedulerOutput | None:
+        """The bitmask message a step in flight waits for, once the step before it is processed."""
+        return self.scheduler.grammar_followup(so)
+
     def compiling_grammars(self) -> list:
         """Grammars that waiting requests wait for (nothing to schedule may mean: wait for these)."""
         return self.scheduler.compiling_grammars()

@@ -57,6 +57,9 @@ class Scheduler:
         # Requests ended outside a step (their grammar failed to compile): reported with the
         # next step's outputs, or by `take_failed_outputs` when no step runs.
         self.failed_outputs: list[pb.RequestOutput] = []
+        # Async scheduling: steps sent before their constrained rows' matchers caught up, by step
+        # id, with those rows' requests; their bitmask follows once the tokens are folded in.
+        self.deferred_bitmasks: dict[int, list[Request]] = {}
 
     # ------------------------------------------------------------------ queue management
 
@@ -119,6 +122,7 @@ class Scheduler:
             raise RuntimeError("forget_worker_state with live requests: abort them first")
         self.worker_known.clear()
         self.finished_req_ids.clear()
+        self.deferred_bitmasks.clear()
         self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
@@ -170,9 +174,7 @@ class Scheduler:
             request = self.running[idx]
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                           token_budget, self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0 or self._finishes_in_flight(request) or \
-                    (request.grammar is not None and request.num_output_placeholders):
-                # (A constrained request's next bitmask needs its in-flight token: it sits out.)
+            if num_new <= 0 or self._finishes_in_flight(request):
                 idx += 1
                 continue
             while True:
@@ -310,20 +312,44 @@ class Scheduler:
             self.finished_req_ids.clear()
         # The worker will compute these tokens: count them as computed now.
         scheduled = [(r, n) for r, n in scheduled_new] + [(r, n) for r, n, _ in scheduled_cached]
+        # Constrained requests whose matcher still waits for a token in flight (async scheduling).
+        lagging = any(r.grammar is not None and r.num_output_placeholders for r, _ in scheduled)
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
             if self.async_scheduling and \
                     request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we do not know yet
-        self._attach_bitmask(out, scheduled)
+        self._attach_bitmask(out, scheduled, lagging)
         return out
 
-    def _attach_bitmask(self, out: pb.SchedulerOutput, scheduled: list[tuple[Request, int]]) -> None:
-        """The allowed-token rows of the constrained requests that sample in this step."""
+    def _attach_bitmask(self, out: pb.SchedulerOutput, scheduled: list[tuple[Request, int]], lagging: bool) -> None:
+        """The allowed-token rows of the constrained requests that sample in this step, now, or
+        (when a matcher waits for a token still in flight) in a message that follows the step."""
         constrained = [r for r, _ in scheduled if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
-        if constrained:
-            out.structured_output_request_ids.extend(r.request_id for r in constrained)
-            out.grammar_bitmask = self.structured_output.fill_bitmask([r.grammar for r in constrained])
+        if not constrained:
+            return
+        if lagging:
+            out.grammar_bitmask_follows = True
+            self.deferred_bitmasks[out.step_id] = constrained
+            return
+        self._fill_bitmask(out, constrained)
+
+    def _fill_bitmask(self, out: pb.SchedulerOutput, constrained: list[Request]) -> None:
+        out.structured_output_request_ids.extend(r.request_id for r in constrained)
+        out.grammar_bitmask = self.structured_output.fill_bitmask([r.grammar for r in constrained])
+
+    def grammar_followup(self, scheduler_output: pb.SchedulerOutput) -> pb.SchedulerOutput | None:
+        """For a step sent with `grammar_bitmask_follows`: the message with its bitmask, to send
+        once the previous step's tokens are folded in (None for any other step). Requests that
+        ended meanwhile get no row (the worker samples them unmasked; their token is dropped)."""
+        constrained = self.deferred_bitmasks.pop(scheduler_output.step_id, None)
+        if constrained is None:
+            return None
+        out = pb.SchedulerOutput(step_id=scheduler_output.step_id, grammar_bitmask_only=True)
+        live = [r for r in constrained if self.requests.get(r.request_id) is r and r.status == RequestStatus.RUNNING]
+        if live:
+            self._fill_bitmask(out, live)
+        return out
 
     # ------------------------------------------------------------------ after the step
 

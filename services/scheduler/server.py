@@ -139,6 +139,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 continue
             so = in_flight.popleft()
             self._route(core.process(so, await self.worker.receive()))
+            if in_flight and (followup := core.grammar_followup(in_flight[0])) is not None:
+                await self.worker.send(followup)  # the next step's constrained rows: their bitmask
             self._report_load()
             await asyncio.sleep(0)  # let gateway streams run between steps
 

@@ -220,6 +220,10 @@ class LLM:
                         continue
                     so, result = in_flight.popleft()
                     outputs = self.engine.process(so, result.result() if isinstance(result, Future) else result)
+                    if in_flight and (followup := self.engine.grammar_followup(in_flight[0][0])) is not None:
+                        # The next step waits on the compute thread for its constrained rows' bitmask.
+                        next_so, forward = in_flight[0]
+                        in_flight[0] = (next_so, self._compute.submit(self._complete, forward, followup))
                 except Exception as e:
                     self._reset_after_fault(in_flight)
                     raise EngineFault(f"engine step failed ({type(e).__name__}: {e}); every request of this call "
@@ -228,6 +232,11 @@ class LLM:
         finally:
             if self._drain(in_flight):  # a step nobody waited for failed: same clean slate
                 self._reset_after_fault(in_flight)
+
+    def _complete(self, forward: Future, followup: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
+        """Send a deferred step its bitmask (its forward, queued before, has run: re-raise its error)."""
+        forward.result()
+        return self.worker.execute(followup)
 
     @staticmethod
     def _drain(in_flight: deque) -> bool:

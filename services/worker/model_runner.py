@@ -91,6 +91,8 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.block_size = 0
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
+        # A step that waits for its grammar bitmask: (its output so far, logits, sampling rows).
+        self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
         if self.device.type == "cpu":
             self.model.pack_for_cpu()
         # CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain here.
@@ -179,6 +181,7 @@ class ModelRunner:
         """Forget every request (a new scheduler stream starts from scratch)."""
         self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.seed)
         self._sampling_cache = None
+        self._pending = None
 
     # ------------------------------------------------------------------ one step
 
@@ -263,7 +266,16 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
+    def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
+        """Run one step. A step sent with `grammar_bitmask_follows` (async scheduling: its
+        constrained rows' bitmask needs the previous step's tokens) stops before sampling and
+        returns None; the next message, `grammar_bitmask_only` with the same step id, brings
+        the bitmask and gets the step's output."""
+        if so.grammar_bitmask_only:
+            pending, self._pending = self._pending, None
+            if pending is None or pending[0].step_id != so.step_id:
+                return None  # the step it completes failed (already reported) or was reset
+            return self._sample(*pending, so)
         rows = self._apply_scheduler_output(so)
         out = pb.ModelRunnerOutput(step_id=so.step_id)
         if rows.size == 0:
@@ -273,10 +285,17 @@ class ModelRunner:
         with forward_context(self.attn_backend, meta):
             hidden = self.forward(input_ids, positions)
         out.prompt_logprobs.extend(self._prompt_logprobs(rows, num_scheduled, meta, hidden))
-        if logits_indices.numel() == 0:
+        logits = self.model.compute_logits(hidden.index_select(0, logits_indices)) if logits_indices.numel() else None
+        if so.grammar_bitmask_follows:
+            self._pending = (out, logits, rows[samples])
+            return None
+        return self._sample(out, logits, rows[samples], so)
+
+    def _sample(self, out: pb.ModelRunnerOutput, logits: torch.Tensor | None, sample_rows: np.ndarray,
+                so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
+        """Mask the constrained rows (bitmask from `so`), sample, record the tokens in `out`."""
+        if logits is None:
             return out
-        logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
-        sample_rows = rows[samples]
         if so.structured_output_request_ids:
             row_req_ids = self.input_batch.row_req_ids
             apply_grammar_bitmask(logits, so, {row_req_ids[r]: i for i, r in enumerate(sample_rows.tolist())})

@@ -101,7 +101,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         await self._run(self.worker.reset_batch)
         async for so in request_iterator:
             try:
-                yield await self._run(self.worker.execute, so)
+                out = await self._run(self.worker.execute, so)
+                if out is not None:  # None: the step waits for its grammar bitmask (the next message)
+                    yield out
             except Exception as e:  # report, keep serving: the scheduler fails the affected requests
                 logger.error("step %d failed: %s", so.step_id, traceback.format_exc())
                 await self._run(self.worker.reset_batch)

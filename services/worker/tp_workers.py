@@ -113,7 +113,7 @@ class TensorParallelWorkers:
     def init_kv_cache(self, request: pb.InitKVCacheRequest) -> pb.Empty:
         return self._mirror("init_kv_cache", [request] * len(self.conns), request)
 
-    def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
+    def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
         return self._mirror("execute", [so] * len(self.conns), so)
 
     def reset_batch(self) -> None:

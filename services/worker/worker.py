@@ -68,7 +68,9 @@ class Worker:
         self._loaded().init_kv_cache(req.num_blocks, req.block_size)
         return pb.Empty()
 
-    def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
+    def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
+        """The step's output; None for a step that waits for its grammar bitmask (the output
+        comes with the `grammar_bitmask_only` message that brings it)."""
         return self._loaded().execute(so)
 
     def reset_batch(self) -> None:
