@@ -414,7 +414,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int, device: st
 
 
 def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool = True,
-                        tensor_parallel_size: int = 1) -> bool | None:
+                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> bool | None:
     """None: skipped (the engine does not import here)."""
     why = engine_import_error()
     if why is None and not try_import("transformers")[0]:
@@ -441,7 +441,7 @@ def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool 
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype="float32", attention_backend="triton", block_size=16, max_num_batched_tokens=64,
               kv_cache_memory_bytes=1 << 30, max_model_len=1024, enable_prefix_caching=True, seed=0,
-              tensor_parallel_size=tensor_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -455,6 +455,7 @@ def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool 
     want, logits = hf_greedy(model_dir, prompts, max_new, device)
     ok = compare_greedy("engine vs HF", got, want, logits)
     tp = f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    tp += f", pipeline_parallel_size={pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
     say(f"  engine level, {label}: LLM(attention_backend='triton'{tp}) vs HF transformers, {len(prompts)} prompts x "
         f"{max_new} tokens, {'equal' if ok else 'DIFFERENT'} ({time.perf_counter() - t0:.1f} s)")
     return ok
@@ -480,7 +481,8 @@ def stage_greedy(args: argparse.Namespace) -> int:
 
 
 def stage_tp2(args: argparse.Namespace) -> int:
-    """Tensor parallelism over NCCL: LLM(tensor_parallel_size=2), one rank per GPU, vs HF."""
+    """Model parallelism over NCCL: LLM(tensor_parallel_size=2), then LLM(pipeline_parallel_size=2)
+    (hidden states sent GPU to GPU), one rank per GPU, each vs HF."""
     import torch
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < 2:
@@ -490,8 +492,10 @@ def stage_tp2(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         ok = engine_level_greedy("cuda", args.quick, Path(tmp), use_smollm2=not args.no_smollm2,
                                  tensor_parallel_size=2)
-    if ok is None:
-        return SKIP
+        if ok is None:
+            return SKIP
+        ok = engine_level_greedy("cuda", True, Path(tmp), use_smollm2=not args.no_smollm2,
+                                 pipeline_parallel_size=2) and ok
     say(f"tp2: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -5,8 +5,8 @@
 #   (a) kernels     tests/test_triton_kernels.py compiled on CUDA (TRITON_INTERPRET unset)
 #   (b) greedy      paged model + Triton attention vs a dense pure-torch reference (always), and the
 #                   engine vs HF transformers (where the engine and transformers import)
-#   (c) tp2         LLM(tensor_parallel_size=2) over NCCL vs HF transformers, when two GPUs are
-#                   present (says so and skips otherwise)
+#   (c) tp2         LLM(tensor_parallel_size=2), then LLM(pipeline_parallel_size=2), over NCCL vs HF
+#                   transformers, when two GPUs are present (says so and skips otherwise)
 #   (d) throughput  Qwen3-0.6B-shaped random weights, 256 requests, lengths 100..1024, output tok/s
 #
 # Each stage runs under `timeout` (30 + 100 + 110 + 90 + 220 s: inside 9 minutes). A stage whose packages are

@@ -12,13 +12,20 @@ from services.engine_args import add_engine_args, engine_kwargs
 def _cmd_generate(args: argparse.Namespace) -> int:
     from services.sdk import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)
-    else:
-        out = llm.generate(args.prompt, sp, use_tqdm=False)
-    print(out[0].outputs[0].text)
+    try:
+        llm = LLM(**engine_kwargs(args))
+    except (ValueError, FileNotFoundError) as e:  # a bad flag combination or model path: say so, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)
+        else:
+            out = llm.generate(args.prompt, sp, use_tqdm=False)
+        print(out[0].outputs[0].text)
+    finally:
+        llm.close()
     return 0
 
 

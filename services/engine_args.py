@@ -12,7 +12,8 @@ import argparse
 
 from services.common.config import DEFAULT_ENGINE_TIMEOUT_S
 
-MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size", "compile_model")
+MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
+              "pipeline_parallel_size", "compile_model")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling")
 
@@ -33,6 +34,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split each layer's heads and MLP columns (a worker started with T > 1 waits "
                         "for its scheduler to assign its rank)")
+    add_pipeline_parallel_arg(p)
+
+
+def add_pipeline_parallel_arg(p: argparse.ArgumentParser) -> None:
+    """Read by the worker (a stage loads once its scheduler assigns it) and by the scheduler (its
+    workers are T ranks per stage, stage-major, and it keeps P steps in flight)."""
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="stages that split the model's layers, T ranks each; the scheduler keeps P steps in "
+                        "flight so that no stage idles")
 
 
 def add_scheduling_args(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,13 @@ import time
 from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
-from services.engine_args import add_engine_args, add_engine_timeout_arg, add_model_args, add_scheduling_args
+from services.engine_args import (
+    add_engine_args,
+    add_engine_timeout_arg,
+    add_model_args,
+    add_pipeline_parallel_arg,
+    add_scheduling_args,
+)
 from services.gateway.options import CREDENTIAL_OPTIONS, add_gateway_options
 from services.supervisor import ServiceProcess, stop_all
 
@@ -61,10 +67,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return _fail(f"--allowed-model-root {root} is not a directory")
     load = pb.LoadModelRequest(model=model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len or 0,
                                attention_backend=args.attention_backend or "",
-                               tensor_parallel_size=args.tensor_parallel_size, compile_model=args.compile_model)
-    # A tensor-parallel rank loads its shard once its scheduler says which rank it is.
+                               tensor_parallel_size=args.tensor_parallel_size,
+                               pipeline_parallel_size=args.pipeline_parallel_size, compile_model=args.compile_model)
+    # A tensor- or pipeline-parallel rank loads its shard once its scheduler says which rank it is.
+    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
     return _run_async(serve_worker(args.host, args.port, load, device=args.device,
-                                   preload=args.tensor_parallel_size <= 1, token=token_from_env(args.internal_token),
+                                   preload=not parallel, token=token_from_env(args.internal_token),
                                    allowed_model_root=root))
 
 
@@ -73,7 +81,10 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     from services.scheduler.server import serve_scheduler
 
     # Model, dtype and the like belong to the worker; the scheduler learns them from LoadModel.
-    config = EngineConfig(**engine_kwargs(args), model="")
+    try:
+        config = EngineConfig(**engine_kwargs(args), model="")
+    except ValueError as e:
+        return _fail(f"scheduler: {e}")
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     return _run_async(serve_scheduler(args.host, args.port, config, workers, redis_url=args.redis,
                                       engine_id=args.engine_id, advertise_address=args.advertise_address,
@@ -204,7 +215,8 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
         scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
                           "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
             + (["--redis", redis_url, "--engine-id", f"replica-{replica}"] if redis_url else []) \
-            + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_engine_timeout_arg)
+            + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_engine_timeout_arg) \
+            + _forwarded_flags(args, add_pipeline_parallel_arg)
         services.append((f"scheduler{suffix}", scheduler,
                          functools.partial(_grpc_healthy, f"127.0.0.1:{scheduler_port}", "scheduler")))
     gateway = py + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler",
@@ -217,9 +229,10 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
 
 
 def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
-    d, t = args.data_parallel_size, args.tensor_parallel_size
+    d, t, p = args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size
     parts = [f"{d} engine replica{'s' if d > 1 else ''} (data parallel)",
-             f"{t} worker rank{'s' if t > 1 else ''} each (tensor parallel)"]
+             f"{t * p} worker rank{'s' if t * p > 1 else ''} each "
+             f"({t} tensor parallel x {p} pipeline stage{'s' if p > 1 else ''})"]
     if redis_port is not None:
         parts.append(f"redis on 127.0.0.1:{redis_port}")
     elif args.redis:
@@ -235,17 +248,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if not _port_free(args.host, args.port):
         return _fail(f"port {args.port} on {args.host} is already in use (pick another with --port)")
-    if args.data_parallel_size < 1 or args.tensor_parallel_size < 1:
-        return _fail("--data-parallel-size and --tensor-parallel-size must be at least 1")
+    if min(args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size) < 1:
+        return _fail("--data-parallel-size, --tensor-parallel-size and --pipeline-parallel-size must be at least 1")
     if args.data_parallel_size > 1 and (args.worker_port or args.scheduler_port):
         return _fail("--worker-port / --scheduler-port name one replica's ports; leave them out with "
                      "--data-parallel-size > 1")
     if args.data_parallel_size > 1 and not args.redis and shutil.which("redis-server") is None:
         return _fail("--data-parallel-size > 1 starts a redis-server (none on PATH; `make setup` installs it) "
                      "unless --redis URL names one")
-    # Replica r's workers (rank order) and scheduler; --worker-port is rank 0's, the others follow it.
+    # Replica r's workers (rank order, stage-major) and scheduler; --worker-port is rank 0's, the others
+    # follow it.
+    num_ranks = args.tensor_parallel_size * args.pipeline_parallel_size
     worker_ports = [[args.worker_port + rank if args.worker_port else free_port()
-                     for rank in range(args.tensor_parallel_size)] for _ in range(args.data_parallel_size)]
+                     for rank in range(num_ranks)] for _ in range(args.data_parallel_size)]
     scheduler_ports = [args.scheduler_port or free_port() for _ in range(args.data_parallel_size)]
     redis_port = free_port() if args.data_parallel_size > 1 and not args.redis else None
     # One secret per run, shared by the three services (and this process's health checks)
@@ -315,7 +330,8 @@ def add_subcommands(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--workers", required=True,
-                   help="worker address host:port; several (comma-separated, in rank order) = tensor-parallel ranks")
+                   help="worker address host:port; several (comma-separated, in rank order: the tensor-parallel "
+                        "ranks of stage 0, then of stage 1, ...) = one engine's ranks")
     s.add_argument("--redis", default=None, help="redis URL to publish this replica's load to (DP routing)")
     s.add_argument("--engine-id", default=None, help="this replica's name in redis (default: its address)")
     s.add_argument("--advertise-address", default=None,
@@ -324,6 +340,7 @@ def add_subcommands(sub) -> None:
     _add_internal_token_arg(s)
     add_engine_timeout_arg(s)
     add_scheduling_args(s)
+    add_pipeline_parallel_arg(s)
     s.set_defaults(func=_cmd_scheduler)
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")

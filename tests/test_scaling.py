@@ -1,13 +1,17 @@
-"""Scaling out with real processes: `myvllm serve --data-parallel-size 2 --tensor-parallel-size 2`
-(an embedded redis-server, two replicas of one scheduler and two worker ranks each over gloo,
-one gateway discovering them), driven by the official `openai` client.
+"""Scaling out with real processes: `myvllm serve --data-parallel-size 2 --tensor-parallel-size 2
+--pipeline-parallel-size 2` (an embedded redis-server, two replicas of one scheduler and four
+worker ranks each over gloo: two stages of two tensor-parallel ranks, one gateway discovering
+them), driven by the official `openai` client.
 
 Greedy text through the cluster equals HF transformers' on the same weights, requests land on
 both replicas (the gateway's per-replica counter), and every replica frees every block."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,6 +20,7 @@ from hf_reference import hf_greedy
 from mesh import Mesh
 
 from services.common.sampling_params import SamplingParams
+from services.scheduler.load_reporter import ENGINES_KEY
 from services.sdk.llm import LLM
 
 MAX_TOKENS = 12
@@ -24,7 +29,8 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def cluster(tiny_qwen2_dir: str):
     mesh = Mesh(["--model", tiny_qwen2_dir, "--dtype", "float32", "--data-parallel-size", "2",
-                 "--tensor-parallel-size", "2", "--max-model-len", "512", "--kv-cache-memory", str(32 << 20)],
+                 "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--max-model-len", "512",
+                 "--kv-cache-memory", str(32 << 20)],
                 env={"MYVLLM_NUM_THREADS": "1"}, one_replica=False)
     yield mesh
     mesh.stop()
@@ -35,14 +41,29 @@ def _routed(metrics_text: str) -> dict[str, float]:
             re.finditer(r'^myvllm:replica_requests_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)$', metrics_text, re.M)}
 
 
-def test_serve_data_and_tensor_parallel_answers_openai_like_hf(cluster: Mesh, tiny_qwen2_dir: str) -> None:
+PROMPTS = [[5 + i, 900 + 7 * i, 4000 + i, 33, 2000 + 11 * i] for i in range(8)]
+
+
+def _complete_all(cluster: Mesh, prompts: list[list[int]]) -> list[str]:
     from openai import OpenAI
 
-    assert any(line.startswith("topology: 2 engine replicas") for line in cluster.banner), cluster.banner
-    prompts = [[5 + i, 900 + 7 * i, 4000 + i, 33, 2000 + 11 * i] for i in range(8)]
-    want = hf_greedy(tiny_qwen2_dir, prompts, MAX_TOKENS)
-    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
+
+    def complete(prompt: list[int]) -> str:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(complete, prompts))
+
+
+def test_serve_data_tensor_and_pipeline_parallel_answers_openai_like_hf(cluster: Mesh, tiny_qwen2_dir: str) -> None:
+    assert any(line.startswith("topology: 2 engine replicas (data parallel), 4 worker ranks each (2 tensor "
+                               "parallel x 2 pipeline stages)") for line in cluster.banner), cluster.banner
+    prompts = PROMPTS
+    want = hf_greedy(tiny_qwen2_dir, prompts, MAX_TOKENS)
 
     # The same ids as text, through the offline engine's detokenizer (the gateway's own pipeline).
     llm = LLM(tiny_qwen2_dir, dtype="float32", max_model_len=512, kv_cache_memory_bytes=32 << 20)
@@ -51,17 +72,66 @@ def test_serve_data_and_tensor_parallel_answers_openai_like_hf(cluster: Mesh, ti
     assert [list(o.outputs[0].token_ids) for o in offline] == want
     want_text = [o.outputs[0].text for o in offline]
 
-    def complete(prompt: list[int]) -> str:
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True})
-        return reply.choices[0].text
-
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(complete, prompts))
-    assert got == want_text
+    assert _complete_all(cluster, prompts) == want_text
 
     routed = _routed(httpx.get(f"{cluster.base_url}/metrics", timeout=5).text)
     assert len(routed) == 2 and all(count >= 1 for count in routed.values()), routed
     assert sum(routed.values()) >= len(prompts)
     metrics = cluster.metrics()  # summed over the replicas
+    assert metrics["myvllm:num_requests_running"] == 0 and metrics["myvllm:kv_cache_usage_perc"] == 0
+
+
+def _children(parent_pid: int) -> dict[int, list[str]]:
+    """pid -> command line of every process `parent_pid` started."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmdline = f.read().split("\0")
+        except OSError:
+            continue
+        if ppid == parent_pid:
+            found[int(entry)] = cmdline
+    return found
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_killed_rank_fails_over_and_its_replica_comes_back(cluster: Mesh, tiny_qwen2_dir: str) -> None:
+    """kill -9 of one worker rank (the last stage's second TP rank) of replica 1: the replica
+    leaves redis, requests are answered right by the other one meanwhile; serve restarts the
+    rank, the scheduler sets all four ranks up again as a new process group, the replica
+    rejoins and answers right again."""
+    import redis
+
+    want_text = [o.outputs[0].text for o in LLM(tiny_qwen2_dir, dtype="float32", max_model_len=512,
+                                                  kv_cache_memory_bytes=32 << 20).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
+    port = int(re.search(r"redis on 127\.0\.0\.1:(\d+)", "".join(cluster.banner)).group(1))
+    engines = redis.Redis(host="127.0.0.1", port=port)
+    assert engines.hget(ENGINES_KEY, "replica-1") is not None
+    services = _children(cluster.proc.pid)
+    scheduler = next(cmd for cmd in services.values() if "scheduler" in cmd and "replica-1" in cmd)
+    last_rank_port = scheduler[scheduler.index("--workers") + 1].split(",")[-1].rpartition(":")[2]
+    victim = next(pid for pid, cmd in services.items() if "worker" in cmd and cmd[cmd.index("--port") + 1]
+                  == last_rank_port)
+    address = f"127.0.0.1:{scheduler[scheduler.index('--port') + 1]}"  # the gateway's label for replica 1
+    os.kill(victim, signal.SIGKILL)
+    _wait_for(lambda: engines.hget(ENGINES_KEY, "replica-1") is None, 30, "replica 1 to leave redis")
+    assert _complete_all(cluster, PROMPTS) == want_text  # replica 0 alone, meanwhile
+    _wait_for(lambda: engines.hget(ENGINES_KEY, "replica-1") is not None, 120, "replica 1 to rejoin")
+    before = _routed(httpx.get(f"{cluster.base_url}/metrics", timeout=5).text)[address]
+    assert _complete_all(cluster, PROMPTS) == want_text
+    assert _routed(httpx.get(f"{cluster.base_url}/metrics", timeout=5).text)[address] > before
+    metrics = cluster.metrics()
     assert metrics["myvllm:num_requests_running"] == 0 and metrics["myvllm:kv_cache_usage_perc"] == 0

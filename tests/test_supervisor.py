@@ -56,6 +56,24 @@ def test_serve_forwards_each_flag_to_the_service_that_reads_it(flags: list[str])
         build_parser().parse_args(cmd[cmd.index("services.cli") + 1:])
 
 
+def test_serve_passes_the_pipeline_size_to_workers_and_scheduler() -> None:
+    """-tp 2 -pp 2: four ranks per replica (stage-major), each worker and the scheduler told P."""
+    from services.cli import build_parser
+    from services.launcher import _serve_commands, _topology
+
+    args = build_parser().parse_args(["serve", "-tp", "2", "-pp", "2"])
+    assert _topology(args, None) == ("topology: 1 engine replica (data parallel), 4 worker ranks each "
+                                     "(2 tensor parallel x 2 pipeline stages), 1 gateway")
+    services = _serve_commands(args, "/m", [[11, 12, 13, 14]], [10], None)
+    commands = {name: cmd for name, cmd, _ in services}
+    assert [n for n in commands if n.startswith("worker")] == [f"worker-rank{r}" for r in range(4)]
+    for name in ("worker-rank3", "scheduler"):
+        assert commands[name][commands[name].index("--pipeline-parallel-size") + 1] == "2"
+        build_parser().parse_args(commands[name][commands[name].index("services.cli") + 1:])
+    scheduler = commands["scheduler"]
+    assert scheduler[scheduler.index("--workers") + 1] == ",".join(f"127.0.0.1:{p}" for p in (11, 12, 13, 14))
+
+
 def test_serve_starts_data_and_tensor_parallel_topologies() -> None:
     """--data-parallel-size 2 --tensor-parallel-size 2: a redis, two replicas of two worker ranks
     and a scheduler naming both (in rank order), one gateway naming both schedulers and redis."""
@@ -72,6 +90,7 @@ def test_serve_starts_data_and_tensor_parallel_topologies() -> None:
     assert commands["scheduler-0"][commands["scheduler-0"].index("--redis") + 1] == "redis://127.0.0.1:6379/0"
     worker = commands["worker-0-rank1"]
     assert worker[worker.index("--tensor-parallel-size") + 1] == "2"
+    assert "--pipeline-parallel-size" not in commands["scheduler-0"]  # one stage: the default
     gateway = commands["gateway"]
     assert gateway[gateway.index("--scheduler") + 1] == "127.0.0.1:10,127.0.0.1:20"
     assert gateway[gateway.index("--redis") + 1] == "redis://127.0.0.1:6379/0"

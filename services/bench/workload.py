@@ -184,6 +184,7 @@ class MyVllmPeer:
         return elapsed
 
     def close(self) -> None:
+        self.llm.close()  # model-parallel rank processes stop here, not at interpreter exit
         del self.llm
 
 

@@ -116,6 +116,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Worker ranks per engine, each holding 1/T of the heads and MLP columns.
     tensor_parallel_size: int = 1
+    # Pipeline stages per engine, each holding 1/P of the layers (T x P ranks in all); the
+    # scheduler keeps P steps in flight so no stage idles.
+    pipeline_parallel_size: int = 1
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
     compile_model: bool = False
@@ -131,9 +134,25 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be positive, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async scheduling does not combine with pipeline parallelism (the first stage "
+                             "needs each sampled token before it schedules the next); the pipeline keeps "
+                             "pipeline_parallel_size steps in flight instead")
+        if self.pipeline_parallel_size > 1 and self.compile_model:
+            raise ValueError("compile_model is not supported with pipeline_parallel_size > 1")
 
     def resolve_async_scheduling(self, device: str) -> bool:
         """Fix the automatic choice once the worker's device is known."""
         if self.async_scheduling is None:
-            self.async_scheduling = device == "cuda"
+            self.async_scheduling = device == "cuda" and self.pipeline_parallel_size == 1
         return self.async_scheduling
+
+    @property
+    def steps_in_flight(self) -> int:
+        """How many scheduled steps the engine loop keeps on the workers at once: one per
+        pipeline stage, two with async scheduling, else one."""
+        if self.pipeline_parallel_size > 1:
+            return self.pipeline_parallel_size
+        return 2 if self.async_scheduling else 1

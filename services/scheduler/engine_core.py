@@ -20,7 +20,8 @@ def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:
                                attention_backend=config.attention_backend or "",
                                max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
-                               compile_model=config.compile_model)
+                               compile_model=config.compile_model,
+                               pipeline_parallel_size=config.pipeline_parallel_size)
 
 
 def kv_capacity_request(config: EngineConfig) -> pb.KVCapacityRequest:
@@ -53,7 +54,8 @@ class EngineCore:
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
-            async_scheduling=config.async_scheduling, structured_output=self.structured_output)
+            async_scheduling=config.async_scheduling, pipeline_parallel=config.pipeline_parallel_size > 1,
+            structured_output=self.structured_output)
         self.num_steps = 0
 
     def add_request(self, req: pb.GenerateRequest) -> None:

@@ -33,6 +33,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
         async_scheduling: bool = False,
+        pipeline_parallel: bool = False,
         structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.block_size = block_size
@@ -42,6 +43,10 @@ class Scheduler:
         self.policy = policy
         # With async scheduling step N+1 is scheduled before step N's tokens are back.
         self.async_scheduling = async_scheduling
+        # With pipeline parallelism the first stage never sees sampled tokens: cached requests
+        # carry the tokens each step computes. (A decode in flight is not scheduled again until
+        # its token is back: its num_computed_tokens already equals num_tokens.)
+        self.pipeline_parallel = pipeline_parallel
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -299,10 +304,12 @@ class Scheduler:
             num_scheduled.append(num_new)
             self.worker_known.add(request.request_id)
         for request, num_new, new_block_ids in scheduled_cached:
+            start = request.num_computed_tokens
             out.cached_requests.append(pb.CachedRequestData(
                 request_id=request.request_id,
                 new_block_ids=new_block_ids,
-                num_computed_tokens=request.num_computed_tokens,
+                num_computed_tokens=start,
+                new_token_ids=request.all_token_ids[start:start + num_new] if self.pipeline_parallel else (),
             ))
             num_scheduled.append(num_new)
         out.num_scheduled_tokens.extend(num_scheduled)

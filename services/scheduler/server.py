@@ -117,9 +117,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def _run_steps(self) -> None:
         """Schedule, send, receive, fold in. With async scheduling two steps are in flight:
-        step N+1 is scheduled and on the wire while the worker still computes step N."""
+        step N+1 is scheduled and on the wire while the worker still computes step N. With P
+        pipeline stages P steps are (vLLM's batch queue): stage 0 starts step N+1 while stage 1
+        computes step N, each on requests whose earlier tokens are back."""
         core = self.core
-        depth = 2 if self.config.async_scheduling else 1
+        depth = self.config.steps_in_flight
         in_flight: deque[pb.SchedulerOutput] = deque()
         while True:
             while len(in_flight) < depth and core.has_unfinished_requests():
@@ -294,14 +296,18 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
                           connect_timeout: float = 120.0, advertise_address: str | None = None,
                           token: str | None = None, engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S) -> None:
     if not worker_addresses:
-        raise StartupError("scheduler: give at least one worker address (several = tensor-parallel ranks)")
+        raise StartupError("scheduler: give at least one worker address (several = tensor/pipeline-parallel ranks)")
     if engine_timeout <= 0:
         raise StartupError(f"scheduler: --engine-timeout must be positive, got {engine_timeout}")
     address = advertise_address or advertised_address(host, port)
-    # Several workers are one engine's tensor-parallel ranks, in rank order; they rendezvous at
-    # a store this scheduler hosts, on the host they reach it by.
-    worker = WorkerGroup([WorkerLink(a, token=token, engine_timeout=engine_timeout) for a in worker_addresses],
-                         rendezvous_host=host, advertise_host=address.rpartition(":")[0])
+    # Several workers are one engine's ranks (tensor parallel x pipeline stages), stage-major; they
+    # rendezvous at a store this scheduler hosts, on the host they reach it by.
+    try:
+        worker = WorkerGroup([WorkerLink(a, token=token, engine_timeout=engine_timeout) for a in worker_addresses],
+                             rendezvous_host=host, advertise_host=address.rpartition(":")[0],
+                             pipeline_parallel_size=config.pipeline_parallel_size)
+    except ValueError as e:
+        raise StartupError(f"scheduler: {e}") from None
     await worker.connect(connect_timeout)
     reporter = LoadReporter(redis_url, engine_id or address, address) if redis_url else None
     servicer = SchedulerServicer(config, worker, reporter)

@@ -1,14 +1,16 @@
-"""The tensor-parallel ranks of one engine, behind `WorkerLink`'s interface.
+"""The tensor- and pipeline-parallel ranks of one engine, behind `WorkerLink`'s interface.
 
 The scheduler stays the only owner of KV block accounting: every rank holds the same block
-ids for its own shard of the KV heads, so every step (the same `SchedulerOutput`) goes to
-every rank. Rank 0's answer is the step's; the other ranks' answers are read too, so their
-streams keep flowing and a rank that fails or dies is noticed at once (any rank's fault is
-the engine's fault: the ranks share every collective).
+ids for its own shard of the KV heads and its stage's layers, so every step (the same
+`SchedulerOutput`) goes to every rank. The workers are listed stage-major (T ranks of stage
+0, then stage 1, ...); TP rank 0 of the last stage samples, and its answer is the step's. The
+other ranks' answers are read too, so their streams keep flowing and a rank that fails or
+dies is noticed at once (any rank's fault is the engine's fault: the ranks share every
+collective and every stage-to-stage transfer).
 
 Set-up: the ranks rendezvous at a store this scheduler hosts (services/worker/parallel.py),
-each LoadModel naming its rank, the group size and this set-up's generation; the KV cache
-gets the blocks that fit on the fullest rank.
+each LoadModel naming its TP rank, its stage, the group sizes and this set-up's generation;
+the KV cache gets the blocks that fit on the fullest rank.
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ async def _all(awaitables: list[Awaitable]) -> list:
 
 class WorkerGroup:
     def __init__(self, links: list[WorkerLink], rendezvous_host: str = "127.0.0.1",
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, pipeline_parallel_size: int = 1) -> None:
+        if len(links) % pipeline_parallel_size:
+            raise ValueError(f"{len(links)} workers do not split into pipeline_parallel_size={pipeline_parallel_size} "
+                             "stages of equal size (give tensor_parallel_size x pipeline_parallel_size workers)")
         self.links = links
+        self.pp_size = pipeline_parallel_size
+        self.tp_size = len(links) // pipeline_parallel_size
+        # The link whose answer carries the sampled tokens: TP rank 0 of the last stage.
+        self.output_index = len(links) - self.tp_size
         self.address = ",".join(link.address for link in links)
         self.rendezvous = None
         if len(links) > 1:
@@ -56,7 +65,8 @@ class WorkerGroup:
         requests = []
         for rank in range(len(self.links)):
             request = worker_load_request(config)
-            request.tensor_parallel_rank, request.tensor_parallel_size = rank, len(self.links)
+            request.tensor_parallel_rank, request.tensor_parallel_size = rank % self.tp_size, self.tp_size
+            request.pipeline_parallel_rank, request.pipeline_parallel_size = rank // self.tp_size, self.pp_size
             request.distributed_init_method = init_method
             requests.append(request)
         infos = await _all([link.load_model(r) for link, r in zip(self.links, requests, strict=True)])
@@ -70,7 +80,7 @@ class WorkerGroup:
         await _all([link.send(so) for link in self.links])
 
     async def receive(self) -> pb.ModelRunnerOutput:
-        return (await _all([link.receive() for link in self.links]))[0]
+        return (await _all([link.receive() for link in self.links]))[self.output_index]
 
     async def probe(self) -> None:
         await _all([link.probe() for link in self.links])

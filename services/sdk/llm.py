@@ -22,7 +22,7 @@ from services.gateway.output_processor import ChoiceOutputProcessor
 from services.gateway.tokenizer import GatewayTokenizer
 from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
-from services.worker.tp_workers import make_workers
+from services.worker.rank_workers import make_workers
 
 PromptType = str | dict[str, Any]
 
@@ -32,17 +32,30 @@ class EngineFault(RuntimeError):
     KV blocks freed, prefix cache dropped); the `LLM` is ready for the next call."""
 
 
+class _PipelineStep:
+    """A step submitted to pipeline-parallel ranks: its answer is collected, in submit order,
+    when asked for (so P steps can be on the stages at once)."""
+
+    def __init__(self, workers) -> None:
+        self.workers = workers
+
+    def result(self) -> pb.ModelRunnerOutput:
+        return self.workers.collect()
+
+
 class LLM:
     """An engine replica in this process.
 
     Engine arguments use vLLM's names: max_num_seqs, max_num_batched_tokens,
     max_model_len, block_size, enable_prefix_caching, num_gpu_blocks_override,
-    kv_cache_memory_bytes, dtype, seed, scheduling_policy, attention_backend.
+    kv_cache_memory_bytes, dtype, seed, scheduling_policy, attention_backend,
+    tensor_parallel_size, pipeline_parallel_size (T x P ranks: rank 0 here, the rest as
+    local processes; `close()` stops them).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, **engine_args)
-        self.worker = make_workers(self.config.tensor_parallel_size)
+        self.worker = make_workers(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
         try:
             info, num_blocks = self._start_worker()
         except BaseException:
@@ -191,15 +204,26 @@ class LLM:
         for result in results:
             result.finished = True
 
+    def _submit(self, so: pb.SchedulerOutput) -> Future | _PipelineStep | pb.ModelRunnerOutput:
+        """Start a step: on the pipeline's stages, on the compute thread (async scheduling), or
+        here and now."""
+        if self.config.pipeline_parallel_size > 1:
+            self.worker.submit(so)
+            return _PipelineStep(self.worker)
+        if self.config.steps_in_flight > 1:
+            return self._compute.submit(self.worker.execute, so)
+        return self.worker.execute(so)
+
     def _steps(self) -> Iterator[list[pb.RequestOutput]]:
         """Run engine steps, yielding each step's outputs.
 
         With async scheduling two steps are in flight: step N+1 is scheduled (with output
-        placeholders) while the worker thread still computes step N. A step that fails
-        raises `EngineFault` after every request has been ended and the engine reset.
+        placeholders) while the worker thread still computes step N; with P pipeline stages, P
+        steps. A step that fails raises `EngineFault` after every request has been ended and
+        the engine reset.
         """
-        depth = 2 if self.config.async_scheduling else 1
-        in_flight: deque[tuple[pb.SchedulerOutput, Future | pb.ModelRunnerOutput]] = deque()
+        depth = self.config.steps_in_flight
+        in_flight: deque[tuple[pb.SchedulerOutput, Future | _PipelineStep | pb.ModelRunnerOutput]] = deque()
         try:
             while True:
                 try:
@@ -207,9 +231,7 @@ class LLM:
                         so = self.engine.schedule()
                         if not so.num_scheduled_tokens:
                             break
-                        result = self._compute.submit(self.worker.execute, so) if depth > 1 \
-                            else self.worker.execute(so)
-                        in_flight.append((so, result))
+                        in_flight.append((so, self._submit(so)))
                     if not in_flight:
                         grammars = self.engine.compiling_grammars()
                         if not grammars and not self.engine.scheduler.failed_outputs:
@@ -219,9 +241,12 @@ class LLM:
                         yield self.engine.take_failed_outputs()
                         continue
                     so, result = in_flight.popleft()
-                    outputs = self.engine.process(so, result.result() if isinstance(result, Future) else result)
+                    if isinstance(result, (Future, _PipelineStep)):
+                        result = result.result()
+                    outputs = self.engine.process(so, result)
                     if in_flight and (followup := self.engine.grammar_followup(in_flight[0][0])) is not None:
-                        # The next step waits on the compute thread for its constrained rows' bitmask.
+                        # Async scheduling (a pipeline never has a step wait on tokens in flight): the next
+                        # step waits on the compute thread for its constrained rows' bitmask.
                         next_so, forward = in_flight[0]
                         in_flight[0] = (next_so, self._compute.submit(self._complete, forward, followup))
                 except Exception as e:
@@ -247,6 +272,11 @@ class LLM:
             _, result = in_flight.popleft()
             if isinstance(result, Future) and result.exception() is not None:
                 failed = True
+            elif isinstance(result, _PipelineStep):
+                try:
+                    result.result()
+                except Exception:  # noqa: BLE001 - any failure means: reset
+                    failed = True
         return failed
 
     def _reset_after_fault(self, in_flight: deque) -> None:

@@ -96,6 +96,11 @@ class InputBatch:
             self.block_table[row, start:start + blocks.size] = blocks
             self.num_blocks[row] = start + blocks.size
         self.num_computed_tokens[row] = data.num_computed_tokens
+        if data.new_token_ids:
+            # Pipeline parallelism: tokens another stage sampled, handed back by the scheduler.
+            end = data.num_computed_tokens + len(data.new_token_ids)
+            self.token_ids[row, data.num_computed_tokens:end] = data.new_token_ids
+            self.num_tokens[row] = max(self.num_tokens[row], end)
         return row
 
     def reseed_generators(self, rows: np.ndarray) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 
 import numpy as np
 import torch
@@ -23,7 +24,15 @@ from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.loader import load_model, resolve_dtype
-from services.worker.parallel import broadcast_from_first, get_tp, init_tensor_parallel, threads_per_rank
+from services.worker.parallel import (
+    broadcast_from_first,
+    get_pp,
+    get_tp,
+    init_parallel,
+    recv_from_previous_stage,
+    send_to_next_stage,
+    threads_per_rank,
+)
 from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
 
 logger = logging.getLogger(__name__)
@@ -68,20 +77,30 @@ class ModelRunner:
     def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0, max_num_seqs: int = 256,
                  max_model_len: int | None = None, attention_backend: str | None = None,
                  device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
-                 distributed_init_method: str = "", compile_model: bool = False) -> None:
+                 distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,
+                 pipeline_parallel_size: int = 1) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        num_ranks = tensor_parallel_size * pipeline_parallel_size
         if self.device.type == "cpu":
-            torch.set_num_threads(threads_per_rank(tensor_parallel_size))
+            torch.set_num_threads(threads_per_rank(num_ranks))
         torch.manual_seed(seed)
         self.seed = seed
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_dir = check_model_dir(model_dir)
-        if self.device.type == "cuda" and tensor_parallel_size > 1 and self.device.index is None:
+        if compile_model and pipeline_parallel_size > 1:
+            raise ValueError("compile_model is not supported with pipeline_parallel_size > 1 (each stage's "
+                             "forward takes the previous stage's hidden states); leave --compile out")
+        if self.device.type == "cuda" and num_ranks > 1 and self.device.index is None:
             # One GPU per rank on a machine with several (NCCL refuses two ranks on one device).
-            self.device = torch.device("cuda", tensor_parallel_rank % torch.cuda.device_count())
+            global_rank = pipeline_parallel_rank * tensor_parallel_size + tensor_parallel_rank
+            self.device = torch.device("cuda", global_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        # Joins the TP group (if any) first: the model builds only this rank's shard.
-        init_tensor_parallel(tensor_parallel_rank, tensor_parallel_size, distributed_init_method, self.device)
+        # Joins the process group (if any) first: the model builds only this rank's shard / stage.
+        init_parallel(tensor_parallel_rank, tensor_parallel_size, distributed_init_method, self.device,
+                      pipeline_parallel_rank, pipeline_parallel_size)
+        self.pp = get_pp()
+        # Hidden states sent to the next stage and not yet known to have left (kept alive till then).
+        self._pending_sends: deque[tuple[torch.distributed.Work, torch.Tensor]] = deque()
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
         self.vocab_size = self.config.vocab_size
         model_max = int(self.config.max_position_embeddings)
@@ -181,6 +200,7 @@ class ModelRunner:
         """Forget every request (a new scheduler stream starts from scratch)."""
         self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.seed)
         self._sampling_cache = None
+        self._pending_sends.clear()
         self._pending = None
 
     # ------------------------------------------------------------------ one step
@@ -265,6 +285,16 @@ class ModelRunner:
                                             logprobs=logprobs))
         return result
 
+    def _send_to_next_stage(self, hidden: torch.Tensor) -> None:
+        """Hand this step's hidden states on without waiting for the next stage to take them
+        (it may still be computing the previous step). The previous step's transfer is finished
+        first: the next stage receives in step order, so this wait is short in steady state."""
+        while self._pending_sends:
+            work, _ = self._pending_sends.popleft()
+            work.wait()
+        hidden = hidden.contiguous()
+        self._pending_sends.append((send_to_next_stage(hidden), hidden))
+
     @torch.inference_mode()
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
         """Run one step. A step sent with `grammar_bitmask_follows` (async scheduling: its
@@ -283,7 +313,15 @@ class ModelRunner:
         num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)
         with forward_context(self.attn_backend, meta):
-            hidden = self.forward(input_ids, positions)
+            if self.pp.is_first:
+                hidden = self.forward(input_ids, positions)
+            else:
+                received = recv_from_previous_stage((meta.num_tokens, self.config.hidden_size), self.dtype,
+                                                    self.device)
+                hidden = self.model(input_ids, positions, received)
+        if not self.pp.is_last:
+            self._send_to_next_stage(hidden)
+            return out  # the last stage samples and answers for the step
         out.prompt_logprobs.extend(self._prompt_logprobs(rows, num_scheduled, meta, hidden))
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices)) if logits_indices.numel() else None
         if so.grammar_bitmask_follows:

@@ -1,14 +1,21 @@
-"""Tensor parallelism: this process's rank in its engine's TP group, how the model's heads,
-MLP columns and vocabulary split across ranks, and the collectives the sharded layers need
-(torch.distributed: gloo on CPU, NCCL on CUDA).
+"""Model parallelism: this process's place in its engine's tensor- and pipeline-parallel
+groups, how the model's heads, MLP columns, vocabulary and layers split across ranks, and the
+collectives and point-to-point transfers the sharded model needs (torch.distributed: gloo on
+CPU, NCCL on CUDA).
 
-Megatron's split, as vLLM does it: column-parallel fused qkv and gate_up (each rank computes
-its heads / its slice of the intermediate size), row-parallel o_proj and down_proj (each rank
-holds the matching input columns; one all-reduce sums the partial outputs), vocab-parallel
-embedding (each rank looks up the ids in its vocabulary range; an all-reduce fills the rest)
-and LM head (an all-gather assembles the logits). KV heads split like the query heads; when
-there are more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads ranks.
-With one rank every function here is the identity and no collective runs.
+Tensor parallelism is Megatron's split, as vLLM does it: column-parallel fused qkv and gate_up
+(each rank computes its heads / its slice of the intermediate size), row-parallel o_proj and
+down_proj (each rank holds the matching input columns; one all-reduce sums the partial outputs),
+vocab-parallel embedding (each rank looks up the ids in its vocabulary range; an all-reduce fills
+the rest) and LM head (an all-gather assembles the logits). KV heads split like the query heads;
+when there are more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads
+ranks. With one rank every function here is the identity and no collective runs.
+
+Pipeline parallelism splits the layers into P contiguous stages: the first stage embeds, the last
+one holds the final norm and the LM head and samples; each stage sends its hidden states to the
+next (point-to-point, one transfer per step; the residual stream is the hidden state itself in
+this model code, so there is nothing else to send). T x P ranks make one engine, stage-major:
+global rank = pp_rank * T + tp_rank, and the T ranks of one stage form its TP group.
 
 Rendezvous: the engine's owner (the scheduler service, or the offline LLM) hosts a
 torch.distributed TCPStore (`RendezvousStore`) and hands every rank the same
@@ -36,11 +43,37 @@ class TensorParallel:
     init_method: str = ""
 
 
+@dataclass(frozen=True)
+class PipelineParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
 _state = TensorParallel()
+_pp_state = PipelineParallel()
+# The TP group's handle (None: the default group, i.e. every rank) and its first rank's global rank.
+_tp_group = None
+_tp_first_rank = 0
 
 
 def get_tp() -> TensorParallel:
     return _state
+
+
+def get_pp() -> PipelineParallel:
+    return _pp_state
+
+
+def _global_rank() -> int:
+    return _pp_state.rank * _state.size + _state.rank
 
 
 def _timeout() -> timedelta:
@@ -61,44 +94,57 @@ class RendezvousStore:
         return f"tcp://{self.advertise_host}:{self.store.port}/{next(self._generations)}"
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> None:
-    """Join the engine's TP group (blocks until every rank has joined)."""
-    global _state
-    if size <= 1:
-        _state = TensorParallel()
+def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device, pp_rank: int = 0,
+                  pp_size: int = 1) -> None:
+    """Join the engine's process group of tp_size x pp_size ranks (blocks until all have joined)."""
+    global _state, _pp_state, _tp_group, _tp_first_rank
+    tp_size, pp_size = max(tp_size, 1), max(pp_size, 1)
+    world = tp_size * pp_size
+    if world == 1:
+        _state, _pp_state, _tp_group, _tp_first_rank = TensorParallel(), PipelineParallel(), None, 0
         return
-    if not 0 <= rank < size:
-        raise ValueError(f"tensor_parallel_rank={rank} is outside [0, tensor_parallel_size={size})")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor_parallel_rank={tp_rank} is outside [0, tensor_parallel_size={tp_size})")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pipeline_parallel_rank={pp_rank} is outside [0, pipeline_parallel_size={pp_size})")
     if not init_method:
-        raise ValueError("tensor parallelism needs distributed_init_method (e.g. tcp://host:port)")
-    if dist.is_initialized() and _state.init_method != init_method:
-        # An earlier engine's group in this process (an offline LLM that was never closed):
-        # its peers are gone, and a collective over it would wait for them forever.
+        raise ValueError("model parallelism needs distributed_init_method (e.g. tcp://host:port)")
+    if dist.is_initialized():
+        # An earlier engine's group in this process (an offline LLM that was never closed, or a
+        # set-up being redone): its peers are gone, and a collective over it would wait forever.
         dist.destroy_process_group()
-    if not dist.is_initialized():
-        url = urlsplit(init_method)
-        if url.scheme != "tcp" or not url.hostname or not url.port:
-            raise ValueError(f"distributed_init_method must be tcp://host:port/generation, got {init_method!r}")
-        store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=_timeout())
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore(url.path or "/", store), rank=rank,
-                                world_size=size, timeout=_timeout())
-    _state = TensorParallel(rank, size, init_method)
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"distributed_init_method must be tcp://host:port/generation, got {init_method!r}")
+    store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=_timeout())
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    global_rank = pp_rank * tp_size + tp_rank
+    dist.init_process_group(backend, store=dist.PrefixStore(url.path or "/", store), rank=global_rank,
+                            world_size=world, timeout=_timeout())
+    _tp_group, _tp_first_rank = None, pp_rank * tp_size
+    if pp_size > 1 and tp_size > 1:
+        # Every rank creates every stage's group, in the same order (torch.distributed's rule).
+        for stage in range(pp_size):
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)), timeout=_timeout())
+            if stage == pp_rank:
+                _tp_group = group
+    _state = TensorParallel(tp_rank, tp_size, init_method)
+    _pp_state = PipelineParallel(pp_rank, pp_size)
 
 
-def destroy_tensor_parallel() -> None:
-    global _state
+def destroy_parallel() -> None:
+    global _state, _pp_state, _tp_group, _tp_first_rank
     if dist.is_initialized():
         dist.destroy_process_group()
-    _state = TensorParallel()
+    _state, _pp_state, _tp_group, _tp_first_rank = TensorParallel(), PipelineParallel(), None, 0
 
 
-def threads_per_rank(tensor_parallel_size: int) -> int:
-    """CPU threads for one rank: the ranks of one machine share its cores (MYVLLM_NUM_THREADS
-    overrides)."""
+def threads_per_rank(num_ranks: int) -> int:
+    """CPU threads for one of an engine's `num_ranks` ranks (T x P): the ranks of one machine
+    share its cores (MYVLLM_NUM_THREADS overrides)."""
     if "MYVLLM_NUM_THREADS" in os.environ:
         return int(os.environ["MYVLLM_NUM_THREADS"])
-    return max((os.cpu_count() or 1) // max(tensor_parallel_size, 1), 1)
+    return max((os.cpu_count() or 1) // max(num_ranks, 1), 1)
 
 
 # ---------------------------------------------------------------------- how things split
@@ -115,6 +161,20 @@ def check_divisible(config, size: int) -> None:
                          "the other (KV heads are split across ranks, or replicated when there are fewer)")
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
+
+
+def stage_layers(num_layers: int, pp: PipelineParallel) -> range:
+    """The layers of pipeline stage pp.rank: contiguous, as even as the count allows. As in vLLM,
+    the layers left over go to the stages before the last (the last also holds the final norm,
+    the LM head and the sampler)."""
+    if pp.size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp.size} is more than the model's {num_layers} layers")
+    per_stage, extra = divmod(num_layers, pp.size)
+    sizes = [per_stage] * pp.size
+    for i in range(extra):
+        sizes[pp.size - 2 - i] += 1
+    start = sum(sizes[:pp.rank])
+    return range(start, start + sizes[pp.rank])
 
 
 def head_range(num_heads: int, tp: TensorParallel) -> tuple[int, int]:
@@ -149,21 +209,34 @@ def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the TP group (in place)."""
     if _state.size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_tp_group)
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's x side by side along the last dimension, in rank order."""
+    """Every TP rank's x side by side along the last dimension, in rank order."""
     if _state.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_state.size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=-1)
 
 
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
-    """Rank 0's x on every rank (in place)."""
+    """TP rank 0's x on every rank of the TP group (in place)."""
     if _state.size > 1:
-        dist.broadcast(x, src=0)
+        dist.broadcast(x, src=_tp_first_rank, group=_tp_group)
+    return x
+
+
+def send_to_next_stage(x: torch.Tensor) -> dist.Work:
+    """Start sending x to the same TP rank of the next pipeline stage; the caller keeps x alive
+    until the returned work completes."""
+    return dist.isend(x.contiguous(), dst=_global_rank() + _state.size)
+
+
+def recv_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The previous stage's hidden states for this step (blocks until they arrive)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src=_global_rank() - _state.size)
     return x

@@ -16,9 +16,10 @@ logger = logging.getLogger("myvllm.worker")
 
 # The LoadModelRequest fields the weights depend on: a LoadModel that changes none of them
 # keeps the loaded weights (a reconnecting scheduler, or one that only sizes the batch).
-# A new TP rank, group size or rendezvous means new shards and a new process group: a reload.
+# A new TP/PP rank, group size or rendezvous means new shards and a new process group: a reload.
 WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_rank",
-                 "tensor_parallel_size", "distributed_init_method", "compile_model")
+                 "tensor_parallel_size", "distributed_init_method", "compile_model", "pipeline_parallel_rank",
+                 "pipeline_parallel_size")
 DEFAULT_MAX_NUM_SEQS = 256
 MAX_INT32 = 2**31 - 1
 
@@ -48,7 +49,9 @@ class Worker:
             max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
             device=self.device, tensor_parallel_rank=req.tensor_parallel_rank,
             tensor_parallel_size=max(req.tensor_parallel_size, 1),
-            distributed_init_method=req.distributed_init_method, compile_model=req.compile_model)
+            distributed_init_method=req.distributed_init_method, compile_model=req.compile_model,
+            pipeline_parallel_rank=req.pipeline_parallel_rank,
+            pipeline_parallel_size=max(req.pipeline_parallel_size, 1))
         r = self.runner
         self._loaded_key = weights_key(req)
         self.info = pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
@@ -79,7 +82,7 @@ class Worker:
             self.runner.reset_batch()
 
     def close(self) -> None:
-        """Nothing to release in-process (TensorParallelWorkers stops its rank processes here)."""
+        """Nothing to release in-process (ParallelWorkers stops its rank processes here)."""
 
     def _loaded(self) -> ModelRunner:
         if self.runner is None:

@@ -9,6 +9,7 @@ the arithmetic is exactly the unsharded model's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -21,9 +22,11 @@ from services.worker.parallel import (
     all_gather_last_dim,
     all_reduce,
     column_range,
+    get_pp,
     get_tp,
     head_range,
     kv_head_range,
+    stage_layers,
     vocab_range,
 )
 
@@ -189,37 +192,54 @@ _FUSED_SHARDS = {
 
 
 class DecoderForCausalLM(nn.Module):
-    """A decoder-only LM over a flat ragged batch of tokens: [T] ids → [T, hidden]."""
+    """A decoder-only LM over a flat ragged batch of tokens: [T] ids → [T, hidden].
+
+    Under pipeline parallelism this rank builds only its stage: its run of layers (the others
+    are empty placeholders, so checkpoint names keep their indices), the embedding on the first
+    stage, the final norm and LM head on the last (which also keeps the embedding table when
+    the LM head is tied to it)."""
 
     spec = DecoderSpec()
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.spec) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        pp = get_pp()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        self.layer_range = stage_layers(config.num_hidden_layers, pp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.spec) if i in self.layer_range else nn.Identity()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+        if self.is_last_stage and not self.tie_word_embeddings:
             # Same vocabulary rows as the embedding shard.
-            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.num_embeddings, bias=False)
-        head_dim = self.layers[0].self_attn.head_dim
+            self.lm_head = nn.Linear(config.hidden_size, vocab_range(config.vocab_size, get_tp())[1], bias=False)
+        first = self.layers[self.layer_range.start].self_attn
         rope_theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get(
             "rope_theta", 10000.0)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, float(rope_theta),
+        self.rotary_emb = RotaryEmbedding(first.head_dim, config.max_position_embeddings, float(rope_theta),
                                           _plain_rope_scaling(config))
         # The LM head over the tied embedding table, when `pack_for_cpu` gave it a packed copy.
         self.tied_head: nn.Module | None = None
 
-    def attention_layers(self) -> list[AttentionLayer]:
-        return [layer.self_attn.attn for layer in self.layers]
+    def _stage(self) -> Iterable[DecoderLayer]:
+        return self.layers[self.layer_range.start:self.layer_range.stop]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.attn for layer in self._stage()]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage embeds `input_ids`; later stages continue from the previous stage's
+        `hidden`. The last stage returns normed hidden states, the others the raw residual stream."""
+        x = self.embed_tokens(input_ids) if self.is_first_stage else hidden
         cos_sin = self.rotary_emb.lookup(positions, x.dtype)
-        for layer in self.layers:
+        for layer in self._stage():
             x = layer(cos_sin, x, self.rotary_emb)
-        return self.norm(x)
+        return self.norm(x) if self.is_last_stage else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tied_head is not None:
@@ -238,11 +258,25 @@ class DecoderForCausalLM(nn.Module):
         all-reduce (RowParallelLinear's forward)."""
         from services.worker.models import cpu_linear
 
-        if get_tp().size > 1 or not cpu_linear.available(self.embed_tokens.weight.dtype):
+        if get_tp().size > 1 or not cpu_linear.available(self._dtype()):
             return False
         cpu_linear.pack_linears(self)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.is_last_stage:
             self.tied_head = cpu_linear.PackedLinear(self.embed_tokens.weight, None)
+        return True
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def _holds(self, name: str) -> bool:
+        """Whether this pipeline stage holds checkpoint weight `name` (everything, with one stage)."""
+        layer = re.match(r"layers\.(\d+)\.", name)
+        if layer:
+            return int(layer.group(1)) in self.layer_range
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        if name.startswith(("norm.", "lm_head.")):
+            return self.is_last_stage
         return True
 
     @torch.no_grad()
@@ -251,7 +285,8 @@ class DecoderForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings) \
+                    or not self._holds(name):
                 continue
             target, shard = name, None
             for hf_name, (fused, idx) in _FUSED_SHARDS.items():
@@ -279,10 +314,11 @@ class DecoderForCausalLM(nn.Module):
         tp = get_tp()
         if tp.size == 1:
             return tensor
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        first = self.layers[self.layer_range.start]
+        attn, mlp = first.self_attn, first.mlp
         d = attn.head_dim
         if "embed_tokens." in name or "lm_head." in name:
-            start, rows = self.embed_tokens.vocab_start, self.embed_tokens.num_embeddings
+            start, rows = vocab_range(self.config.vocab_size, tp)
             return tensor[start:start + rows]
         if ".q_proj." in name:
             return tensor.narrow(0, attn.head_start * d, attn.q_size)
@@ -304,11 +340,11 @@ class DecoderForCausalLM(nn.Module):
         return (None,)
 
     def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
-        attn = self.layers[0].self_attn
+        first = self.layers[self.layer_range.start]
         if "qkv_proj" in name:
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+            sizes = [first.self_attn.q_size, first.self_attn.kv_size, first.self_attn.kv_size]
         else:
-            sizes = [self.layers[0].mlp.intermediate_size] * 2
+            sizes = [first.mlp.intermediate_size] * 2
         return sum(sizes[:shard]), sizes[shard]
 
 
