@@ -309,16 +309,18 @@ def test_deferred_bitmask_follows_the_tokens_in_flight(smollm2_dir: str, llm: LL
     manager.close()
 
 
-def test_tensor_parallel_ranks_apply_the_deferred_bitmask(tiny_llama_dir: str) -> None:
-    """Two TP ranks (real processes) with async scheduling: every rank masks the constrained rows
-    with the bitmask that follows the step; the output is the single-rank synchronous one."""
+@pytest.mark.parametrize("tp, pp, overlapped", [(2, 1, True), (1, 2, False)])
+def test_model_parallel_ranks_apply_the_bitmask(tiny_llama_dir: str, tp: int, pp: int, overlapped: bool) -> None:
+    """Real rank processes: two TP ranks with async scheduling (every rank masks the constrained
+    rows with the bitmask that follows the step) and two pipeline stages (the last one masks and
+    samples); the output is the single-rank synchronous one."""
     schemas = SCHEMAS[:3]
     prompts = [f"JSON for {json.dumps(s)}" for s in schemas] + ["Once upon a time"]
     params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=s))
               for s in schemas] + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
     results = []
-    for tp, overlapped in ((1, False), (2, True)):
-        engine = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=tp, async_scheduling=overlapped, seed=0)
+    for args in ({}, {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "async_scheduling": overlapped}):
+        engine = LLM(tiny_llama_dir, dtype="float32", seed=0, **args)
         try:
             outputs = engine.generate(prompts, params, use_tqdm=False)
         finally:
