@@ -112,7 +112,7 @@ class _ChatWriter:
             self._parsers[index] = self._tools.new_parser()
         return self._parsers[index]
 
-    def _finish_reason(self, index: int, finish_reason: str | None, called: bool) -> str | None:
+    def _finish_reason(self, finish_reason: str | None, called: bool) -> str | None:
         """A choice that ended normally with tool calls reports the plan's reason ("tool_calls")."""
         if called and finish_reason == "stop":
             return self._tools.finish_reason
@@ -163,7 +163,7 @@ class _ChatWriter:
             index=i,
             message=messages[i],
             logprobs=ChatChoiceLogprobs(content=logprobs[i]) if self._num_top is not None else None,
-            finish_reason=self._finish_reason(i, endings[i].finish_reason if endings[i] else None,
+            finish_reason=self._finish_reason(endings[i].finish_reason if endings[i] else None,
                                               bool(messages[i].tool_calls)),
             stop_reason=endings[i].stop_reason if endings[i] else None,
         ) for i in range(n)]
@@ -187,7 +187,7 @@ class _ChatWriter:
                         index=delta.index,
                         delta=DeltaMessage(content=piece.content or None, tool_calls=piece.tool_calls or None),
                         logprobs=ChatChoiceLogprobs(content=logprobs) if logprobs is not None else None,
-                        finish_reason=self._finish_reason(delta.index, delta.finish_reason,
+                        finish_reason=self._finish_reason(delta.finish_reason,
                                                           parser is not None and parser.num_calls > 0),
                         stop_reason=delta.stop_reason,
                     )])

@@ -11,7 +11,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.scheduler.request import Request
 from services.scheduler.request_limits import validate_generate_request
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.structured_output import StructuredOutputManager
+from services.scheduler.structured_output import RequestGrammar, StructuredOutputManager
 
 
 def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:
@@ -107,7 +107,7 @@ class EngineCore:
         """The bitmask message a step in flight waits for, once the step before it is processed."""
         return self.scheduler.grammar_followup(so)
 
-    def compiling_grammars(self) -> list:
+    def compiling_grammars(self) -> list[RequestGrammar]:
         """Grammars that waiting requests wait for (nothing to schedule may mean: wait for these)."""
         return self.scheduler.compiling_grammars()
 

@@ -15,7 +15,7 @@ from collections import deque
 from services.common.proto import myvllm_pb2 as pb
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.structured_output import StructuredOutputManager
+from services.scheduler.structured_output import RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class Scheduler:
             return False
         return True
 
-    def compiling_grammars(self) -> list:
+    def compiling_grammars(self) -> list[RequestGrammar]:
         """Grammars that waiting requests still wait for."""
         return [r.grammar for r in self.waiting if r.grammar is not None and r.grammar.is_compiling]
 
