@@ -329,3 +329,23 @@ def test_model_parallel_ranks_apply_the_bitmask(tiny_llama_dir: str, tp: int, pp
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
         results.append([o.outputs[0].token_ids for o in outputs])
     assert results[0] == results[1]
+
+
+def test_an_invalid_spec_from_a_raw_client_ends_the_request_with_the_error(smollm2_dir: str) -> None:
+    """The scheduler's port is public: a spec nobody checked is parsed off the engine loop and
+    its request ends with INVALID_REQUEST naming the problem, while a valid one runs."""
+    manager, sched = _scheduler(smollm2_dir)
+    bad = Request("bad", [1, 2, 3], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
+    bad.grammar = manager.grammar_for(pb.StructuredOutputs(regex="(ab"))
+    good = Request("good", [4, 5, 6], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
+    good.grammar = manager.grammar_for(pb.StructuredOutputs(regex="ab"))
+    sched.add_request(bad)
+    sched.add_request(good)
+    while sched.compiling_grammars():
+        manager.wait_for_any(sched.compiling_grammars(), timeout=30)
+    out = sched.schedule()
+    assert [r.request_id for r in out.new_requests] == ["good"]
+    [failed] = sched.take_failed_outputs()
+    assert (failed.request_id, failed.error_kind, failed.finish_reason) == ("bad", pb.INVALID_REQUEST, "abort")
+    assert "structured_outputs.regex" in failed.error and "parenthesis" in failed.error
+    manager.close()

@@ -71,7 +71,7 @@ class EngineCore:
             req.request_id, prompt, req.sampling, self.eos_token_ids, max_tokens=max_tokens,
             priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed)
         if req.sampling.HasField("structured_outputs"):
-            # Parsed now (an invalid schema or grammar raises here), compiled in the background.
+            # Parsed and compiled in the background (the request waits for it, the batch does not).
             request.grammar = self.structured_output.grammar_for(req.sampling.structured_outputs)
         self.scheduler.add_request(request)
 

@@ -254,13 +254,13 @@ class Scheduler:
             return False
         try:
             grammar.start(request.output_token_ids)
-        except Exception as e:  # compile error (e.g. no tokenizer here) or resumed tokens off-grammar
+        except Exception as e:  # an invalid spec, a compile error, or resumed tokens off-grammar
             logger.warning("request %s: structured output grammar failed: %s", request.request_id, e)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self.failed_outputs.append(pb.RequestOutput(
                 request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
                 num_prompt_tokens=request.num_prompt_tokens, error_kind=pb.INVALID_REQUEST,
-                error=f"structured outputs: the grammar could not be compiled: {e}"))
+                error=f"structured outputs: {e}"))
             return False
         return True
 

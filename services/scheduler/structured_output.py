@@ -1,13 +1,15 @@
 """The scheduler's grammars: compiled once per constraint (cached), off the engine loop, and
 one matcher per constrained request.
 
-A request arrives with a `StructuredOutputs` spec. Its grammar is parsed at once (an
-invalid one is refused before it is queued) and compiled against the tokenizer on a
-background thread; until that is done the request waits without holding up the batch
-(vLLM's WAITING_FOR_FSM). After each schedule the scheduler asks for the allowed-token
-bitmask of the constrained rows that sample in the step; it travels packed with the
-SchedulerOutput, the worker masks those rows' logits, and the sampled tokens advance the
-matchers when the step's outputs are folded in.
+A request arrives with a `StructuredOutputs` spec. Its grammar is parsed and compiled
+against the tokenizer on a background thread; until that is done the request waits without
+holding up the batch (vLLM's WAITING_FOR_FSM). An invalid spec ends the request with an
+INVALID_REQUEST error then (the gateway and the offline `LLM` refuse one before sending it).
+
+After each schedule the scheduler asks for the allowed-token bitmask of the constrained rows
+that sample in the step; it travels packed with the SchedulerOutput (or, with async
+scheduling, in a message right after it), the worker masks those rows' logits, and the
+sampled tokens advance the matchers when the step's outputs are folded in.
 """
 
 from __future__ import annotations
@@ -94,16 +96,14 @@ class StructuredOutputManager:
             return self._compiler
 
     def grammar_for(self, spec: pb.StructuredOutputs) -> RequestGrammar:
-        """The request's grammar: from the cache, else parsed now (raises `StructuredOutputsError`
-        for an invalid spec) and compiled in the background."""
+        """The request's grammar: from the cache, else parsed and compiled in the background."""
         key = spec_key(spec)
         future = self._cache.get(key)
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(key)
             self.cache_hits += 1
         else:
-            grammar = build_grammar(spec)
-            future = self._executor.submit(self._compile, grammar)
+            future = self._executor.submit(self._compile, spec)
             self._cache[key] = future
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -112,7 +112,8 @@ class StructuredOutputManager:
             future.add_done_callback(lambda _: callback())
         return RequestGrammar(future)
 
-    def _compile(self, grammar: Any) -> Any:
+    def _compile(self, spec: pb.StructuredOutputs) -> Any:
+        grammar = build_grammar(spec)  # an invalid spec raises StructuredOutputsError (the request's error)
         compiler = self._get_compiler()
         start = time.perf_counter()
         compiled = compiler.compile_grammar(grammar)
