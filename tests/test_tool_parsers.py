@@ -16,7 +16,8 @@ from services.gateway.protocol import ChatCompletionToolParam
 from services.gateway.server import BackgroundGateway
 from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.tool_parsers import ToolCallParser
-from services.gateway.tool_parsers.constrained import NamedFunctionParser, RequiredToolsParser, json_value_end
+from services.gateway.tool_parsers.base import json_value_end
+from services.gateway.tool_parsers.constrained import NamedFunctionParser, RequiredToolsParser
 from services.gateway.tool_parsers.hermes import HermesToolParser
 from services.gateway.tools import ToolSettings, required_schema
 
@@ -30,9 +31,13 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
+FRAGMENTS: list[int] = []  # argument fragments of the last `_streamed` run
+
+
 def _streamed(parser: ToolCallParser, text: str, size: int) -> tuple[str, list[tuple[str, str]]]:
     """Feed `text` in chunks of `size`; (content, [(name, arguments)]) assembled from the deltas."""
     content, calls = "", {}
+    FRAGMENTS.clear()
     pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
     for piece in pieces:
         content += piece.content
@@ -41,6 +46,7 @@ def _streamed(parser: ToolCallParser, text: str, size: int) -> tuple[str, list[t
                 assert delta.index not in calls and delta.type == "function"
                 calls[delta.index] = [delta.function.name, ""]
             calls[delta.index][1] += delta.function.arguments or ""
+            FRAGMENTS.append(delta.index)
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
@@ -65,6 +71,19 @@ def test_hermes_streamed_equals_whole(size: int) -> None:
     assert content == "Let me check.\n"
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris", "unit": "C"}),
                                                       ("get_time", {"tz": "CET"})]
+    if size < 5:  # the arguments arrive in pieces as they are written
+        assert FRAGMENTS.count(0) > 3
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_hermes_streams_other_shapes_whole(size: int) -> None:
+    text = ('<tool_call>{"arguments": {"tz": "UTC"}, "name": "get_time"}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "a\\"}</tool_call>\"}}</tool_call>')
+    # Arguments first: sent whole at its closing tag; name first: streamed, a closing tag inside a
+    # JSON string included.
+    content, calls = _streamed(HermesToolParser(), text, size)
+    assert content == "" and [(n, json.loads(a)) for n, a in calls] == [
+        ("get_time", {"tz": "UTC"}), ("get_weather", {"city": 'a"}</tool_call>'})]
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 1000])

@@ -14,33 +14,16 @@ from __future__ import annotations
 import json
 import re
 
-from services.gateway.tool_parsers.base import ExtractedToolCalls, StreamPiece, ToolCallParser, whole_call
+from services.gateway.tool_parsers.base import (
+    ExtractedToolCalls,
+    StreamPiece,
+    ToolCallParser,
+    json_value_end,
+    whole_call,
+)
 
 # The start of the next call in a "required" array, up to the first character of its parameters.
 _CALL_HEAD = re.compile(r'[\s}]*[\[,]\s*\{"name":\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters":\s*')
-
-
-def json_value_end(text: str, start: int) -> int | None:
-    """End (exclusive) of the JSON object or array starting at `start`; None while it is unfinished."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
 
 
 class NamedFunctionParser(ToolCallParser):

@@ -2,8 +2,10 @@
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of times, after
 optional plain content. `--tool-call-parser hermes`.
 
-Streaming: content flows until a `<tool_call>` tag begins (a partial tag is held back);
-each tool call is sent once its closing tag arrives, as one delta with its whole arguments.
+Streaming: content flows until a `<tool_call>` tag begins (a partial tag is held back). A call
+written name first (the format's order) is announced (id, name) as soon as its name is
+complete, then its arguments object streams as it grows; any other shape is sent whole, as one
+delta, once its closing tag arrives.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from services.gateway.tool_parsers.base import (
     StreamPiece,
     ToolCallParser,
     arguments_text,
+    json_value_end,
     whole_call,
 )
 
 START, END = "<tool_call>", "</tool_call>"
 _CALLS = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+# A call's start up to its arguments object: `{"name": "f", "arguments": {`.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 def _parse_call(body: str) -> tuple[str, str] | None:
@@ -45,8 +50,11 @@ def _held_back(text: str) -> int:
 class HermesToolParser(ToolCallParser):
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""      # text not yet sent (a partial tag, or an unfinished tool call)
+        self._buffer = ""      # text not yet consumed: a partial tag, or the current call's body
         self._in_call = False
+        self._args_start = -1  # in the buffer: where the streaming call's arguments begin (-1: none yet)
+        self._args_sent = 0    # ... and how far they were sent
+        self._args_done = False
 
     def extract(self, text: str) -> ExtractedToolCalls:
         if START not in text:
@@ -70,14 +78,33 @@ class HermesToolParser(ToolCallParser):
                     break
                 self._content(self._buffer[:start], piece)
                 self._buffer = self._buffer[start + len(START):]
-                self._in_call = True
-            end = self._buffer.find(END)
-            if end < 0:
+                self._in_call, self._args_start, self._args_done = True, -1, False
+            if not self._stream_call(piece):
                 break
-            self._emit(self._buffer[:end], piece)
-            self._buffer = self._buffer[end + len(END):]
-            self._in_call = False
         return piece
+
+    def _stream_call(self, piece: StreamPiece) -> bool:
+        """Advance the current call; True once it is closed (the buffer then holds what follows)."""
+        if self._args_start < 0:
+            head = _CALL_HEAD.match(self._buffer)
+            if head is not None:
+                piece.tool_calls.append(self._start_call(json.loads(head.group(1))))
+                self._args_start = self._args_sent = head.end()
+        if self._args_start >= 0 and not self._args_done:
+            end = json_value_end(self._buffer, self._args_start)
+            upto = len(self._buffer) if end is None else end
+            if upto > self._args_sent:
+                piece.tool_calls.append(self._arguments(self._buffer[self._args_sent:upto]))
+                self._args_sent = upto
+            self._args_done = end is not None
+        close = self._buffer.find(END, self._args_sent if self._args_start >= 0 else 0)
+        if close < 0:
+            return False
+        if self._args_start < 0:
+            self._emit(self._buffer[:close], piece)  # not name-first: the whole call at once
+        self._buffer = self._buffer[close + len(END):]
+        self._in_call = False
+        return True
 
     def _content(self, text: str, piece: StreamPiece) -> None:
         if self.num_calls and not text.strip():
@@ -86,9 +113,9 @@ class HermesToolParser(ToolCallParser):
 
     def finish(self) -> StreamPiece:
         piece = StreamPiece()
-        if self._in_call:
+        if self._in_call and self._args_start < 0:
             self._emit(self._buffer, piece)  # an unclosed last call (the model stopped after it)
-        else:
+        elif not self._in_call:
             self._content(self._buffer, piece)
         self._buffer, self._in_call = "", False
         return piece
