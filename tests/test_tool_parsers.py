@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -111,6 +112,12 @@ def test_json_value_end() -> None:
     assert json_value_end('{"a": [1, {', 0) is None
 
 
+def test_chat_template_flag_is_checked_at_start_up(tmp_path) -> None:
+    with pytest.raises(ValueError, match="neither a file nor a template"):
+        GatewayOptions(chat_template=str(tmp_path / "missing.jinja"))
+    assert GatewayOptions(chat_template="{{ messages[0].content }}").chat_template
+
+
 def test_tool_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ToolSettings(enable_auto_tool_choice=True)
@@ -121,15 +128,42 @@ def test_tool_settings_are_checked() -> None:
 # ---------------------------------------------------------------------- through a gateway
 
 
+# A chat template of our own (--chat-template FILE) that shows the tools, tool calls and tool results.
+TEMPLATE = (
+    "{% if tools %}TOOLS: {{ tools | map(attribute='function') | map(attribute='name') | join(',') }} | {% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
+    " | {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@dataclass
+class Gateway:
+    client: openai.OpenAI
+    fake: FakeScheduler
+    tokenizer: GatewayTokenizer
+
+    def last_prompt(self) -> str:
+        return self.tokenizer.decode(list(self.fake.requests[-1].prompt_token_ids))
+
+
 @pytest.fixture(scope="module")
-def client(smollm2_dir: str) -> Iterator[openai.OpenAI]:
+def gateway(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tokenizer = GatewayTokenizer.load(smollm2_dir)
     eos = tokenizer.hf_tokenizer.eos_token_id
     script = tokenizer.encode(HERMES_OUTPUT, add_special_tokens=False) + [eos]
-    options = GatewayOptions(tools=ToolSettings("hermes", enable_auto_tool_choice=True))
-    with FakeSchedulerServer(FakeScheduler(script=script, eos_token_id=eos)) as scheduler, \
-            BackgroundGateway(scheduler.address, smollm2_dir, options=options) as gateway:
-        yield openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, timeout=30)
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    options = GatewayOptions(tools=ToolSettings("hermes", enable_auto_tool_choice=True), chat_template=str(template))
+    fake = FakeScheduler(script=script, eos_token_id=eos)
+    with FakeSchedulerServer(fake) as scheduler, \
+            BackgroundGateway(scheduler.address, smollm2_dir, options=options) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
+        yield Gateway(client, fake, tokenizer)
+
+
+@pytest.fixture
+def client(gateway: Gateway) -> openai.OpenAI:
+    return gateway.client
 
 
 def test_auto_hermes_tool_calls(client: openai.OpenAI) -> None:
@@ -160,14 +194,15 @@ def test_auto_hermes_tool_calls_streamed(client: openai.OpenAI) -> None:
         ("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"tz": "CET"})]
 
 
-def test_tool_choice_none_is_plain_chat(client: openai.OpenAI) -> None:
+def test_tool_choice_none_is_plain_chat(gateway: Gateway, client: openai.OpenAI) -> None:
     response = client.chat.completions.create(model="SmolLM2-135M-Instruct", tools=[WEATHER_TOOL], tool_choice="none",
                                               messages=[{"role": "user", "content": "Weather in Paris?"}])
     assert response.choices[0].message.tool_calls in (None, [])
     assert "<tool_call>" in response.choices[0].message.content
+    assert not gateway.last_prompt().startswith("TOOLS:")  # the tools are not offered to the model
 
 
-def test_tool_messages_go_through_the_template(client: openai.OpenAI) -> None:
+def test_tool_messages_go_through_the_template(gateway: Gateway, client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [{
                     "id": "call_1", "type": "function",
@@ -175,6 +210,9 @@ def test_tool_messages_go_through_the_template(client: openai.OpenAI) -> None:
                 {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
     response = client.chat.completions.create(model="SmolLM2-135M-Instruct", tools=[WEATHER_TOOL], messages=messages)
     assert response.choices[0].message.tool_calls
+    # --chat-template's template rendered the tools, the call (arguments as an object) and the result.
+    assert gateway.last_prompt() == ("TOOLS: get_weather | user: Weather in Paris? | "
+                                     "assistant: [call get_weather Paris] | tool: 18 degrees, sunny | assistant:")
 
 
 def test_tool_errors_are_400(client: openai.OpenAI) -> None:

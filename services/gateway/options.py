@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from services.gateway.migration import MigrationPolicy
+from services.gateway.tokenizer import load_chat_template
 from services.gateway.tool_parsers import TOOL_PARSERS
 from services.gateway.tools import ToolSettings
 
@@ -46,6 +47,8 @@ class GatewayOptions:
             raise ValueError("--max-migrations and --migration-wait must not be negative")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must not be negative, got {self.shutdown_timeout_s}")
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)  # a missing file fails at start-up, not at the first chat
 
 
 def env_default(name: str) -> str | None:
