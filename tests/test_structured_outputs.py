@@ -150,6 +150,23 @@ def test_invalid_constraints_are_refused(llm: LLM, kwargs: dict, needle: str) ->
     _check_all_free(llm)
 
 
+def test_schema_nesting_is_bounded() -> None:
+    """xgrammar's conversion time grows fast with depth: a schema nested past the bound is a 400."""
+    deep: dict = {"type": "integer"}
+    for _ in range(40):  # 80 JSON levels: fine
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    StructuredOutputsParams(json=deep).to_proto()
+    for _ in range(1000):  # past Python's own recursion limit too
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    with pytest.raises(StructuredOutputsError, match="more than 128 levels deep"):
+        StructuredOutputsParams(json=deep).to_proto()
+    text = '{"type": "integer"}'
+    for _ in range(100):
+        text = '{"type": "object", "properties": {"a": ' + text + '}}'
+    with pytest.raises(StructuredOutputsError, match="more than 128 levels deep"):
+        StructuredOutputsParams(json=text).to_proto()
+
+
 def test_exactly_one_constraint() -> None:
     with pytest.raises(StructuredOutputsError, match="exactly one"):
         StructuredOutputsParams(json={"type": "object"}, regex="a")

@@ -26,6 +26,9 @@ from services.common.sampling_params import SamplingParamsError
 # A schema or grammar text larger than this is refused (it is compiled on the scheduler).
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+# Deepest nesting of objects / arrays in a JSON schema: xgrammar's conversion time grows much
+# faster than the depth (400 levels: seconds), and no real schema comes near this.
+MAX_SCHEMA_DEPTH = 128
 
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: "; clients need only the rest.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
@@ -36,6 +39,23 @@ class StructuredOutputsError(SamplingParamsError):
 
     def __init__(self, message: str, param: str = "structured_outputs") -> None:
         super().__init__(param, message)
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in `value` (iteratively: any depth is safe)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _check_schema_depth(schema: Any, param: str) -> None:
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise StructuredOutputsError(f"{param} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep",
+                                     param)
 
 
 def _xgrammar_message(error: Exception) -> str:
@@ -68,6 +88,8 @@ class StructuredOutputsParams:
         if self._proto is not None:
             return self._proto
         if self.json is not None:
+            if not isinstance(self.json, str):
+                _check_schema_depth(self.json, "structured_outputs.json")  # before json.dumps recurses
             text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             spec = pb.StructuredOutputs(json=text)
         elif self.regex is not None:
@@ -117,6 +139,7 @@ def build_grammar(spec: pb.StructuredOutputs):
                 raise StructuredOutputsError(f"{param} is not valid JSON: {e}", param) from None
             if not isinstance(schema, dict):
                 raise StructuredOutputsError(f"{param} must be a JSON schema object", param)
+            _check_schema_depth(schema, param)
             return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False, strict_mode=True)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -11,6 +12,7 @@ from fastapi.responses import Response
 from starlette.requests import Request
 
 from services.common.sampling_params import MAX_LOGPROBS
+from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
 from services.gateway.generation import PromptSampling, fan_out, start_routed
@@ -33,7 +35,7 @@ from services.gateway.sampling import build_sampling_params, check_prompt_logpro
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
 from services.gateway.structured_outputs import request_structured_outputs
 from services.gateway.tool_parsers import StreamPiece, ToolCallParser
-from services.gateway.tools import ToolPlan, plan_tools
+from services.gateway.tools import ToolPlan, ToolSettings, plan_tools
 
 
 def _num_top_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -56,14 +58,8 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
         raise unsupported(field)
     num_top = _num_top_logprobs(request)
     check_prompt_logprobs_not_streamed(request)
-    tools = plan_tools(request, ctx.tools)
-    structured_outputs = request_structured_outputs(request)
-    if tools is not None and tools.structured_outputs is not None:
-        if structured_outputs is not None:
-            raise invalid_request("response_format / structured_outputs cannot be combined with tool_choice "
-                                  "'required' or a named function (those constrain the output to the tools)",
-                                  param="tool_choice")
-        structured_outputs = tools.structured_outputs
+    # Parsing a schema can take a while (xgrammar): off the event loop.
+    tools, structured_outputs = await asyncio.to_thread(_constraints, request, ctx.tools)
     prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
                          request.continue_final_message, request.chat_template_kwargs,
                          tools.tools if tools is not None else None)
@@ -81,6 +77,20 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     if request.stream:
         return sse_response(writer.stream(deltas, params.n))
     return json_response(await writer.collect(deltas, params.n))
+
+
+def _constraints(request: ChatCompletionRequest,
+                 settings: ToolSettings) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
+    """The request's tool plan and output constraint (its tools' or its response_format's)."""
+    tools = plan_tools(request, settings)
+    structured_outputs = request_structured_outputs(request)
+    if tools is not None and tools.structured_outputs is not None:
+        if structured_outputs is not None:
+            raise invalid_request("response_format / structured_outputs cannot be combined with tool_choice "
+                                  "'required' or a named function (those constrain the output to the tools)",
+                                  param="tool_choice")
+        structured_outputs = tools.structured_outputs
+    return tools, structured_outputs
 
 
 class _ChatWriter:

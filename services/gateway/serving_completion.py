@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -43,7 +44,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     # echo + logprobs (OpenAI) needs the prompt's logprobs too; so does vLLM's prompt_logprobs.
     wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
     engine_prompt_logprobs = max(wanted) if wanted else None
-    structured_outputs = request_structured_outputs(request)
+    structured_outputs = await asyncio.to_thread(request_structured_outputs, request)  # parsing: off the loop
     prompts = completion_prompts(ctx.tokenizer, request.prompt)
     max_model_len = await ctx.max_model_len()
     sampled = []
