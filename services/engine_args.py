@@ -21,9 +21,9 @@ SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enab
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """What the worker loads and how it computes."""
     p.add_argument("--model", default=None, help="HF model directory (default: the converted SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, float32 on "
-                        "other CPUs (logged with the reason). Default float32: the fastest CPU path today")
+    p.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="default auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, "
+                        "float32 on other CPUs (logged with the reason)")
     p.add_argument("--compile", dest="compile_model", action="store_true",
                    help="CPU: compile the model's forward with torch.compile (inductor; opt-in: the first start "
                         "compiles for minutes; see BENCHMARKS.md)")

@@ -27,6 +27,8 @@ class Mesh:
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
                *(["--scheduler-port", str(self.scheduler_port)] if one_replica else []), *(extra_args or [])]
+        if "--dtype" not in cmd:
+            cmd += ["--dtype", "float32"]  # outputs are compared with fp32 references, on any CPU
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
         self.banner: list[str] = []

@@ -21,7 +21,7 @@ from services.sdk.client import Client
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "services.cli"]
 # Small and quick: a short context, a small KV cache, one thread per process (two cores).
-WORKER_ARGS = ("--max-model-len", "1024")
+WORKER_ARGS = ("--max-model-len", "1024", "--dtype", "float32")  # fp32: outputs compared across CPUs
 
 
 def scheduler_args(max_num_seqs: int = 8, *extra: str) -> tuple[str, ...]:

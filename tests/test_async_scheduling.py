@@ -26,7 +26,7 @@ def test_async_scheduling_matches_sync_greedy(smollm2_dir, config):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = {}
     for async_scheduling in (False, True):
-        llm = LLM(smollm2_dir, async_scheduling=async_scheduling, **kwargs)
+        llm = LLM(smollm2_dir, dtype="float32", async_scheduling=async_scheduling, **kwargs)
         outputs = llm.generate(_prompts(), sp, use_tqdm=False)
         results[async_scheduling] = [o.outputs[0].token_ids for o in outputs]
         stats = llm.stats()
@@ -38,7 +38,7 @@ def test_async_scheduling_matches_sync_greedy(smollm2_dir, config):
 
 
 def test_async_scheduling_stops_on_eos_and_max_tokens(smollm2_dir):
-    llm = LLM(smollm2_dir, async_scheduling=True)
+    llm = LLM(smollm2_dir, dtype="float32", async_scheduling=True)
     conversation = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and "Paris" in out.text

@@ -14,7 +14,7 @@ CAPITAL_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, seed=0)
+    return LLM(smollm2_dir, dtype="float32", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def offline(smollm2_dir):
-    return LLM(smollm2_dir)
+    return LLM(smollm2_dir, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ PROMPT = "Write a short poem about the sea:"
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, seed=0, max_num_seqs=8, max_model_len=512)
+    return LLM(smollm2_dir, dtype="float32", seed=0, max_num_seqs=8, max_model_len=512)
 
 
 def _generate(llm: LLM, request_id: str, params: SamplingParams, resumed: list[int] = ()) -> tuple[list[int], str]:
@@ -82,7 +82,8 @@ def test_preempted_seeded_requests_continue_their_random_streams(llm: LLM, smoll
     params = [SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=16, ignore_eos=True)
               for i in range(len(prompts))]
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]  # no preemption
-    small = LLM(smollm2_dir, seed=0, max_num_seqs=8, max_model_len=512, num_gpu_blocks_override=12)  # 15 blocks wanted
+    small = LLM(smollm2_dir, dtype="float32", seed=0, max_num_seqs=8, max_model_len=512,
+                num_gpu_blocks_override=12)  # 15 blocks wanted
     together = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert small.stats()["num_preemptions"] > 0
     assert together == roomy

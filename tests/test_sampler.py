@@ -361,7 +361,7 @@ def test_draws_follow_the_kept_distribution(way: str) -> None:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, seed=0)
+    return LLM(smollm2_dir, dtype="float32", seed=0)
 
 
 def _ids(llm: LLM, prompt, sp: SamplingParams) -> list[int]:

@@ -276,7 +276,7 @@ if pytest is not None:
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         results = {}
         for backend in ("torch", "triton"):
-            llm = LLM(model_dir, attention_backend=backend, max_num_batched_tokens=24, block_size=16,
+            llm = LLM(model_dir, dtype="float32", attention_backend=backend, max_num_batched_tokens=24, block_size=16,
                       max_model_len=256, kv_cache_memory_bytes=32 << 20)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             results[backend] = [list(o.outputs[0].token_ids) for o in outs]

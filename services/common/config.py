@@ -98,10 +98,9 @@ class EngineConfig:
     """Everything one engine replica (scheduler + its worker) is built from."""
 
     model: str | None = None
-    # "auto" picks as vLLM does (bf16 on a CPU with bf16 instructions, fp32 on other CPUs, bf16
-    # on CUDA), but float32 stays the default until our CPU bf16 path pays off: measured on an
-    # avx512_bf16 EPYC it ran at 0.4x of fp32 (BENCHMARKS.md), so "auto" would slow users down.
-    dtype: str = "float32"
+    # "auto", as in vLLM: bf16 on a CPU with bf16 instructions (avx512_bf16 / AMX; measured 1.4x
+    # our fp32 on an avx512_bf16 EPYC, BENCHMARKS.md), fp32 on other CPUs, bf16 on CUDA.
+    dtype: str = "auto"
     seed: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -74,7 +74,7 @@ def _available_ram_bytes() -> int:
 class ModelRunner:
     """Owns the weights, the paged KV tensors, the persistent batch and the sampler."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0, max_num_seqs: int = 256,
+    def __init__(self, model_dir: str, dtype: str = "auto", seed: int = 0, max_num_seqs: int = 256,
                  max_model_len: int | None = None, attention_backend: str | None = None,
                  device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
                  distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,

@@ -59,9 +59,8 @@ class PipelineParallel:
 
 _state = TensorParallel()
 _pp_state = PipelineParallel()
-# The TP group's handle (None: the default group, i.e. every rank) and its first rank's global rank.
+# The TP group's handle (None: the default group, i.e. every rank of the engine).
 _tp_group = None
-_tp_first_rank = 0
 
 
 def get_tp() -> TensorParallel:
@@ -97,11 +96,11 @@ class RendezvousStore:
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device, pp_rank: int = 0,
                   pp_size: int = 1) -> None:
     """Join the engine's process group of tp_size x pp_size ranks (blocks until all have joined)."""
-    global _state, _pp_state, _tp_group, _tp_first_rank
+    global _state, _pp_state, _tp_group
     tp_size, pp_size = max(tp_size, 1), max(pp_size, 1)
     world = tp_size * pp_size
     if world == 1:
-        _state, _pp_state, _tp_group, _tp_first_rank = TensorParallel(), PipelineParallel(), None, 0
+        _state, _pp_state, _tp_group = TensorParallel(), PipelineParallel(), None
         return
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tensor_parallel_rank={tp_rank} is outside [0, tensor_parallel_size={tp_size})")
@@ -121,7 +120,7 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     global_rank = pp_rank * tp_size + tp_rank
     dist.init_process_group(backend, store=dist.PrefixStore(url.path or "/", store), rank=global_rank,
                             world_size=world, timeout=_timeout())
-    _tp_group, _tp_first_rank = None, pp_rank * tp_size
+    _tp_group = None
     if pp_size > 1 and tp_size > 1:
         # Every rank creates every stage's group, in the same order (torch.distributed's rule).
         for stage in range(pp_size):
@@ -133,10 +132,10 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
 
 
 def destroy_parallel() -> None:
-    global _state, _pp_state, _tp_group, _tp_first_rank
+    global _state, _pp_state, _tp_group
     if dist.is_initialized():
         dist.destroy_process_group()
-    _state, _pp_state, _tp_group, _tp_first_rank = TensorParallel(), PipelineParallel(), None, 0
+    _state, _pp_state, _tp_group = TensorParallel(), PipelineParallel(), None
 
 
 def threads_per_rank(num_ranks: int) -> int:
@@ -225,7 +224,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """TP rank 0's x on every rank of the TP group (in place)."""
     if _state.size > 1:
-        dist.broadcast(x, src=_tp_first_rank, group=_tp_group)
+        dist.broadcast(x, src=_pp_state.rank * _state.size, group=_tp_group)  # global rank of TP rank 0
     return x
 
 

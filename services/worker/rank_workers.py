@@ -42,7 +42,7 @@ _TYPES = {
 
 def _rank_main(conn: Connection, device: str | None) -> None:
     """A child rank: apply each mirrored call to its own Worker until told to stop; answer
-    (None, serialized result) or (error text, b"")."""
+    (None, serialized result, or None for no result) or (error text, None)."""
     worker = Worker(device)
     while True:
         try:
@@ -55,9 +55,9 @@ def _rank_main(conn: Connection, device: str | None) -> None:
             request_type, _ = _TYPES[method]
             call = getattr(worker, method)
             result = call() if request_type is None else call(request_type.FromString(payload))
-            conn.send((None, b"" if result is None else result.SerializeToString()))
+            conn.send((None, None if result is None else result.SerializeToString()))
         except Exception as e:  # reported to the parent, which raises it
-            conn.send((f"{type(e).__name__}: {e}", b""))
+            conn.send((f"{type(e).__name__}: {e}", None))
 
 
 class _Child:
@@ -84,12 +84,12 @@ class _Child:
     def send(self, method: str, request) -> None:
         self.outbox.put((method, b"" if request is None else request.SerializeToString()))
 
-    def receive(self) -> tuple[str | None, bytes]:
+    def receive(self) -> tuple[str | None, bytes | None]:
         try:
             return self.conn.recv()
         except (EOFError, OSError):
             self.proc.join(timeout=1)
-            return f"process exited (code {self.proc.exitcode})", b""
+            return f"process exited (code {self.proc.exitcode})", None
 
     def stop(self, graceful: bool) -> None:
         if graceful and not self.send_failed:
@@ -159,7 +159,7 @@ class ParallelWorkers:
             error, payload = child.receive()
             if error is not None:
                 errors.append(f"rank {rank}: {error}")
-            answers.append(None if answer_type is None or error is not None else answer_type.FromString(payload))
+            answers.append(None if payload is None else answer_type.FromString(payload))
         if errors:
             self._break()
             raise RuntimeError(f"model-parallel {method} failed on {'; '.join(errors)}")

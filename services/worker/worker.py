@@ -45,7 +45,7 @@ class Worker:
             return self.info
         started = time.monotonic()
         self.runner = ModelRunner(
-            req.model, dtype=req.dtype or "float32", seed=req.seed, max_num_seqs=max_num_seqs,
+            req.model, dtype=req.dtype or "auto", seed=req.seed, max_num_seqs=max_num_seqs,
             max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
             device=self.device, tensor_parallel_rank=req.tensor_parallel_rank,
             tensor_parallel_size=max(req.tensor_parallel_size, 1),
