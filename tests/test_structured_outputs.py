@@ -36,7 +36,7 @@ num ::= [1-9] [0-9]?
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, seed=0)
+    return LLM(smollm2_dir, dtype="float32", seed=0)  # outputs are compared across runs: fp32
 
 
 def _chat(llm: LLM, contents: list[str], params: list[SamplingParams]) -> list:
@@ -259,7 +259,7 @@ def test_constrained_requests_survive_preemption(smollm2_dir: str, llm: LLM) -> 
     params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=s))
               for s in schemas]
     expected = [out.outputs[0].token_ids for out in _chat(llm, contents, params)]
-    small = LLM(smollm2_dir, seed=0, num_gpu_blocks_override=14, block_size=16, max_num_seqs=8)
+    small = LLM(smollm2_dir, dtype="float32", seed=0, num_gpu_blocks_override=14, block_size=16, max_num_seqs=8)
     try:
         outputs = _chat(small, contents, params)
         assert small.stats()["num_preemptions"] > 0
@@ -281,7 +281,7 @@ def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_di
     params = [free, SamplingParams(temperature=0, max_tokens=60, structured_outputs=json_spec), free,
               SamplingParams(temperature=0, max_tokens=60, structured_outputs=regex_spec)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    overlapped = LLM(smollm2_dir, seed=0, async_scheduling=True, max_num_seqs=8)
+    overlapped = LLM(smollm2_dir, dtype="float32", seed=0, async_scheduling=True, max_num_seqs=8)
     followups = []
     scheduler_followup = overlapped.engine.scheduler.grammar_followup
 
