@@ -323,3 +323,20 @@ def test_metrics_count_predicted_and_actual_cached_tokens() -> None:
     assert 'myvllm:routing_actual_cached_tokens_total{model_name="m"} 64' in text
     assert 'myvllm:routing_prompts_total{model_name="m"} 2' in text
     assert 'myvllm:replica_requests_total{model_name="m",replica="a:1"} 2' in text
+
+
+# ---------------------------------------------------------------------- the bench workload
+
+
+def test_multi_tenant_workload_interleaves_tenants_sharing_system_prompts() -> None:
+    from services.bench.multi_tenant import tenant_requests
+
+    requests = tenant_requests(num_tenants=3, users_per_tenant=2, system_len=20, question_len=4, output_len=5,
+                               vocab_size=1000, seed=0)
+    assert len(requests) == 6 and all(r.prompt_len == 24 and r.output_len == 5 for r in requests)
+    systems = [tuple(r.prompt_token_ids[:20]) for r in requests]
+    assert len(set(systems)) == 3                                  # one system prompt per tenant
+    assert set(systems[:3]) == set(systems[3:]) == set(systems)    # every round has every tenant once
+    assert len({tuple(r.prompt_token_ids[20:]) for r in requests}) == 6  # distinct questions
+    with pytest.raises(ValueError, match="at least 1"):
+        tenant_requests(0, 1, 1, 1, 1, 1000, 0)
