@@ -1,5 +1,5 @@
 """One engine replica as real processes (a worker and a scheduler) for tests: start, wait
-until healthy, kill or stop the worker and start it again on the same port."""
+until healthy, kill or stop the worker (or the scheduler) and start it again on the same port."""
 
 from __future__ import annotations
 
@@ -46,9 +46,19 @@ class Replica:
         self.log_dir = Path(tempfile.mkdtemp(prefix="myvllm-replica-"))
         self.worker_starts = 0
         self.worker = self.start_worker()
-        self.scheduler = self._spawn("scheduler", [
+        self._scheduler_args = [
             "scheduler", "--host", "127.0.0.1", "--port", str(self.scheduler_port), "--workers", self.worker_address,
-            *(["--redis", redis_url] if redis_url else []), *scheduler_args(max_num_seqs, *extra_scheduler_args)])
+            *(["--redis", redis_url] if redis_url else []), *scheduler_args(max_num_seqs, *extra_scheduler_args)]
+        self.scheduler_starts = 0
+        self.scheduler = self.start_scheduler()
+
+    def start_scheduler(self) -> subprocess.Popen:
+        """Start the scheduler on this replica's scheduler port (again, after a kill); its log
+        is scheduler.log, then scheduler-N.log for the N-th start."""
+        self.scheduler_starts += 1
+        name = "scheduler" if self.scheduler_starts == 1 else f"scheduler-{self.scheduler_starts}"
+        self.scheduler = self._spawn(name, self._scheduler_args)
+        return self.scheduler
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it open

@@ -8,6 +8,9 @@ to the same cores) gets the same workload at the same levels. Then, in the same 
 same workload, the offline `LLM` (the mesh's cost is the gap between the two) and HF
 transformers' static batch; a PNG plots throughput against latency over the sweep. The last
 line is the ratio against vLLM (with --vllm), else against HF.
+
+`--workload multi-tenant` instead compares the gateway's routing policies over data-parallel
+replicas on tenants sharing system prompts (services/bench/multi_tenant.py).
 """
 
 from __future__ import annotations
@@ -75,9 +78,14 @@ class ServeResult:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from services.bench import multi_tenant
     from services.engine_args import add_engine_args
 
     p.add_argument("--base-url", default=None, help="a running server (default: start `myvllm serve` here)")
+    p.add_argument("--workload", default="random", choices=["random", "multi-tenant"],
+                   help="random prompts at each concurrency, or tenants sharing system prompts over replicas, "
+                        "once per routing policy")
+    multi_tenant.add_arguments(p)
     p.add_argument("--concurrency", default="16", help="concurrent clients; a comma list sweeps (e.g. 1,4,16)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len-min", type=int, default=32)
@@ -141,7 +149,8 @@ async def _run_level(base_url: str, requests: list[BenchRequest], concurrency: i
         return result
 
 
-def _start_mesh(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _start_mesh(args: argparse.Namespace, extra: list[str] | tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`myvllm serve` with the engine flags of `args` (plus `extra`), once it is ready."""
     from services.launcher import free_port
 
     port = free_port()
@@ -153,6 +162,11 @@ def _start_mesh(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.attention_backend:
         cmd += ["--attention-backend", args.attention_backend]
+    if args.kv_cache_memory_bytes:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory_bytes)]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("Press Ctrl-C"):
@@ -195,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = args.model or default_model_path()
     args.dtype = resolve_bench_dtype(args.dtype)
+    if args.workload == "multi-tenant":
+        from services.bench import multi_tenant
+
+        return multi_tenant.run(args, model_vocab_size(model_dir), warmup_request(model_vocab_size(model_dir),
+                                                                                  args.seed))
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     requests = random_requests(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len_min,
                                args.output_len_max, model_vocab_size(model_dir), args.seed)

@@ -68,7 +68,7 @@ def create_app(
         if options.chat_template is not None:
             tokenizer.chat_template = load_chat_template(options.chat_template)
         router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s,
-                               internal_token=options.internal_token)
+                               internal_token=options.internal_token, routing=options.routing)
         ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration, options.tools)
         app.state.ctx = ctx
         router.start()

@@ -24,6 +24,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, ResumableRequest, resumable_outputs
 from services.gateway.output_processor import ChoiceDelta, ChoiceOutputProcessor
 from services.gateway.router import Replica, ReplicaRouter
+from services.gateway.routing import RoutePrompt
 from services.gateway.tokenizer import GatewayTokenizer
 from services.sdk.client import SchedulerUnavailable
 
@@ -65,18 +66,26 @@ class _Run:
     metrics: GatewayMetrics
     migration: MigrationPolicy
     arrival_time: float
+    route_prompt: RoutePrompt     # the prompt the replica was chosen for
+    predicted_cached_tokens: int  # of route_prompt on `replica`, by its KV events at routing time
 
 
 async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[ChoiceDelta | _Done]) -> None:
     timer = run.metrics.timer(run.arrival_time)
     outputs = resumable_outputs(run.router, choice.engine, run.replica, run.migration,
                                 on_migration=run.metrics.on_migration)
+    # Prediction vs. outcome of cache-aware routing, for the engine requests of the routed prompt.
+    check_prediction = choice.engine.prompt_token_ids is run.route_prompt.token_ids
     try:
         # aclosing: leaving this loop early (stop string) must abort the request *now*.
         async with contextlib.aclosing(outputs):
             async for output in outputs:
                 if output.new_token_ids:
                     timer.on_tokens()
+                if check_prediction and output.num_prompt_tokens:
+                    check_prediction = False
+                    if choice.engine.num_migrations == 0:
+                        run.metrics.on_routed_prompt(run.predicted_cached_tokens, output.num_cached_tokens)
                 delta = choice.processor.process(output)
                 deltas.put_nowait(delta)
                 if delta.finish_reason:
@@ -148,7 +157,12 @@ async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metr
     A replica that is down before anything was submitted is marked so and the next one is
     tried (a prompt 503 when none answers); once submitted, a choice migrates instead."""
     arrival_time = time.monotonic() if arrival_time is None else arrival_time
-    run = _Run(router, await _connect_some_replica(router), metrics, migration or MigrationPolicy(), arrival_time)
+    # The replica is chosen for the first prompt (a completions batch may carry several).
+    prompt = RoutePrompt(choices[0].engine.prompt_token_ids, choices[0].engine.cache_salt) if choices else \
+        RoutePrompt([])
+    replica = await _connect_some_replica(router, prompt)
+    run = _Run(router, replica, metrics, migration or MigrationPolicy(), arrival_time, prompt,
+               router.cached_tokens(replica, prompt))
     merged = _merge_choices(run, choices)
 
     async def abort_all() -> None:
@@ -169,11 +183,11 @@ async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metr
     return _prepend(first, merged, watcher)
 
 
-async def _connect_some_replica(router: ReplicaRouter) -> Replica:
+async def _connect_some_replica(router: ReplicaRouter, prompt: RoutePrompt) -> Replica:
     """The picked replica, once its stream is open; the next one while they turn out down."""
     tried: set[str] = set()
     while True:
-        replica = router.pick(exclude=tried)
+        replica = router.pick(exclude=tried, prompt=prompt)
         try:
             await replica.client.connect()
             return replica

@@ -81,9 +81,19 @@ class GatewayMetrics:
             "myvllm:e2e_request_latency_seconds", "Time from request arrival to its end.", E2E_BUCKETS)
         self.request_success: dict[str, int] = defaultdict(int)  # by finish reason
         self.request_migrations = 0  # engine requests re-submitted after their replica failed
+        # Cache-aware routing: prompt tokens the gateway expected the chosen replica to have
+        # cached, and what its scheduler then reported (num_cached_tokens of the first output).
+        self.routed_prompts = 0
+        self.predicted_cached_tokens = 0
+        self.actual_cached_tokens = 0
 
     def on_migration(self) -> None:
         self.request_migrations += 1
+
+    def on_routed_prompt(self, predicted_cached_tokens: int, actual_cached_tokens: int) -> None:
+        self.routed_prompts += 1
+        self.predicted_cached_tokens += predicted_cached_tokens
+        self.actual_cached_tokens += actual_cached_tokens
 
     def timer(self, arrival_time: float) -> RequestTimer:
         return RequestTimer(self, arrival_time)
@@ -121,6 +131,12 @@ class GatewayMetrics:
                          f"{self.request_success[reason]}")
         lines += _single("myvllm:request_migrations_total", "counter", "Requests re-submitted to a replica "
                          "after theirs failed (request migration).", self.request_migrations, labels)
+        lines += _single("myvllm:routing_predicted_cached_tokens_total", "counter", "Prompt tokens the router "
+                         "expected the chosen replica to have cached.", self.predicted_cached_tokens, labels)
+        lines += _single("myvllm:routing_actual_cached_tokens_total", "counter", "Prompt tokens the chosen replica "
+                         "served from its prefix cache (same requests).", self.actual_cached_tokens, labels)
+        lines += _single("myvllm:routing_prompts_total", "counter", "Engine requests counted in the two above.",
+                         self.routed_prompts, labels)
         if routed:
             lines += ["# HELP myvllm:replica_requests_total Engine requests routed to each replica.",
                       "# TYPE myvllm:replica_requests_total counter"]

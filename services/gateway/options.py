@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from services.gateway.migration import MigrationPolicy
+from services.gateway.routing import RoutingConfig, RoutingPolicy
 from services.gateway.tokenizer import load_chat_template
 from services.gateway.tool_parsers import TOOL_PARSERS
 from services.gateway.tools import ToolSettings
@@ -37,6 +38,8 @@ class GatewayOptions:
     tools: ToolSettings = field(default_factory=ToolSettings)
     # A chat template (a file, or the template text) used instead of the model's.
     chat_template: str | None = None
+    # How requests are spread over engine replicas (--routing and its weights).
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1:
@@ -79,6 +82,18 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="allow tool_choice 'auto' (needs --tool-call-parser)")
     parser.add_argument("--chat-template", default=None,
                         help="chat template file (or template text) to use instead of the model's")
+    routing = defaults.routing
+    parser.add_argument("--routing", default=routing.policy.value, choices=[p.value for p in RoutingPolicy],
+                        help="how requests are spread over engine replicas: by load (4*waiting + running), "
+                             "round-robin, or cache-aware (load plus the prompt's prefix cached on each replica)")
+    parser.add_argument("--routing-prefill-weight", type=float, default=routing.prefill_weight,
+                        help="cache-aware cost per prompt token not cached on the replica")
+    parser.add_argument("--routing-load-weight", type=float, default=routing.load_weight,
+                        help="cache-aware cost per unit of load (4 per waiting request, 1 per running one)")
+    parser.add_argument("--routing-kv-weight", type=float, default=routing.kv_weight,
+                        help="cache-aware cost per unit of KV cache usage (0-1)")
+    parser.add_argument("--routing-max-imbalance", type=float, default=routing.max_imbalance,
+                        help="cache-aware: replicas loaded more than this above the least loaded one are skipped")
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
@@ -87,4 +102,6 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         migration=MigrationPolicy(max_migrations=args.max_migrations, wait_s=args.migration_wait),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key, internal_token=args.internal_token,
-        tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template)
+        tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template,
+        routing=RoutingConfig(args.routing, args.routing_prefill_weight, args.routing_load_weight,
+                              args.routing_kv_weight, args.routing_max_imbalance))

@@ -7,12 +7,16 @@ entry goes stale (its scheduler stopped publishing) is polled directly for a few
 then dropped from routing. While Redis itself is unreachable, routing goes on with the
 replicas last seen there, polled directly.
 
-Each request goes to the healthy replica with the lowest score, vLLM's DP load-balancing
-score `4 * waiting + running`, using the last published load plus the requests this gateway
-sent there since (so a burst arriving between two load updates spreads out instead of
-piling onto one replica). Replicas given on the command line without Redis are polled with
-`GetLoad` instead. A replica that fails is marked down and skipped until it answers again;
-the request that found it down is retried on another replica.
+Which healthy replica a request goes to is the routing policy's choice (`--routing`,
+services/gateway/routing.py): by load, vLLM's DP load-balancing score `4 * waiting +
+running`, using the last published load plus the requests this gateway sent there since (so
+a burst arriving between two load updates spreads out instead of piling onto one replica);
+round-robin; or cache-aware (the default), which also weighs how much of the prompt each
+replica has in its prefix cache, as known from that replica's KV event stream
+(services/gateway/kv_subscriber.py, one subscription per replica). Replicas given on the
+command line without Redis are polled with `GetLoad` instead. A replica that fails is marked
+down and skipped until it answers again; the request that found it down is retried on another
+replica.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.common.proto import myvllm_pb2 as pb
+from services.gateway.kv_subscriber import follow_kv_events
+from services.gateway.prefix_index import PrefixIndex
+from services.gateway.routing import Candidate, RoutePrompt, RoutingConfig, RoutingPolicy, choose_cache_aware
 from services.sdk.client import AsyncClient, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -44,19 +51,23 @@ class Replica:
     static: bool                  # given on the command line (kept even without a Redis entry)
     num_waiting: int = 0
     num_running: int = 0
+    kv_cache_usage: float = 0.0
     sent_since_update: int = 0    # requests routed here since the last load update
     healthy: bool = True
     load_ts: float = field(default=0.0)
     last_published: float = field(default_factory=time.monotonic)  # last seen in Redis (monotonic)
+    index: PrefixIndex = field(default_factory=PrefixIndex)       # its cached blocks (cache-aware routing)
+    events_task: asyncio.Task | None = None                       # keeps `index` following its KV events
 
     @property
     def score(self) -> int:
         return WAITING_WEIGHT * (self.num_waiting + self.sent_since_update) + self.num_running
 
-    def update_load(self, num_waiting: int, num_running: int, ts: float) -> None:
+    def update_load(self, num_waiting: int, num_running: int, ts: float, kv_cache_usage: float = 0.0) -> None:
         if ts <= self.load_ts:
             return  # not newer than what we have: keep counting our own sends
         self.num_waiting, self.num_running, self.load_ts = num_waiting, num_running, ts
+        self.kv_cache_usage = kv_cache_usage
         self.sent_since_update = 0
         self.healthy = True
 
@@ -65,8 +76,11 @@ class ReplicaRouter:
     """Owns one scheduler client per replica and picks one per request."""
 
     def __init__(self, addresses: Iterable[str], redis_url: str | None = None, timeout_s: float = 1.5,
-                 refresh_interval_s: float = REFRESH_INTERVAL_S, internal_token: str | None = None) -> None:
+                 refresh_interval_s: float = REFRESH_INTERVAL_S, internal_token: str | None = None,
+                 routing: RoutingConfig | None = None) -> None:
         self.timeout_s = timeout_s
+        self.routing = routing or RoutingConfig()
+        self._following = False  # KV event subscriptions run (started, cache-aware, several replicas)
         self._client_kwargs = {"token": internal_token} if internal_token else {}
         self.refresh_interval_s = refresh_interval_s
         self.replicas: dict[str, Replica] = {}
@@ -87,12 +101,27 @@ class ReplicaRouter:
     def _add(self, address: str, static: bool) -> Replica:
         replica = Replica(address, AsyncClient(address, timeout=self.timeout_s, **self._client_kwargs), static)
         self.replicas[address] = replica
+        if self._following:
+            self._follow(replica)
         return replica
+
+    def _follow(self, replica: Replica) -> None:
+        replica.events_task = asyncio.create_task(follow_kv_events(replica.client, replica.index),
+                                                  name=f"myvllm-kv-events-{replica.address}")
+
+    async def _drop(self, address: str) -> None:
+        replica = self.replicas.pop(address)
+        if replica.events_task is not None:
+            replica.events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await replica.events_task
+        await replica.client.close()
 
     # ------------------------------------------------------------------ routing
 
-    def pick(self, exclude: set[str] = frozenset()) -> Replica:
-        """The replica for the next request (counted as sent to it). Healthy replicas first;
+    def pick(self, exclude: set[str] = frozenset(), prompt: RoutePrompt | None = None) -> Replica:
+        """The replica for the next request (counted as sent to it), by the routing policy;
+        `prompt` lets cache-aware routing look up its cached prefix. Healthy replicas first;
         if every one is down, any (its error then tells the client). Raises
         `SchedulerUnavailable` when no replica is known or all are excluded."""
         candidates = [r for r in self.replicas.values() if r.address not in exclude]
@@ -100,10 +129,29 @@ class ReplicaRouter:
             raise SchedulerUnavailable("no engine replica is available" if not exclude else
                                        f"every engine replica failed ({', '.join(sorted(exclude))})")
         healthy = [r for r in candidates if r.healthy] or candidates
-        # Ties go to the replica with the oldest routing (dict order rotates below).
-        chosen = min(healthy, key=lambda r: r.score)
+        # Ties go to the replica with the oldest routing (dict order rotates in note_sent).
+        policy = self.routing.policy
+        if policy == RoutingPolicy.ROUND_ROBIN:
+            chosen = healthy[0]
+        elif policy == RoutingPolicy.CACHE_AWARE and prompt is not None and len(healthy) > 1:
+            cached = [self.cached_tokens(r, prompt) for r in healthy]
+            chosen = healthy[choose_cache_aware(
+                self.routing, len(prompt.token_ids),
+                [Candidate(r.score, r.kv_cache_usage, c) for r, c in zip(healthy, cached, strict=True)])]
+            logger.debug("routed a %d-token prompt to %s (cached tokens per replica: %s)", len(prompt.token_ids),
+                         chosen.address, dict(zip((r.address for r in healthy), cached, strict=True)))
+        else:
+            chosen = min(healthy, key=lambda r: r.score)
         self.note_sent(chosen)
         return chosen
+
+    def cached_tokens(self, replica: Replica, prompt: RoutePrompt) -> int:
+        """Tokens of `prompt`'s longest prefix that `replica` has cached, as its KV events tell
+        (0 while its index is not in sync)."""
+        index = replica.index
+        if not index.synced or not index.block_size:
+            return 0
+        return index.num_leading_blocks(prompt.hashes(index.block_size)) * index.block_size
 
     def note_sent(self, replica: Replica) -> None:
         """Count a request routed to `replica` (until its next load update)."""
@@ -138,9 +186,14 @@ class ReplicaRouter:
     # ------------------------------------------------------------------ load updates
 
     def start(self) -> None:
-        """Start refreshing loads in the background (not needed for a single static replica)."""
+        """Start refreshing loads in the background, and with cache-aware routing following
+        every replica's KV events (neither is needed for a single static replica)."""
         if self._redis is not None or len(self.replicas) > 1:
             self._task = asyncio.create_task(self._refresh_forever(), name="myvllm-router-refresh")
+            if self.routing.policy == RoutingPolicy.CACHE_AWARE:
+                self._following = True
+                for replica in self.replicas.values():
+                    self._follow(replica)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -166,7 +219,8 @@ class ReplicaRouter:
                 for entry in loads.values():
                     address = entry["address"]
                     replica = self.replicas.get(address) or self._add(address, static=False)
-                    replica.update_load(int(entry["num_waiting"]), int(entry["num_running"]), float(entry["ts"]))
+                    replica.update_load(int(entry["num_waiting"]), int(entry["num_running"]), float(entry["ts"]),
+                                        float(entry.get("kv_cache_usage", 0.0)))
                     replica.last_published = now
                     published.add(address)
                 # A replica missing from Redis is polled directly for a while before it is dropped:
@@ -175,7 +229,7 @@ class ReplicaRouter:
                 for address in [a for a, r in self.replicas.items() if not r.static and a not in published
                                 and now - r.last_published > REDIS_MAX_AGE_S]:
                     logger.info("engine replica %s stopped publishing its load; no longer routed to", address)
-                    await self.replicas.pop(address).client.close()
+                    await self._drop(address)
         polled = [r for r in self.replicas.values() if r.address not in published]
         await asyncio.gather(*(self._poll(r) for r in polled))
 
@@ -185,7 +239,7 @@ class ReplicaRouter:
         except SchedulerUnavailable as e:
             self.mark_down(replica, e)
             return
-        replica.update_load(load.num_waiting, load.num_running, time.time())
+        replica.update_load(load.num_waiting, load.num_running, time.time(), load.kv_cache_usage)
 
     # ------------------------------------------------------------------ engine-wide views
 
@@ -224,7 +278,7 @@ class ReplicaRouter:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for replica in self.replicas.values():
-            await replica.client.close()
+        for address in list(self.replicas):
+            await self._drop(address)
         if self._redis is not None:
             await self._redis.aclose()

@@ -19,6 +19,7 @@ import time
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from services.common.grpc_utils import StartupError
 from services.gateway.admission import AdmissionController
@@ -120,6 +121,11 @@ class BackgroundGateway:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def app(self) -> FastAPI:
+        """The served app (tests look at its state, e.g. the router)."""
+        return self._server.config.app
 
     def start(self, timeout_s: float = 60.0) -> BackgroundGateway:
         self._thread.start()

@@ -5,11 +5,25 @@ list with sentinel head and tail, so a cached block that gets a prefix-cache hit
 unlinked from the middle in O(1). Allocation pops from the head; on free, blocks without
 a hash go to the head (reused first) and hashed blocks go to the tail (kept longest: the
 list is an LRU of cached blocks). A block handed out again loses its hash.
+
+Every change to the hash map (a hash cached, one dropped, all cleared) is told to `events`
+when set: the scheduler publishes them as KV events so gateways can route by cached prefix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
+
+
+class KvEventSink(Protocol):
+    """Where the pool reports changes of its hash map (services/scheduler/kv_events.py)."""
+
+    def stored(self, block_hash: bytes, parent_hash: bytes) -> None: ...
+
+    def removed(self, block_hash: bytes) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class KVBlock:
@@ -93,6 +107,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # pinned forever
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[bytes, KVBlock] = {}
+        self.events: KvEventSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,9 +134,16 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         """A block handed out again loses its hash (and its cache entry)."""
+        self.uncache(block)
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop `block`'s hash, and its cache entry if the entry is this block (another block
+        may have been cached under the same hash first)."""
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -131,12 +153,16 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a freshly filled block under its hash (first writer wins)."""
+    def cache_full_block(self, block: KVBlock, block_hash: bytes, parent_hash: bytes = b"") -> None:
+        """Register a freshly filled block under its hash (first writer wins). `parent_hash`:
+        the hash of the block before it in its sequence (for the stored event)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self.cached_blocks.setdefault(block_hash, block)
+        if block_hash not in self.cached_blocks:
+            self.cached_blocks[block_hash] = block
+            if self.events is not None:
+                self.events.stored(block_hash, parent_hash)
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference per block; blocks reaching 0 rejoin the free list.
@@ -163,3 +189,5 @@ class BlockPool:
         for block in self.blocks[1:]:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()

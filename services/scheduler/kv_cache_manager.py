@@ -1,40 +1,23 @@
 """Per-request KV block bookkeeping on top of the BlockPool, with prefix caching.
 
 Block hashes chain: hash(block k) = H(hash(block k-1), token ids of block k, extra keys),
-so equal hashes mean equal whole prefixes. Only full blocks are hashed.
+so equal hashes mean equal whole prefixes. Only full blocks are hashed. The hash lives in
+services/common/block_hash.py, shared with the gateway.
 """
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
-
+from services.common.block_hash import NONE_HASH, extend_hashes, hash_block_tokens
 from services.scheduler.block_pool import BlockPool, KVBlock
 from services.scheduler.request import Request
 
-NONE_HASH = b"\x00" * 32
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: list[int], extra_keys: bytes = b"") -> bytes:
-    """Chained hash of one full block of token ids."""
-    h = hashlib.sha256(parent_hash)
-    h.update(np.asarray(token_ids, dtype=np.int32).tobytes())
-    if extra_keys:
-        h.update(b"\xff" + extra_keys)
-    return h.digest()
+__all__ = ["NONE_HASH", "KVCacheManager", "extend_block_hashes", "hash_block_tokens"]
 
 
 def extend_block_hashes(request: Request, block_size: int) -> None:
-    """Hash every full block of `request` not hashed yet."""
-    num_full_blocks = request.num_tokens // block_size
-    extra = request.cache_salt.encode() if request.cache_salt else b""
-    tokens = request.all_token_ids
-    for k in range(len(request.block_hashes), num_full_blocks):
-        parent = request.block_hashes[k - 1] if k > 0 else NONE_HASH
-        # Only the first block carries the salt: the chain carries it to every later one.
-        request.block_hashes.append(
-            hash_block_tokens(parent, tokens[k * block_size:(k + 1) * block_size], extra if k == 0 else b""))
+    """Hash every full block of `request` not hashed yet (services/common/block_hash.py: the
+    gateway computes the same hashes to route by cached prefix)."""
+    extend_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)
 
 
 class KVCacheManager:
@@ -116,9 +99,7 @@ class KVCacheManager:
         be written: the request was unscheduled after allocate_slots cached them)."""
         blocks = self.req_to_blocks.get(request.request_id, [])
         for block in blocks[first_block:]:
-            if block.block_hash is not None and self.block_pool.cached_blocks.get(block.block_hash) is block:
-                del self.block_pool.cached_blocks[block.block_hash]
-            block.block_hash = None
+            self.block_pool.uncache(block)
         if self.num_cached_blocks.get(request.request_id, 0) > first_block:
             self.num_cached_blocks[request.request_id] = first_block
 
@@ -132,7 +113,8 @@ class KVCacheManager:
             return
         extend_block_hashes(request, self.block_size)
         for k in range(start, num_full):
-            self.block_pool.cache_full_block(blocks[k], request.block_hashes[k])
+            parent = request.block_hashes[k - 1] if k > 0 else NONE_HASH
+            self.block_pool.cache_full_block(blocks[k], request.block_hashes[k], parent)
         self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

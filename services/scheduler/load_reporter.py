@@ -2,7 +2,10 @@
 
 Redis hash `myvllm:engines`: field = engine id, value = JSON {address, num_waiting,
 num_running, kv_cache_usage, ts}. Writes are throttled and never awaited by the engine
-loop: a slow or absent Redis must not slow down a step. A replica that loses its worker
+loop: a slow or absent Redis must not slow down a step. A change is published at once,
+unless the last write was under `min_interval_s` ago or is still on the wire: then the
+latest load goes out as soon as that allows (a trailing write), so no change waits for
+the next step or heartbeat. A replica that loses its worker
 deletes its entry (`leave`) so gateways stop routing to it, and publishes again once the
 worker is back (`rejoin`).
 """
@@ -35,6 +38,8 @@ class LoadReporter:
         self._last_sent = 0.0
         self._last_load: tuple | None = None
         self._in_flight: asyncio.Task | None = None
+        self._trailing: asyncio.TimerHandle | None = None  # a held-back change's write, scheduled
+        self._held: pb.Load | None = None                   # the latest load held back
         # While the replica cannot serve (no worker) it is out of the set: no entry, no reports.
         self.paused = False
 
@@ -43,14 +48,25 @@ class LoadReporter:
             return
         key = _load_key(load)
         now = time.monotonic()
-        if self._in_flight is not None and not self._in_flight.done():
-            return
         if key == self._last_load and now - self._last_sent < 1.0:
+            self._held = None  # back to what readers have: nothing to catch up on
             return  # unchanged: refresh about once a second so readers see a live timestamp
-        if now - self._last_sent < self.min_interval_s and key != (0, 0, 0.0):
+        busy = self._in_flight is not None and not self._in_flight.done()
+        wait = self.min_interval_s - (now - self._last_sent)
+        if busy or (wait > 0 and key != (0, 0, 0.0)):
+            self._held = load
+            if self._trailing is None:
+                self._trailing = asyncio.get_running_loop().call_later(max(wait, 0.01), self._send_held)
             return
+        self._held = None
         self._last_sent, self._last_load = now, key
         self._in_flight = asyncio.create_task(self._send(key))
+
+    def _send_held(self) -> None:
+        self._trailing = None
+        load, self._held = self._held, None
+        if load is not None:
+            self.report(load)  # (re-checks pause, interval and the write on the wire)
 
     async def _send(self, key: tuple[int, int, float]) -> None:
         value = json.dumps({"address": self.address, "num_waiting": key[0], "num_running": key[1],

@@ -28,6 +28,7 @@ from services.common.grpc_utils import StartupError
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.scheduler.engine_core import EngineCore
+from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
 from services.scheduler.load_reporter import LoadReporter
 from services.scheduler.worker_group import WorkerGroup
 from services.scheduler.worker_link import DEFAULT_ENGINE_TIMEOUT_S, WorkerFault, WorkerLink
@@ -63,6 +64,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.heartbeat_task: asyncio.Task | None = None
         # Why this replica cannot serve right now (None: the worker is set up and stepping).
         self.worker_down: str | None = None
+        # Prefix-cache changes for gateways (SubscribeKvEvents); outlives engine cores.
+        self.kv_events = KvEventLog(config.block_size)
 
     async def start(self) -> None:
         """Load the model on the worker, size the KV cache, start the engine loop."""
@@ -87,7 +90,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.config.model = info.model
         if core is not None:
             core.structured_output.close()  # (no request is left: the worker's loss ended them all)
+            self.kv_events.cleared()  # a new core starts with an empty prefix cache
+            self.kv_events.flush()
         self.core = EngineCore(self.config, info, num_blocks)
+        self.core.scheduler.kv_cache_manager.block_pool.events = self.kv_events
         # A request waiting only for its grammar must not wait for the idle probe.
         loop = asyncio.get_running_loop()
         self.core.structured_output.on_compiled = lambda: loop.call_soon_threadsafe(self.work_available.set)
@@ -132,6 +138,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 in_flight.append(so)
             if not in_flight:
                 self._route(core.take_failed_outputs())  # requests whose grammar failed to compile
+                self.kv_events.flush()  # (aborts free blocks between steps)
                 self._report_load()
                 self.work_available.clear()
                 try:
@@ -143,6 +150,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self._route(core.process(so, await self.worker.receive()))
             if in_flight and (followup := core.grammar_followup(in_flight[0])) is not None:
                 await self.worker.send(followup)  # the next step's constrained rows: their bitmask
+            self.kv_events.flush()  # this step's cache changes, as one batch
             self._report_load()
             await asyncio.sleep(0)  # let gateway streams run between steps
 
@@ -151,6 +159,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.worker_down = reason
         self.worker.reset()
         self._route(self.core.fail_all(f"engine fault: {reason}", pb.ENGINE_FAULT))
+        self.kv_events.flush()  # fail_all cleared the prefix cache: gateways must not route by it
         if self.load_reporter is not None:
             self.load_reporter.leave()
 
@@ -281,6 +290,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if self.core is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is still starting")
         return self.core.stats()
+
+    async def SubscribeKvEvents(self, request: pb.Empty, context: grpc.aio.ServicerContext):
+        try:
+            async for batch in self.kv_events.subscribe():
+                yield batch
+        except SubscriberTooSlow as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
 
 def advertised_address(host: str, port: int) -> str:

@@ -293,6 +293,24 @@ class AsyncClient:
         """Queue lengths and KV usage, as used for data-parallel routing."""
         return await self._unary("GetLoad")
 
+    async def kv_events(self) -> AsyncGenerator[pb.KvEventBatch, None]:
+        """The scheduler's prefix-cache events (SubscribeKvEvents): a snapshot, then one batch
+        per engine step, until the caller stops or the stream breaks (`SchedulerUnavailable`;
+        subscribe again for a fresh snapshot)."""
+        await self._unary("Health")  # a down scheduler fails within `timeout`, not never
+        call = self._get_stub().SubscribeKvEvents(pb.Empty(), wait_for_ready=False, metadata=self.metadata)
+        try:
+            async for batch in call:
+                yield batch
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and (self._stream is None or self._stream.closed):
+                self._reset_channel()
+            raise SchedulerUnavailable(
+                f"KV events of scheduler at {self.address} broke ({e.code().name}: {e.details()})") from None
+        finally:
+            call.cancel()
+        raise SchedulerUnavailable(f"scheduler at {self.address} ended its KV event stream")
+
     async def close(self) -> None:
         """Close the stream (in-flight requests raise `SchedulerUnavailable`) and channel."""
         self._closed = True
