@@ -269,8 +269,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The API key reaches the gateway alone, also through its environment.
     gateway_env = dict(os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else None
     services: list[ServiceProcess] = []
-    # `kill` (SIGTERM) stops the children too, exactly like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         print(_topology(args, redis_port), flush=True)
         for name, command, healthy in _serve_commands(args, model, worker_ports, scheduler_ports, redis_port):
@@ -292,11 +291,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except StartupError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
+        _ignore_stop_signals()
         print("stopping...", file=sys.stderr)
         return 0
     finally:
+        _ignore_stop_signals()
         _drain_gateway(services, args.shutdown_timeout)
         stop_all(services)
+
+
+def _stop_on_sigterm(*_) -> None:
+    """`kill` (SIGTERM) stops the children too, exactly like Ctrl-C."""
+    _ignore_stop_signals()
+    raise KeyboardInterrupt
+
+
+def _ignore_stop_signals() -> None:
+    """Once shutting down, a second SIGTERM or Ctrl-C (a supervisor or `make` repeating it) must
+    not cut the orderly stop short: the services run in sessions of their own and would be left
+    running. The stop itself escalates to SIGKILL where a service does not exit."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _drain_gateway(services: list[ServiceProcess], shutdown_timeout_s: float) -> None:

@@ -44,3 +44,25 @@ def test_the_gateway_drains_before_the_engine_is_stopped(tmp_path: Path) -> None
     for name in ("scheduler", "worker"):
         assert float((tmp_path / name).read_text()) >= float((tmp_path / "gateway").read_text()) + 1.0
         assert float((tmp_path / name).read_text()) >= gateway_done - 0.05
+
+
+def test_a_second_sigterm_does_not_cut_the_stop_short(tiny_qwen2_dir: str) -> None:
+    """`make` or a supervisor may repeat SIGTERM: serve still stops every service (they run in
+    sessions of their own, so an aborted stop would leave them running) and exits cleanly."""
+    import os
+    import signal
+
+    from mesh import Mesh
+    from test_scaling import _children
+
+    mesh = Mesh(["--model", tiny_qwen2_dir, "--max-model-len", "256", "--kv-cache-memory", str(16 << 20)])
+    services = _children(mesh.proc.pid)
+    assert len(services) == 3  # worker, scheduler, gateway
+    mesh.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    mesh.proc.send_signal(signal.SIGTERM)
+    assert mesh.proc.wait(timeout=60) == 0
+    time.sleep(0.5)
+    assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                   for pid in services), "a service outlived serve"
+    assert "Traceback" not in "".join(mesh.output)
