@@ -207,7 +207,7 @@ _AMX_XEON = _AVX512_EPYC | {"amx_tile", "amx_bf16"}
 def test_cpu_decode_kernel_builds_the_same_code_on_every_x86_machine_kind() -> None:
     """One -march for all three CI machine kinds (so one binary, one set of results), a lower
     level where AVX2 or FMA is missing, the compiler's default off x86."""
-    from services.worker.attention.cpu_backend import isa_flags
+    from services.worker.cpu.cbuild import isa_flags
 
     assert {tuple(isa_flags("x86_64", kind)) for kind in (_AVX2_EPYC, _AVX512_EPYC, _AMX_XEON)} == {
         ("-march=x86-64-v3",)}
@@ -218,9 +218,10 @@ def test_cpu_decode_kernel_builds_the_same_code_on_every_x86_machine_kind() -> N
 
 def test_cpu_decode_kernel_build_key_follows_the_compiler_version(tmp_path, monkeypatch) -> None:
     """A compiler upgrade (same path, new version) must not load a library the old one built."""
-    import services.worker.attention.cpu_backend as cpu_backend
+    from services.worker.attention.cpu_backend import _SOURCE
+    from services.worker.cpu import cbuild
 
     versions = iter(["gcc (Debian 12.2.0-14) 12.2.0", "gcc (Debian 13.1.0-1) 13.1.0"])
-    monkeypatch.setattr(cpu_backend, "_compiler_version", lambda cc: next(versions))
+    monkeypatch.setattr(cbuild, "compiler_version", lambda cc: next(versions))
     flags = ["-O3", "-march=x86-64-v3"]
-    assert cpu_backend.build_key("/usr/bin/gcc", flags) != cpu_backend.build_key("/usr/bin/gcc", flags)
+    assert cbuild.build_key(_SOURCE, "/usr/bin/gcc", flags) != cbuild.build_key(_SOURCE, "/usr/bin/gcc", flags)

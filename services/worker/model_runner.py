@@ -114,6 +114,9 @@ class ModelRunner:
         self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
         if self.device.type == "cpu":
             self.model.pack_for_cpu()
+            # Outside a compiled graph (inductor fuses these itself) the elementwise ops go
+            # through the fused C kernels.
+            self.model.use_cpu_ops()
         # CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain here.
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and compile_model:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.base import AttentionLayer
+from services.worker.cpu.cpu_ops import CpuOps
 from services.worker.parallel import (
     all_gather_last_dim,
     all_reduce,
@@ -150,6 +151,24 @@ class SelfAttention(nn.Module):
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def forward_fused(self, ops: CpuOps, positions: torch.Tensor, x: torch.Tensor,
+                      rope: RotaryEmbedding) -> torch.Tensor:
+        """`forward` with RoPE applied in place by one C pass (CPU, `cpu_ops`)."""
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        if self.q_norm is not None:
+            qk = qkv[:, :self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+            qk = qk.flatten(1)
+        else:
+            qk = qkv  # rotated in place: its first q_size + kv_size columns
+        ops.rope_neox_(qk, heads, self.head_dim, positions, rope.cos, rope.sin)
+        q = qk[:, :self.q_size].unflatten(-1, (self.num_heads, self.head_dim))
+        k = qk[:, self.q_size:self.q_size + self.kv_size].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config, spec: DecoderSpec) -> None:
@@ -166,6 +185,9 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, ops: CpuOps, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, spec: DecoderSpec) -> None:
@@ -179,6 +201,21 @@ class DecoderLayer(nn.Module):
                 rope: RotaryEmbedding) -> torch.Tensor:
         x = x + self.self_attn(cos_sin, self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, ops: CpuOps, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                      rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual form with the fused CPU ops: `h` is the previous layer's MLP output
+        (the embedding, with `residual` None, for the first layer); returns this layer's MLP
+        output and the residual stream before it. The adds are HF's, in the same order."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = h, ops.rms_norm(h, norm.weight, norm.eps)
+        else:
+            ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn.forward_fused(ops, positions, h, rope)
+        norm = self.post_attention_layernorm
+        ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(ops, h), residual
 
 
 # HF checkpoint names → (our fused parameter, which shard of it).
@@ -224,6 +261,8 @@ class DecoderForCausalLM(nn.Module):
                                           _plain_rope_scaling(config))
         # The LM head over the tied embedding table, when `pack_for_cpu` gave it a packed copy.
         self.tied_head: nn.Module | None = None
+        # The fused CPU elementwise ops, when `use_cpu_ops` enabled them.
+        self.cpu_ops: CpuOps | None = None
 
     def _stage(self) -> Iterable[DecoderLayer]:
         return self.layers[self.layer_range.start:self.layer_range.stop]
@@ -236,10 +275,34 @@ class DecoderForCausalLM(nn.Module):
         """The first stage embeds `input_ids`; later stages continue from the previous stage's
         `hidden`. The last stage returns normed hidden states, the others the raw residual stream."""
         x = self.embed_tokens(input_ids) if self.is_first_stage else hidden
+        if self.cpu_ops is not None and not torch.compiler.is_compiling():
+            return self._forward_fused(self.cpu_ops, positions, x)
         cos_sin = self.rotary_emb.lookup(positions, x.dtype)
         for layer in self._stage():
             x = layer(cos_sin, x, self.rotary_emb)
         return self.norm(x) if self.is_last_stage else x
+
+    def _forward_fused(self, ops: CpuOps, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        positions = positions.to(torch.int64).contiguous()
+        # The fused adds write the residual stream in place: never into a tensor we were handed.
+        h, residual = (x if self.is_first_stage else x.clone()), None
+        for layer in self._stage():
+            h, residual = layer.forward_fused(ops, positions, h, residual, self.rotary_emb)
+        if residual is None:  # a stage without layers
+            return self.norm(h) if self.is_last_stage else h
+        if self.is_last_stage:
+            ops.fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
+            return h
+        return residual + h  # the residual stream, as the unfused forward hands the next stage
+
+    def use_cpu_ops(self) -> bool:
+        """Run the elementwise ops through the fused C kernels (services/worker/cpu/cpu_ops.c);
+        False where they do not apply (not on CPU, another dtype, no C compiler)."""
+        from services.worker.cpu.cpu_ops import CpuOps
+
+        param = next(self.parameters())
+        self.cpu_ops = CpuOps.load() if CpuOps.supports(param) else None
+        return self.cpu_ops is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tied_head is not None:

@@ -1,0 +1,130 @@
+"""The fused CPU ops (services/worker/cpu/cpu_ops.c) against HF transformers' eager arithmetic in torch."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.cpu.cpu_ops import CpuOps
+
+ops = CpuOps.load()
+# Only a machine without a C compiler may skip: a build failure where one exists is a failure.
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    assert ops is not None, "cpu_ops.c did not build (see the warning logged above)"
+EPS = 1e-5
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * x32.to(x.dtype)
+
+
+def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: a few ulps (sum order, exp's last bits). bf16: the same roundings as HF, so at most
+    one bf16 step apart, and only where an fp32 intermediate sat on a rounding boundary."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+        return
+    step = (want.float().abs() * 2.0 ** -7).clamp_min(1e-30)
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= step * 1.01).all()), float((diff / step).max())
+    assert float((diff > 0).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_fused_residual_add(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 576) * 3).to(dtype)
+    w = (torch.rand(576) + 0.5).to(dtype)
+    assert_close(ops.rms_norm(x, w, EPS), hf_rms_norm(x, w))
+    # A strided view of rows (as RoPE's input would be) reads the same values.
+    wide = torch.randn(rows, 1000).to(dtype)
+    wide[:, :576] = x
+    assert_close(ops.rms_norm(wide[:, :576], w, EPS), hf_rms_norm(x, w))
+
+    delta = torch.randn(rows, 576).to(dtype)
+    residual = x.clone()
+    h = delta.clone()
+    ops.fused_add_rms_norm(h, residual, w, EPS)
+    want_residual = x + delta
+    assert torch.equal(residual, want_residual)  # the add rounds exactly as torch's
+    assert_close(h, hf_rms_norm(want_residual, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([0.0, -100.0, 100.0, -88.5, 88.5, 1e-30, -1e-30, 20.0]).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_the_qk_columns_of_a_fused_qkv_row(dtype: torch.dtype) -> None:
+    from services.worker.models.layers import RotaryEmbedding
+
+    torch.manual_seed(0)
+    heads, kv_heads, d = 9, 3, 64
+    rope = RotaryEmbedding(d, 2048, 10000.0, None)
+    tokens = 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(dtype)
+    positions = torch.randint(0, 2048, (tokens,), dtype=torch.int64)
+    qk = qkv[:, :(heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))
+    want = hf_rope(qk, *rope.lookup(positions, dtype))
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    ops.rope_neox_(qkv, heads + kv_heads, d, positions, rope.cos, rope.sin)
+    got = qkv[:, :(heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))
+    if dtype == torch.float32:
+        assert torch.equal(got, want)  # same products, same sum, no fused multiply-add
+    else:
+        assert_close(got, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_model_with_fused_ops_scores_prompts_as_the_torch_ops_do(tiny_model_dir, monkeypatch, arch: str,
+                                                                     dtype: str) -> None:
+    """The whole model through the engine, fused CPU ops on and off: every prompt position's
+    top logprobs agree (qwen2: q/k/v biases, untied head; qwen3: q/k norms before the in-place
+    RoPE, tied head), chunked prefill included."""
+    from services.common.sampling_params import SamplingParams
+    from services.sdk import LLM
+    from services.worker.models.layers import DecoderForCausalLM
+
+    model_dir = tiny_model_dir(arch)
+    prompts = [[(7 * i + 3 * j) % 500 + 100 for j in range(n)] for i, n in enumerate((5, 40, 77))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+
+    def score(fused: bool) -> list:
+        if not fused:
+            monkeypatch.setattr(DecoderForCausalLM, "use_cpu_ops", lambda self: False)
+        llm = LLM(model_dir, seed=0, dtype=dtype, max_num_batched_tokens=48)
+        assert (llm.worker.runner.model.cpu_ops is not None) == fused
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.close()
+        return [r.prompt_logprobs[1:] for r in results]
+
+    fused, plain = score(True), score(False)
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for got_prompt, want_prompt in zip(fused, plain, strict=True):
+        for got, want in zip(got_prompt, want_prompt, strict=True):
+            top = max(want, key=lambda t: want[t].logprob)
+            assert top in got and abs(got[top].logprob - want[top].logprob) <= tol
