@@ -31,7 +31,7 @@ def load_library() -> ctypes.CDLL:
     lib = cbuild.build(_SOURCE)
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.exp_neg_lanes.restype = None
     lib.exp_neg_lanes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     _lib = lib
@@ -56,13 +56,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.device.type != "cpu":
             return super()._decode(q, k_cache, v_cache, plan, scale)
         num_reqs, num_heads, head_dim = q.shape
-        q32 = q.float().contiguous()
-        out = torch.empty_like(q32)
+        in_dtype = q.dtype
+        q = (q if in_dtype in (torch.float32, torch.bfloat16) else q.float()).contiguous()
+        out = torch.empty_like(q)  # the kernel reads and writes fp32 or bf16 itself
         bt, seq_lens = plan.decode_block_table, plan.decode_seq_lens
         rc = self.lib.paged_decode(
-            q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
             seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, k_cache.shape[2], head_dim,
-            k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
+            k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16), int(q.dtype == torch.bfloat16),
+            torch.get_num_threads())
         if rc != 0:
             raise MemoryError("cpu paged decode kernel could not allocate its scratch memory")
-        return out.to(q.dtype)
+        return out.to(in_dtype)

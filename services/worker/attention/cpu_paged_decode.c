@@ -26,14 +26,14 @@
 #endif
 
 typedef struct {
-    const float *q;             /* [B, H, D] */
+    const void *q;              /* [B, H, D], fp32 or bf16 (io_bf16) */
     const void *k_cache;        /* [num_blocks, BS, KVH, D] */
     const void *v_cache;
     const int32_t *block_table; /* [B, bt_stride] */
     const int32_t *seq_lens;    /* [B] */
-    float *out;                 /* [B, H, D] */
+    void *out;                  /* [B, H, D], q's dtype */
     int64_t bt_stride;
-    int H, KVH, D, BS, is_bf16;
+    int H, KVH, D, BS, is_bf16, io_bf16;
     float scale;
 } Args;
 
@@ -76,12 +76,11 @@ static inline void softmax_rows(float *restrict scores, int nh, int L, float *re
  * tmp: [KVH * D] scratch for bf16 rows. Always inlined into per-head-size copies below, so
  * the common head sizes get loops of a known length (25% faster than a runtime D). */
 static inline __attribute__((always_inline)) void attend_impl(const Args *a, int b, int kh0, int kh1,
-                                                              float *restrict scores, float *restrict acc,
-                                                              float *restrict tmp, const int D) {
+                                                              const float *restrict q, float *restrict scores,
+                                                              float *restrict acc, float *restrict tmp, const int D) {
     const int G = a->H / a->KVH, BS = a->BS, L = a->seq_lens[b];
     const int nkv = kh1 - kh0, nh = nkv * G, width = nkv * D;
     const int64_t row = (int64_t)a->KVH * D; /* elements per cached token */
-    const float *restrict q = a->q + ((int64_t)b * a->H + (int64_t)kh0 * G) * D;
     const int32_t *bt = a->block_table + (int64_t)b * a->bt_stride;
     const int nblocks = (L + BS - 1) / BS;
 
@@ -129,9 +128,8 @@ static inline __attribute__((always_inline)) void attend_impl(const Args *a, int
         }
     }
 
-    float *restrict o = a->out + ((int64_t)b * a->H + (int64_t)kh0 * G) * D;
     for (int h = 0; h < nh; h++)
-        for (int d = 0; d < D; d++) o[(int64_t)h * D + d] = acc[(int64_t)h * D + d] * inv_sum[h];
+        for (int d = 0; d < D; d++) acc[(int64_t)h * D + d] *= inv_sum[h];
 }
 
 /* Eight fp32 lanes of a cache row at `offset` (elements), fp32 or bf16 cache. */
@@ -183,12 +181,11 @@ static inline void prefetch_next_group(const Args *a, const void *cache, const i
  * A block of K (or V) rows is read from memory once and re-read from L1 by the other query
  * heads of its KV head (GQA). */
 static inline __attribute__((always_inline)) void attend_blocked(const Args *a, int b, int kh0, int kh1,
-                                                                 float *restrict scores, float *restrict acc,
-                                                                 const int D, const int bf16) {
+                                                                 const float *restrict q, float *restrict scores,
+                                                                 float *restrict acc, const int D, const int bf16) {
     const int G = a->H / a->KVH, BS = a->BS, L = a->seq_lens[b];
     const int nkv = kh1 - kh0, nh = nkv * G;
     const int64_t row = (int64_t)a->KVH * D; /* elements per cached token */
-    const float *restrict q = a->q + ((int64_t)b * a->H + (int64_t)kh0 * G) * D;
     const int32_t *bt = a->block_table + (int64_t)b * a->bt_stride;
     const int nblocks = (L + BS - 1) / BS;
     const f32x8 zero = {0};
@@ -260,30 +257,57 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
         }
     }
 
-    float *restrict out = a->out + ((int64_t)b * a->H + (int64_t)kh0 * G) * D;
     for (int h = 0; h < nh; h++)
-        for (int d = 0; d < D; d++) out[(int64_t)h * D + d] = acc[(int64_t)h * D + d] * inv_sum[h];
+        for (int d = 0; d < D; d++) acc[(int64_t)h * D + d] *= inv_sum[h];
 }
 
-static void attend_d64(const Args *a, int b, int kh0, int kh1, float *s, float *acc, float *tmp) {
+typedef void (*AttendFn)(const Args *, int, int, int, const float *, float *, float *, float *);
+
+static void attend_d64(const Args *a, int b, int kh0, int kh1, const float *q, float *s, float *acc, float *tmp) {
     (void)tmp;
-    if (a->is_bf16) attend_blocked(a, b, kh0, kh1, s, acc, 64, 1);
-    else attend_blocked(a, b, kh0, kh1, s, acc, 64, 0);
+    if (a->is_bf16) attend_blocked(a, b, kh0, kh1, q, s, acc, 64, 1);
+    else attend_blocked(a, b, kh0, kh1, q, s, acc, 64, 0);
 }
-static void attend_d128(const Args *a, int b, int kh0, int kh1, float *s, float *acc, float *tmp) {
+static void attend_d128(const Args *a, int b, int kh0, int kh1, const float *q, float *s, float *acc, float *tmp) {
     (void)tmp;
-    if (a->is_bf16) attend_blocked(a, b, kh0, kh1, s, acc, 128, 1);
-    else attend_blocked(a, b, kh0, kh1, s, acc, 128, 0);
+    if (a->is_bf16) attend_blocked(a, b, kh0, kh1, q, s, acc, 128, 1);
+    else attend_blocked(a, b, kh0, kh1, q, s, acc, 128, 0);
 }
-static void attend_any(const Args *a, int b, int kh0, int kh1, float *s, float *acc, float *tmp) {
-    attend_impl(a, b, kh0, kh1, s, acc, tmp, a->D);
+static void attend_any(const Args *a, int b, int kh0, int kh1, const float *q, float *s, float *acc, float *tmp) {
+    attend_impl(a, b, kh0, kh1, q, s, acc, tmp, a->D);
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_decode(const float *q, const void *k_cache, const void *v_cache, const int32_t *block_table,
-                 int64_t bt_stride, const int32_t *seq_lens, float *out, int B, int H, int KVH, int D, int BS,
-                 float scale, int is_bf16, int num_threads) {
-    const Args a = {q, k_cache, v_cache, block_table, seq_lens, out, bt_stride, H, KVH, D, BS, is_bf16, scale};
+/* n values between q's / out's dtype (fp32 or bf16) and fp32 scratch: bf16 queries and outputs
+ * are converted here, per unit, instead of by torch ops around the call. */
+static void load_f32(const void *src, int64_t offset, int n, int bf16, float *restrict dst) {
+    int i = 0;
+    if (!bf16) {
+        memcpy(dst, (const float *)src + offset, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src + offset;
+    for (; i + 8 <= n; i += 8) store8(dst + i, load8_bf16(h + i));
+    for (; i < n; i++) dst[i] = bf16_to_f32(h[i]);
+}
+
+static void store_from_f32(void *dst, int64_t offset, int n, int bf16, const float *restrict src) {
+    int i = 0;
+    if (!bf16) {
+        memcpy((float *)dst + offset, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst + offset;
+    for (; i + 8 <= n; i += 8) store8_bf16(h + i, load8(src + i));
+    for (; i < n; i++) h[i] = f32_to_bf16(src[i]);
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. q and out are fp32 or, with
+ * io_bf16, bf16; the cache is fp32 or, with is_bf16, bf16. */
+int paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_table,
+                 int64_t bt_stride, const int32_t *seq_lens, void *out, int B, int H, int KVH, int D, int BS,
+                 float scale, int is_bf16, int io_bf16, int num_threads) {
+    const Args a = {q, k_cache, v_cache, block_table, seq_lens, out, bt_stride, H, KVH, D, BS, is_bf16, io_bf16,
+                    scale};
     if (num_threads < 1) num_threads = 1;
     int max_len = 0;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -292,11 +316,11 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, const
     const int units_per_req = KVH / heads_per_unit, num_units = B * units_per_req;
     if (num_threads > num_units) num_threads = num_units > 0 ? num_units : 1;
     const int nh = heads_per_unit * (H / KVH);
-    const size_t per_thread = (size_t)nh * max_len + (size_t)nh * D + (size_t)KVH * D;
+    /* per thread: scores [nh, max_len], acc [nh, D], q rows [nh, D], a bf16 row [KVH, D] */
+    const size_t per_thread = (size_t)nh * max_len + 2 * (size_t)nh * D + (size_t)KVH * D;
     float *scratch = malloc(sizeof(float) * per_thread * (size_t)num_threads);
     if (scratch == NULL) return -1;
-    void (*attend)(const Args *, int, int, int, float *, float *, float *) =
-        D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
+    const AttendFn attend = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int u = 0; u < num_units; u++) {
 #ifdef _OPENMP
@@ -304,9 +328,13 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, const
 #else
         float *mine = scratch;
 #endif
+        float *scores = mine, *acc = scores + (size_t)nh * max_len, *qrows = acc + (size_t)nh * D;
+        float *tmp = qrows + (size_t)nh * D;
         const int b = u / units_per_req, kh0 = (u % units_per_req) * heads_per_unit;
-        attend(&a, b, kh0, kh0 + heads_per_unit, mine, mine + (size_t)nh * max_len,
-               mine + (size_t)nh * max_len + (size_t)nh * D);
+        const int64_t first = ((int64_t)b * H + (int64_t)kh0 * (H / KVH)) * D; /* the unit's first q row */
+        load_f32(q, first, nh * D, io_bf16, qrows);
+        attend(&a, b, kh0, kh0 + heads_per_unit, qrows, scores, acc, tmp);
+        store_from_f32(out, first, nh * D, io_bf16, acc);
     }
     free(scratch);
     return 0;
