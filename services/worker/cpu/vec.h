@@ -8,7 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+#ifdef __AVX__
 #include <immintrin.h>
 #endif
 
@@ -70,14 +70,24 @@ static inline void store8_bf16(uint16_t *p, f32x8 v) {
     memcpy(p, &h, sizeof h);
 }
 
-static inline f32x8 round8_bf16(f32x8 v) { return (f32x8)(__builtin_convertvector(to_bf16x8(v), u32x8) << 16); }
+/* v rounded to bf16 precision (nearest even), staying in fp32 lanes: no narrowing and widening
+ * back. NaN stays NaN: every NaN here comes from bf16 inputs, whose quiet bit is in the upper
+ * half the rounding keeps. */
+static inline f32x8 round8_bf16(f32x8 v) {
+    const u32x8 bits = (u32x8)v;
+    return (f32x8)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+}
 
 /* e^x for x in [-87, 89] (clamped; inf from about 88.7 on, as expf): Cephes-style range
  * reduction + degree-6 polynomial, relative error ~2e-7. */
 static inline f32x8 exp8(f32x8 x) {
     const f32x8 zero = {0}, lo = zero - 87.0f, hi = zero + 89.0f;
+#ifdef __AVX__
+    x = (f32x8)_mm256_min_ps(_mm256_max_ps((__m256)x, (__m256)lo), (__m256)hi);
+#else
     const i32x8 below = x < lo, above = x > hi; /* all-ones lanes where x is out of range */
     x = (f32x8)(((i32x8)x & ~(below | above)) | ((i32x8)lo & below) | ((i32x8)hi & above));
+#endif
     const f32x8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
     const f32x8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
     f32x8 p = zero + 1.9875691500e-4f;
