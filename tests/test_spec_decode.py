@@ -37,22 +37,43 @@ def baseline(tiny_qwen3_dir: str) -> list[list[int]]:
     return _generate(tiny_qwen3_dir, prompts, params)[0]
 
 
-@pytest.mark.parametrize("config", ["defaults", "chunked", "preemption", "prefix"])
-def test_greedy_identical_with_ngram_speculation(tiny_qwen3_dir: str, baseline: list[list[int]], config: str) -> None:
+CASES = [("ngram", c) for c in ("defaults", "chunked", "preemption", "prefix")] + [
+    ("draft_model", "chunked"), ("draft_model", "preemption"), ("self_draft", "defaults")]
+
+
+def _spec_config(method: str, target_dir: str, draft_dir: str) -> dict:
+    if method == "ngram":
+        return NGRAM
+    # A tiny random draft (another architecture, same tokenizer), or the target drafting for
+    # itself: then every draft must be accepted, which checks the draft's own KV cache.
+    return {"method": "draft_model", "model": target_dir if method == "self_draft" else draft_dir,
+            "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize(("method", "config"), CASES)
+def test_greedy_identical_with_speculation(tiny_qwen3_dir: str, tiny_llama_dir: str, baseline: list[list[int]],
+                                           method: str, config: str) -> None:
     prompts, shared_idx = _prompts("tiny_qwen3")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     args = _engine_args(config, prompts, len(shared_idx))
+    if config == "preemption" and method != "ngram":
+        # The draft's lookahead slots (k per request) count against the pool too.
+        args["num_gpu_blocks_override"] += 4
     if config == "prefix":
         # The shared prefix is cached by an earlier request of the same engine.
         prompts = [prompts[shared_idx[0]]] + prompts
-    got, stats = _generate(tiny_qwen3_dir, prompts, params, speculative_config=NGRAM, **args)
+    spec = _spec_config(method, tiny_qwen3_dir, tiny_llama_dir)
+    got, stats = _generate(tiny_qwen3_dir, prompts, params, speculative_config=spec, **args)
     if config == "prefix":
         got = got[1:]
         assert stats["prefix_cache_hits"] > 0
     mismatches = [i for i, (g, e) in enumerate(zip(got, baseline, strict=True)) if g != e]
     assert not mismatches, f"prompts {mismatches} differ with speculation"
-    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
-    assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"], stats
+    assert stats["spec_decode_num_draft_tokens"] > 0, stats
+    if method == "self_draft":
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+    elif method == "ngram":
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     assert (stats["num_preemptions"] > 0) == (config == "preemption"), stats
 
@@ -63,30 +84,42 @@ def test_greedy_identical_with_ngram_speculation(tiny_qwen3_dir: str, baseline: 
 ALPHABET = [1000 + 37 * i for i in range(8)]
 
 
-def test_random_sampling_keeps_the_target_distribution(tiny_llama_dir: str) -> None:
+DRAWS = 3000
+DIST_PARAMS = SamplingParams(temperature=8.0, top_k=8, max_tokens=4, ignore_eos=True,
+                             logit_bias={t: 100.0 for t in ALPHABET})
+DIST_PROMPT = [3000 + 11 * i for i in range(10)] + ALPHABET + ALPHABET[::-1] + ALPHABET[::2] + ALPHABET[1::2]
+
+
+def _draw(model_dir: str, spec: dict | None) -> tuple[list[tuple[int, ...]], dict]:
+    llm = LLM(model_dir, seed=0, dtype="float32", block_size=BLOCK_SIZE, max_num_seqs=256,
+              max_num_batched_tokens=4096, speculative_config=spec)
+    try:
+        outs = llm.generate([{"prompt_token_ids": DIST_PROMPT}] * DRAWS, DIST_PARAMS, use_tqdm=False)
+        return [tuple(o.outputs[0].token_ids) for o in outs], llm.stats()
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def draws_without_drafts(tiny_llama_dir: str) -> list[tuple[int, ...]]:
+    return _draw(tiny_llama_dir, None)[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_random_sampling_keeps_the_target_distribution(tiny_llama_dir: str, tiny_qwen3_dir: str,
+                                                       draws_without_drafts: list, method: str) -> None:
     """First and second verified tokens (outputs 2 and 3: output 1 comes from the prefill, which
-    has no drafts) of several thousand draws, with and without n-gram drafts."""
-    draws = 3000
-    params = SamplingParams(temperature=8.0, top_k=8, max_tokens=4, ignore_eos=True,
-                            logit_bias={t: 100.0 for t in ALPHABET})
-    prompt = [3000 + 11 * i for i in range(10)] + ALPHABET + ALPHABET[::-1] + ALPHABET[::2] + ALPHABET[1::2]
-    samples = {}
-    for name, spec in (("off", None), ("on", NGRAM)):
-        llm = LLM(tiny_llama_dir, seed=0, dtype="float32", block_size=BLOCK_SIZE, max_num_seqs=256,
-                  max_num_batched_tokens=4096, speculative_config=spec)
-        try:
-            outs = llm.generate([{"prompt_token_ids": prompt}] * draws, params, use_tqdm=False)
-            samples[name] = [tuple(o.outputs[0].token_ids) for o in outs]
-            stats = llm.stats()
-        finally:
-            llm.close()
+    has no drafts) of several thousand draws, with and without drafts (n-gram: point masses;
+    a tiny random draft model: its own processed distribution)."""
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": tiny_qwen3_dir,
+                                            "num_speculative_tokens": 2}
+    on, stats = _draw(tiny_llama_dir, spec)
+    off = draws_without_drafts
     assert stats["spec_decode_num_accepted_tokens"] > 100, stats
     assert stats["spec_decode_num_draft_tokens"] - stats["spec_decode_num_accepted_tokens"] > 100, stats
     for position in (1, 2):
-        off = Counter(s[position] for s in samples["off"])
-        on = Counter(s[position] for s in samples["on"])
-        assert len(off) > 2  # a distribution worth testing, not one token
-        p = two_sample(off, on)
-        assert p > 0.001, (position, p, off.most_common(8), on.most_common(8))
-    pairs_p = two_sample(Counter(s[1:] for s in samples["off"]), Counter(s[1:] for s in samples["on"]))
-    assert pairs_p > 0.001, pairs_p
+        a, b = Counter(s[position] for s in off), Counter(s[position] for s in on)
+        assert len(a) > 2  # a distribution worth testing, not one token
+        p = two_sample(a, b)
+        assert p > 0.001, (position, p, a.most_common(8), b.most_common(8))
+    assert two_sample(Counter(s[1:3] for s in off), Counter(s[1:3] for s in on)) > 0.001

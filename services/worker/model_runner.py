@@ -138,7 +138,8 @@ class ModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         attn = self.model.attention_layers()[0]
         per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
-        return per_token * block_size * len(self.model.attention_layers())
+        draft = self.proposer.kv_bytes_per_block(block_size) if self.proposer is not None else 0
+        return per_token * block_size * len(self.model.attention_layers()) + draft
 
     def _free_bytes_for_kv(self) -> int:
         """Memory a KV cache may take: what is free now, plus the cache this worker already
@@ -177,6 +178,8 @@ class ModelRunner:
             # zeros: never-written slots are masked out, but 0 * NaN garbage would still be NaN.
             layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
                                          dtype=self.dtype, device=self.device)
+        if self.proposer is not None:
+            self.proposer.init_kv_cache(num_blocks, block_size)
         self.reset_batch()
         if self.compiled is not None and self.compiled.enabled:
             self._compile()

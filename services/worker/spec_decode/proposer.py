@@ -27,6 +27,13 @@ class SpecProposer:
         self.config = config
         self.runner = runner
 
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """KV bytes the proposer adds per block (a draft model's own cache)."""
+        return 0
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the proposer's own KV cache, under the target's block ids."""
+
     def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                      hidden: torch.Tensor) -> None:
         """Called after every target forward (a draft model mirrors it to fill its own KV)."""
