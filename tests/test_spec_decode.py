@@ -16,7 +16,9 @@ from services.common.sampling_params import SamplingParams
 from services.sdk.llm import LLM
 
 MAX_NEW_TOKENS = 48
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# disable_by_batch_size 0: these tests run many requests at once and want drafts for all of them.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 0}
 
 
 def _generate(model_dir: str, prompts: list[list[int]], params: SamplingParams, **engine_args):
@@ -47,7 +49,7 @@ def _spec_config(method: str, target_dir: str, draft_dir: str) -> dict:
     # A tiny random draft (another architecture, same tokenizer), or the target drafting for
     # itself: then every draft must be accepted, which checks the draft's own KV cache.
     return {"method": "draft_model", "model": target_dir if method == "self_draft" else draft_dir,
-            "num_speculative_tokens": 3}
+            "num_speculative_tokens": 3, "disable_by_batch_size": 0}
 
 
 @pytest.mark.parametrize(("method", "config"), CASES)
@@ -112,7 +114,7 @@ def test_random_sampling_keeps_the_target_distribution(tiny_llama_dir: str, tiny
     has no drafts) of several thousand draws, with and without drafts (n-gram: point masses;
     a tiny random draft model: its own processed distribution)."""
     spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": tiny_qwen3_dir,
-                                            "num_speculative_tokens": 2}
+                                            "num_speculative_tokens": 2, "disable_by_batch_size": 0}
     on, stats = _draw(tiny_llama_dir, spec)
     off = draws_without_drafts
     assert stats["spec_decode_num_accepted_tokens"] > 100, stats

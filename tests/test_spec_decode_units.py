@@ -13,7 +13,7 @@ from spec_stats import goodness_of_fit
 
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
-from services.common.spec_config import SpeculativeConfig, may_speculate
+from services.common.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, may_speculate
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.worker.spec_decode.ngram_proposer import NgramProposer, longest_suffix_match
@@ -27,6 +27,9 @@ def test_parse_ngram_defaults_and_json() -> None:
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 3, 4, 4)
     c = SpeculativeConfig.parse({"num_speculative_tokens": 2})
     assert (c.method, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 5, 5)
+    assert c.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 0}).disable_by_batch_size \
+        == 0
     assert SpeculativeConfig.parse({"model": "/x", "num_speculative_tokens": 2}).method == "draft_model"
     assert SpeculativeConfig.parse(None) is None
 

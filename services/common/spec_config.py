@@ -16,6 +16,11 @@ METHODS = ("ngram", "draft_model")
 # The most draft tokens a request may carry per step (each costs a logits row and, for random
 # rows, a [vocab] distribution in the rejection sampler).
 MAX_SPECULATIVE_TOKENS = 16
+# disable_by_batch_size when the config leaves it out. Verifying k drafts costs each request k
+# more positions (and on CPU those multi-token queries leave the C decode kernel for the torch
+# reference): at batch 1 that is nearly free and pays off, at `bench throughput`'s 64 requests
+# it halved output tok/s (BENCHMARKS.md). Above this many running requests drafts are off.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class SpeculativeConfig:
     model: str = ""
     # No drafts while at least this many requests run (0: never off): verifying k drafts costs
     # k extra positions per request, which a large batch pays in throughput.
-    disable_by_batch_size: int = 0
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -51,7 +56,8 @@ class SpeculativeConfig:
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """From vLLM's dict (or its JSON text, as `--speculative-config` takes it); None stays None.
 
-        ngram defaults as in vLLM: prompt_lookup_max 5 if unset, prompt_lookup_min = max when unset."""
+        ngram defaults as in vLLM: prompt_lookup_max 5 if unset, prompt_lookup_min = max when unset.
+        disable_by_batch_size: DEFAULT_DISABLE_BY_BATCH_SIZE when unset, 0 = never off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -77,7 +83,8 @@ class SpeculativeConfig:
             args["prompt_lookup_max"] = hi
             args.setdefault("prompt_lookup_min", hi)
         args["model"] = args.get("model") or ""
-        args["disable_by_batch_size"] = args.get("disable_by_batch_size") or 0
+        if args.get("disable_by_batch_size") is None:
+            args["disable_by_batch_size"] = DEFAULT_DISABLE_BY_BATCH_SIZE
         return cls(**args)
 
     def to_proto(self) -> pb.SpeculativeConfig:
