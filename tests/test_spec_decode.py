@@ -125,3 +125,32 @@ def test_random_sampling_keeps_the_target_distribution(tiny_llama_dir: str, tiny
         p = two_sample(a, b)
         assert p > 0.001, (position, p, a.most_common(8), b.most_common(8))
     assert two_sample(Counter(s[1:3] for s in off), Counter(s[1:3] for s in on)) > 0.001
+
+
+def test_mixed_batch_penalties_seeds_logprobs_min_tokens(tiny_qwen3_dir: str) -> None:
+    """Requests that may not speculate (penalties, a seed, min_tokens not reached yet) share steps
+    with speculating ones: every output, and every logprob, is what it is without speculation."""
+    prompt = [5000 + 7 * i for i in range(60)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=7, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=24, min_tokens=10, logprobs=0)]
+    results = {}
+    # The target drafting for itself: greedy drafts are all accepted, several tokens per step.
+    self_draft = _spec_config("self_draft", tiny_qwen3_dir, "")
+    for name, spec in (("off", None), ("on", self_draft)):
+        llm = LLM(tiny_qwen3_dir, seed=0, dtype="float32", block_size=BLOCK_SIZE, speculative_config=spec)
+        try:
+            outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+            results[name] = [o.outputs[0] for o in outs]
+            stats = llm.stats()
+        finally:
+            llm.close()
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    for i, (off, on) in enumerate(zip(results["off"], results["on"], strict=True)):
+        assert on.token_ids == off.token_ids, i
+        if off.logprobs is not None:
+            assert len(on.logprobs) == len(off.logprobs)
+            for a, b in zip(off.logprobs, on.logprobs, strict=True):
+                assert a.keys() == b.keys(), i
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 and a[t].rank == b[t].rank for t in a), i
