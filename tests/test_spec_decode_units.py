@@ -220,3 +220,58 @@ def test_disable_by_batch_size_drops_drafts() -> None:
     so = sched.schedule()
     assert list(so.num_scheduled_tokens) == [1, 1]
     assert all(not c.spec_token_ids for c in so.cached_requests)
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def _reference_attention(q, kv_cache, meta, scale):
+    """Each query token at position p attends to positions 0..p of its row, read from the cache."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kvh
+    out = torch.empty_like(q)
+    for i in range(len(meta.seq_lens_np)):
+        for t in range(int(meta.query_start_loc_np[i]), int(meta.query_start_loc_np[i + 1])):
+            pos = int(meta.context_lens_np[i]) + t - int(meta.query_start_loc_np[i])
+            blocks = meta.block_table[i, :pos // bs + 1].long()
+            keys = k_cache[blocks].flatten(0, 1)[:pos + 1].repeat_interleave(group, dim=1)  # [L, H, D]
+            values = v_cache[blocks].flatten(0, 1)[:pos + 1].repeat_interleave(group, dim=1)
+            weights = torch.softmax(torch.einsum("hd,lhd->hl", q[t], keys) * scale, dim=-1)
+            out[t] = torch.einsum("hl,lhd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_short_queries_after_a_context_attend_as_decode_entries(backend_name: str) -> None:
+    """Verification rows (k+1 query tokens after a context) go the decode way, token by token,
+    next to plain decodes and prefills, and match exact causal attention."""
+    from services.worker.attention.base import AttentionMetadata, get_attention_backend
+    from services.worker.attention.torch_backend import SHORT_QUERY_AS_DECODES
+
+    backend = get_attention_backend(backend_name, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    bs, heads, kvh, dim, num_blocks = 4, 4, 2, 8, 40
+    # (context, query) per row: a decode, a verification of 5, a prefill chunk after a context,
+    # a fresh prompt of 3 (stays a prefill: no context), one of SHORT_QUERY_AS_DECODES after a context.
+    rows = [(9, 1), (13, 5), (6, 11), (0, 3), (5, SHORT_QUERY_AS_DECODES)]
+    ctx = np.array([c for c, _ in rows])
+    qlen = np.array([n for _, n in rows])
+    seq = ctx + qlen
+    qsl = np.concatenate([[0], np.cumsum(qlen)])
+    max_blocks = int(-(-seq.max() // bs))
+    perm = torch.randperm(num_blocks - 1, generator=gen)[:len(rows) * max_blocks] + 1
+    block_table = perm.view(len(rows), max_blocks).int().numpy()
+    positions = np.concatenate([np.arange(c, c + n) for c, n in rows])
+    req = np.repeat(np.arange(len(rows)), qlen)
+    slots = block_table[req, positions // bs].astype(np.int64) * bs + positions % bs
+    meta = AttentionMetadata.from_host(slots, qsl, seq, ctx, block_table, bs, "cpu")
+    meta.backend_data = backend.prepare(meta)
+    kv_cache = torch.randn(2, num_blocks, bs, kvh, dim, generator=gen)
+    t = int(qsl[-1])
+    q, k, v = (torch.randn(t, h, dim, generator=gen) for h in (heads, kvh, kvh))
+    out = backend.forward(q, k, v, kv_cache, meta, dim ** -0.5)
+    plan = meta.backend_data
+    assert plan.decode_token_idx.numel() == 1 + 5 + SHORT_QUERY_AS_DECODES
+    assert len(plan.prefills) == 2
+    torch.testing.assert_close(out, _reference_attention(q, kv_cache, meta, dim ** -0.5), atol=1e-5, rtol=1e-4)
