@@ -69,7 +69,7 @@ def add_speculative_arg(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
                         '"model": DIR, "num_speculative_tokens": 4}\'; "disable_by_batch_size": N turns drafts off '
-                        'while N requests run (default 8; 0 = never)')
+                        'while N requests run (default 0 = never)')
 
 
 def add_engine_timeout_arg(p: argparse.ArgumentParser) -> None:

@@ -16,11 +16,11 @@ METHODS = ("ngram", "draft_model")
 # The most draft tokens a request may carry per step (each costs a logits row and, for random
 # rows, a [vocab] distribution in the rejection sampler).
 MAX_SPECULATIVE_TOKENS = 16
-# disable_by_batch_size when the config leaves it out. Verifying k drafts costs each request k
-# more positions (and on CPU those multi-token queries leave the C decode kernel for the torch
-# reference): at batch 1 that is nearly free and pays off, at `bench throughput`'s 64 requests
-# it halved output tok/s (BENCHMARKS.md). Above this many running requests drafts are off.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# disable_by_batch_size when the config leaves it out: never off, as in vLLM. Verifying k drafts
+# costs each request k more positions; since those attend through the decode kernel (one entry
+# per token) `bench throughput`'s 64 requests gain from n-gram drafts (BENCHMARKS.md), but a
+# workload whose drafts are mostly refused may want a limit.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 0
 
 
 @dataclass(frozen=True)
