@@ -39,7 +39,7 @@ def baseline(tiny_qwen3_dir: str) -> list[list[int]]:
     return _generate(tiny_qwen3_dir, prompts, params)[0]
 
 
-CASES = [("ngram", c) for c in ("defaults", "chunked", "preemption", "prefix")] + [
+CASES = [("ngram", c) for c in ("defaults", "chunked", "preemption", "prefix", "tp2")] + [
     ("draft_model", "chunked"), ("draft_model", "preemption"), ("self_draft", "defaults")]
 
 
@@ -57,7 +57,8 @@ def test_greedy_identical_with_speculation(tiny_qwen3_dir: str, tiny_llama_dir: 
                                            method: str, config: str) -> None:
     prompts, shared_idx = _prompts("tiny_qwen3")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-    args = _engine_args(config, prompts, len(shared_idx))
+    # tp2: two tensor-parallel ranks, rank 0's verified tokens broadcast to the other.
+    args = {"tensor_parallel_size": 2} if config == "tp2" else _engine_args(config, prompts, len(shared_idx))
     if config == "preemption" and method != "ngram":
         # The draft's lookahead slots (k per request) count against the pool too.
         args["num_gpu_blocks_override"] += 4

@@ -160,9 +160,10 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config does not combine with pipeline_parallel_size > 1 "
                              "(--pipeline-parallel-size)")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config does not combine with tensor_parallel_size > 1 "
-                             "(--tensor-parallel-size): the ranks' rejection samplers are not synchronised yet")
+        if self.tensor_parallel_size > 1 and self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config method draft_model does not combine with tensor_parallel_size > 1 "
+                             "(--tensor-parallel-size): the draft's own random draws are not synchronised across "
+                             "ranks yet (ngram is)")
 
     def resolve_async_scheduling(self, device: str) -> bool:
         """Fix the automatic choice once the worker's device is known."""

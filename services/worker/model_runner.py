@@ -377,7 +377,8 @@ class ModelRunner:
             draft_ids[i, :n] = batch.token_ids[row, start:start + n]
         draft_probs = self.proposer.draft_probs(spec_rows, nd) if self.proposer is not None else None
         emitted, logprobs = verify_drafts(self.sampler, logits[torch.from_numpy(sel).to(logits.device)], md, nd,
-                                          draft_ids, draft_probs)
+                                          draft_ids, draft_probs,
+                                          sync=broadcast_from_first if get_tp().size > 1 else None)
         batch.append_token_lists(spec_rows.tolist(), emitted)
         out.request_ids.extend([batch.row_req_ids[r] for r in spec_rows.tolist()])
         for tokens in emitted:

@@ -8,6 +8,8 @@ distribution: the same `SamplingMetadata` stages, built for the rows repeated pe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -23,10 +25,13 @@ def verify_drafts(
     num_draft: np.ndarray,
     draft_ids: np.ndarray,
     draft_probs: torch.Tensor | None = None,
+    sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[list[pb.TokenLogprobs]] | None]:
     """`logits` [sum(num_draft + 1), V]: request r's positions in order; `md` built for the
     rows repeated per position; `draft_ids` [R, K] padded. Returns the tokens each request
-    emits and, if any asked, their logprobs (from the raw logits, as without drafts)."""
+    emits and, if any asked, their logprobs (from the raw logits, as without drafts). `sync`
+    (tensor parallelism: rank 0's tensor on every rank) makes every rank emit rank 0's tokens,
+    whatever its own random draws were."""
     dev = logits.device
     raw = torch.log_softmax(logits.float(), dim=-1) if md.logprobs_k is not None else None
     target_argmax, target_probs = sampler.target_distributions(logits, md)
@@ -34,6 +39,8 @@ def verify_drafts(
     greedy = md.greedy_mask[torch.from_numpy(starts).to(dev)]
     tokens, num_tokens = rejection_sample(target_argmax, target_probs, num_draft,
                                           torch.from_numpy(draft_ids.astype(np.int64)).to(dev), greedy, draft_probs)
+    if sync is not None:
+        tokens, num_tokens = sync(tokens.contiguous()), sync(num_tokens.contiguous())
     tokens_np, counts = tokens.cpu().numpy(), num_tokens.cpu().numpy()
     emitted = [tokens_np[r, :counts[r]].tolist() for r in range(len(counts))]
     if raw is None:
