@@ -384,14 +384,12 @@ class ModelRunner:
         for tokens in emitted:
             out.sampled_token_ids.extend(tokens)
             out.num_sampled_tokens.append(len(tokens))
-        if logprobs is not None:
-            if len(out.logprobs) < len(out.sampled_token_ids) - sum(len(t) for t in emitted):
-                # Plain rows asked nothing: pad their entries so logprobs stay parallel to tokens.
-                out.logprobs.extend(pb.TokenLogprobs() for _ in range(int(plain.sum())))
-            for lps in logprobs:
-                out.logprobs.extend(lps)
-        elif len(out.logprobs):
-            out.logprobs.extend(pb.TokenLogprobs() for _ in range(sum(len(t) for t in emitted)))
+        if logprobs is not None or len(out.logprobs):
+            # Logprobs stay parallel to the tokens: empty entries where the rows asked for none.
+            num_plain = int(plain.sum())
+            out.logprobs.extend(pb.TokenLogprobs() for _ in range(num_plain - len(out.logprobs)))
+            for r, tokens in enumerate(emitted):
+                out.logprobs.extend(logprobs[r] if logprobs is not None else [pb.TokenLogprobs()] * len(tokens))
 
     def _sample_plain(self, out: pb.ModelRunnerOutput, logits: torch.Tensor, sample_rows: np.ndarray,
                       so: pb.SchedulerOutput) -> None:
