@@ -15,7 +15,8 @@ from services.common.config import DEFAULT_ENGINE_TIMEOUT_S
 MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
               "pipeline_parallel_size", "compile_model")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-                   "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling")
+                   "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
+                   "speculative_config")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +59,17 @@ def add_scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="keep two steps in flight (default: on for CUDA, off on CPU)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    add_speculative_arg(p)
+
+
+def add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    """Read by the scheduler (it schedules the drafts and sends the setting to its worker with
+    LoadModel) and by the worker (the draft model it may load)."""
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                        '"model": DIR, "num_speculative_tokens": 4}\'; "disable_by_batch_size": N turns drafts off '
+                        'while N requests run (default 0 = never)')
 
 
 def add_engine_timeout_arg(p: argparse.ArgumentParser) -> None:

@@ -24,12 +24,15 @@ import time
 from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
+from services.common.spec_config import SpeculativeConfig
 from services.engine_args import (
     add_engine_args,
     add_engine_timeout_arg,
     add_model_args,
     add_pipeline_parallel_arg,
     add_scheduling_args,
+    add_speculative_arg,
+    engine_kwargs,
 )
 from services.gateway.options import CREDENTIAL_OPTIONS, add_gateway_options
 from services.supervisor import ServiceProcess, stop_all
@@ -65,10 +68,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     root = args.allowed_model_root
     if root is not None and not os.path.isdir(root):
         return _fail(f"--allowed-model-root {root} is not a directory")
+    try:
+        spec = SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        return _fail(f"worker: {e}")
     load = pb.LoadModelRequest(model=model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len or 0,
                                attention_backend=args.attention_backend or "",
                                tensor_parallel_size=args.tensor_parallel_size,
-                               pipeline_parallel_size=args.pipeline_parallel_size, compile_model=args.compile_model)
+                               pipeline_parallel_size=args.pipeline_parallel_size, compile_model=args.compile_model,
+                               speculative_config=spec.to_proto() if spec else None)
     # A tensor- or pipeline-parallel rank loads its shard once its scheduler says which rank it is.
     parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
     return _run_async(serve_worker(args.host, args.port, load, device=args.device,
@@ -77,7 +85,6 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_scheduler(args: argparse.Namespace) -> int:
-    from services.engine_args import engine_kwargs
     from services.scheduler.server import serve_scheduler
 
     # Model, dtype and the like belong to the worker; the scheduler learns them from LoadModel.
@@ -210,7 +217,7 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
         for rank, port in enumerate(ranks):
             name = f"worker{suffix}" + (f"-rank{rank}" if len(ranks) > 1 else "")
             command = py + ["worker", "--host", "127.0.0.1", "--port", str(port)] \
-                + _forwarded_flags(worker_args, add_model_args)
+                + _forwarded_flags(worker_args, add_model_args) + _forwarded_flags(worker_args, add_speculative_arg)
             services.append((name, command, functools.partial(_grpc_healthy, f"127.0.0.1:{port}", "worker")))
         scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
                           "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
@@ -245,6 +252,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         check_model_dir(model)
     except FileNotFoundError as e:
+        return _fail(str(e))
+    try:  # a bad --speculative-config (or a flag it does not combine with) fails here, not in a service
+        EngineConfig(**{**engine_kwargs(args), "model": model})
+    except ValueError as e:
         return _fail(str(e))
     if not _port_free(args.host, args.port):
         return _fail(f"port {args.port} on {args.host} is already in use (pick another with --port)")
@@ -339,6 +350,7 @@ def add_subcommands(sub) -> None:
                    help="LoadModel may also load model directories under this one (default: only --model)")
     _add_internal_token_arg(w)
     add_model_args(w)
+    add_speculative_arg(w)
     w.set_defaults(func=_cmd_worker)
 
     s = sub.add_parser("scheduler", help="run a scheduler service (queues, KV block accounting)")

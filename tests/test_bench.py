@@ -20,7 +20,7 @@ def _rows(out: str, width: int) -> dict[str, list[float]]:
     rows = {}
     for line in out.splitlines():
         cells = line.split()
-        if cells and cells[0] in ("my-vllm", "hf", "llama.cpp") and len(cells) == width:
+        if cells and cells[0] in ("my-vllm", "my-vllm+spec", "hf", "llama.cpp") and len(cells) == width:
             rows[cells[0]] = [float("nan") if c == "n/a" else float(c) for c in cells[1:]]
     return rows
 
@@ -81,6 +81,24 @@ def test_bench_latency_tiny(smollm2_dir: str, capsys: pytest.CaptureFixture[str]
     last = out.strip().splitlines()[-1]
     match = re.fullmatch(rf"ratio hf / my-vllm \(inter-token latency\): (-?{NUMBER})", last)
     assert match
+
+
+def test_bench_latency_repeat_workload_with_speculation(smollm2_dir: str, tmp_path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """--speculative-config adds a my-vllm+spec peer (plain my-vllm still runs) and its ITL ratio;
+    --workload repeat gives rewrite-the-paragraph chat prompts."""
+    json_path = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--model", smollm2_dir, "--workload", "repeat", "--output-len", "8",
+               "--num-iters", "1", "--no-hf", "--no-llamacpp", "--json", str(json_path), "--speculative-config",
+               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = _rows(out, 9)
+    assert set(rows) == {"my-vllm", "my-vllm+spec"}
+    assert rows["my-vllm"][0] > 150  # the paragraph and its instruction, not --input-len's 128 random tokens
+    assert re.search(rf"ratio my-vllm / my-vllm\+spec \(inter-token latency\): {NUMBER}", out)
+    data = json.loads(json_path.read_text())
+    assert data["workload"]["kind"] == "repeat" and data["ratio_my_vllm_over_spec_itl"] > 0
 
 
 def test_bench_rejects_bad_sampling(smollm2_dir: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.bench.workload import (
-    BenchRequest,
+    SPEC_PEER,
     PeerSpec,
     SamplingKnobs,
     log,
@@ -58,6 +58,10 @@ def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineAr
     lat.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
     lat.add_argument("--output-len", type=int, default=128, help="output tokens, at least 2 (default 128)")
     lat.add_argument("--num-iters", type=int, default=3, help="measured iterations after one warm-up (default 3)")
+    lat.add_argument("--workload", choices=["random", "repeat"], default="random",
+                     help="random: random prompt tokens (default); repeat: chat prompts asking to rewrite a "
+                          "paragraph changing only the names, which the model largely copies (n-gram speculation's "
+                          "home ground); --input-len is then the paragraph's own length")
     _add_common_args(lat)
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
@@ -134,8 +138,14 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
 
     model = _model_dir(args)
     kwargs = {**engine_kwargs(args), "model": model}
+    # --speculative-config: my-vllm runs with and without it, in the same run, for the ratio.
+    speculative = kwargs.pop("speculative_config", None)
     specs = [PeerSpec("my-vllm", lambda: MyVllmPeer(kwargs))]
     notes: list[str] = []
+    if speculative:
+        specs.append(PeerSpec(SPEC_PEER, lambda: MyVllmPeer({**kwargs, "speculative_config": speculative},
+                                                            name=SPEC_PEER)))
+        notes.append(f"{SPEC_PEER}: my-vllm with --speculative-config {speculative}")
     schema = _json_schema(args)
     if schema is not None:
         specs.append(PeerSpec(throughput.STRUCTURED, lambda: MyVllmPeer(kwargs, json_schema=schema)))
@@ -232,6 +242,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             "ratio_my_vllm_over_vllm_output_tok_s": throughput.ratio(results, "vllm"),
             "ratio_my_vllm_over_llamacpp_output_tok_s": throughput.ratio(results, "llama.cpp"),
             "ratio_json_schema_over_my_vllm_output_tok_s": throughput.structured_ratio(results),
+            "ratio_spec_over_my_vllm_output_tok_s": throughput.spec_ratio(results),
         })
     return 0
 
@@ -248,29 +259,38 @@ def run_latency(args: argparse.Namespace) -> int:
             raise ValueError(f"--output-len must be at least 2 to measure inter-token latency, got {args.output_len}")
         vocab = model_vocab_size(_model_dir(args))
         # A fresh prompt per timed run: nothing may hit a prefix cache filled by an earlier run.
-        prompts: list[BenchRequest] = random_requests(2 * args.num_iters, args.input_len, args.input_len,
-                                                      args.output_len, args.output_len, vocab, args.seed)
+        if args.workload == "repeat":
+            from services.bench.repeat_workload import repeat_prompts
+
+            prompt_ids = repeat_prompts(_model_dir(args), 2 * args.num_iters, args.seed)
+        else:
+            prompt_ids = [r.prompt_token_ids for r in random_requests(
+                2 * args.num_iters, args.input_len, args.input_len, args.output_len, args.output_len, vocab,
+                args.seed)]
     except (SamplingParamsError, ValueError) as e:
         return _fail(str(e))
     warmup = warmup_request(vocab, args.seed)
     args.dtype = resolve_bench_dtype(args.dtype)
     try:
-        specs, notes = _peer_specs(args, args.input_len + args.output_len)
+        specs, notes = _peer_specs(args, max(len(p) for p in prompt_ids) + args.output_len)
     except FileNotFoundError as e:
         return _fail(str(e))
     for note in notes:
         log(note)
-    results = latency.benchmark([p.prompt_token_ids for p in prompts], args.output_len, args.num_iters, knobs,
-                                specs, warmup)
-    workload = (f"workload: batch 1, {args.input_len} prompt tokens, {args.output_len} output tokens (ignore_eos), "
+    results = latency.benchmark(prompt_ids, args.output_len, args.num_iters, knobs, specs, warmup)
+    what = (f"'rewrite this paragraph, changing only the names' chat prompts of {min(map(len, prompt_ids))}-"
+            f"{max(map(len, prompt_ids))} tokens" if args.workload == "repeat" else f"{args.input_len} prompt tokens")
+    workload = (f"workload: batch 1, {what}, {args.output_len} output tokens (ignore_eos), "
                 f"{args.num_iters} iterations after 1 warm-up; means shown")
     print(_header(args, knobs, notes, workload))
     print(latency.report(results), flush=True)
     if args.json:
         write_json(args.json, {
             "benchmark": "latency", **_common_json(args, knobs),
-            "workload": {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters},
+            "workload": {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
+                         "kind": args.workload},
             "results": [r.to_dict() for r in results], "ratio_hf_over_my_vllm_itl": latency.ratio(results),
+            "ratio_my_vllm_over_spec_itl": latency.spec_ratio(results),
             "ratio_vllm_over_my_vllm_itl": latency.ratio(results, "vllm"),
             "ratio_llamacpp_over_my_vllm_itl": latency.ratio(results, "llama.cpp"),
         })

@@ -12,7 +12,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.bench.workload import BenchRequest, Peer, PeerSpec, SamplingKnobs, format_table, run_peer, torch_threads
+from services.bench.workload import (
+    SPEC_PEER,
+    BenchRequest,
+    Peer,
+    PeerSpec,
+    SamplingKnobs,
+    format_table,
+    run_peer,
+    torch_threads,
+)
 
 RATIO_LABEL = "ratio hf / my-vllm (inter-token latency)"
 # Ratios against the rivals come before the HF one (which stays the report's last line).
@@ -82,6 +91,14 @@ def ratio(results: Sequence[LatencyResult], other: str = "hf") -> float | None:
     return by_name[other].mean_itl_s / by_name["my-vllm"].mean_itl_s
 
 
+def spec_ratio(results: Sequence[LatencyResult]) -> float | None:
+    """my-vllm's mean inter-token latency without speculation over with it (>1: speculation helps)."""
+    by_name = {r.peer: r for r in results}
+    if "my-vllm" not in by_name or SPEC_PEER not in by_name:
+        return None
+    return by_name["my-vllm"].mean_itl_s / by_name[SPEC_PEER].mean_itl_s
+
+
 def report(results: Sequence[LatencyResult]) -> str:
     """The table (means over iterations), the ratios against llama.cpp and vLLM when they ran, then
     (when HF ran) the HF ratio as the last line."""
@@ -91,6 +108,9 @@ def report(results: Sequence[LatencyResult]) -> str:
              f"{1 / r.mean_itl_s:.1f}" if r.mean_itl_s > 0 else "n/a", r.threads]
             for r in results]
     text = format_table(header, rows)
+    speculative = spec_ratio(results)
+    if speculative is not None:
+        text += f"\nratio my-vllm / {SPEC_PEER} (inter-token latency): {speculative:.2f}"
     for rival in RIVALS:
         rival_ratio = ratio(results, rival)
         if rival_ratio is not None:

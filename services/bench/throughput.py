@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from services.bench.workload import (
+    SPEC_PEER,
     BenchRequest,
     Peer,
     PeerSpec,
@@ -85,6 +86,14 @@ def structured_ratio(results: Sequence[ThroughputResult]) -> float | None:
     return by_name[STRUCTURED].output_tok_s / by_name["my-vllm"].output_tok_s
 
 
+def spec_ratio(results: Sequence[ThroughputResult]) -> float | None:
+    """my-vllm's output tok/s with --speculative-config over without (None without both)."""
+    by_name = {r.peer: r for r in results}
+    if SPEC_PEER not in by_name or "my-vllm" not in by_name:
+        return None
+    return by_name[SPEC_PEER].output_tok_s / by_name["my-vllm"].output_tok_s
+
+
 def report(results: Sequence[ThroughputResult]) -> str:
     """The table, the ratios against llama.cpp and vLLM when they ran, then (when HF ran) the HF
     ratio as the last line."""
@@ -96,6 +105,9 @@ def report(results: Sequence[ThroughputResult]) -> str:
     structured = structured_ratio(results)
     if structured is not None:
         text += f"\n{STRUCTURED_LABEL}: {structured:.2f}"
+    speculative = spec_ratio(results)
+    if speculative is not None:
+        text += f"\nratio {SPEC_PEER} / my-vllm (output tok/s): {speculative:.2f}"
     for rival in RIVALS:
         rival_ratio = ratio(results, rival)
         if rival_ratio is not None:

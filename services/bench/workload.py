@@ -150,6 +150,10 @@ class PeerSpec:
     factory: Callable[[], Peer]
 
 
+# my-vllm with the run's --speculative-config (the plain "my-vllm" peer runs without it).
+SPEC_PEER = "my-vllm+spec"
+
+
 class MyVllmPeer:
     """my-vllm through the offline `LLM`: one `generate` call with all requests.
 
@@ -160,10 +164,12 @@ class MyVllmPeer:
 
     name = "my-vllm"
 
-    def __init__(self, engine_kwargs: dict[str, Any], json_schema: dict[str, Any] | None = None) -> None:
+    def __init__(self, engine_kwargs: dict[str, Any], json_schema: dict[str, Any] | None = None,
+                 name: str = "my-vllm") -> None:
         from services.common.structured_outputs import StructuredOutputsParams
         from services.sdk import LLM
 
+        self.name = name
         self.structured_outputs = StructuredOutputsParams(json=json_schema) if json_schema is not None else None
         self.llm = LLM(**engine_kwargs)
         self.num_output_tokens: int | None = None

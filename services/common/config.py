@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.spec_config import SpeculativeConfig
+
 
 def _dtype_logger() -> logging.Logger:
     """The dtype choice is always shown (as vLLM's INFO line is), whatever the process's logging
@@ -121,10 +123,17 @@ class EngineConfig:
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
     compile_model: bool = False
+    # Speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...} or
+    # {"method": "draft_model", "model": dir, "num_speculative_tokens": k}. None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            self._check_speculation()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.block_size < 1:
@@ -142,10 +151,25 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1 and self.compile_model:
             raise ValueError("compile_model is not supported with pipeline_parallel_size > 1")
 
+    def _check_speculation(self) -> None:
+        """Refuse the combinations speculative decoding does not make exact (yet), naming the flag."""
+        if self.async_scheduling:
+            raise ValueError("speculative_config does not combine with async_scheduling (--async-scheduling): a step "
+                             "scheduled before the previous one's accepted drafts are known could not place its own; "
+                             "leave async scheduling off (the default with speculative decoding)")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config does not combine with pipeline_parallel_size > 1 "
+                             "(--pipeline-parallel-size)")
+        if self.tensor_parallel_size > 1 and self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config method draft_model does not combine with tensor_parallel_size > 1 "
+                             "(--tensor-parallel-size): the draft's own random draws are not synchronised across "
+                             "ranks yet (ngram is)")
+
     def resolve_async_scheduling(self, device: str) -> bool:
         """Fix the automatic choice once the worker's device is known."""
         if self.async_scheduling is None:
-            self.async_scheduling = device == "cuda" and self.pipeline_parallel_size == 1
+            self.async_scheduling = (device == "cuda" and self.pipeline_parallel_size == 1
+                                     and self.speculative_config is None)
         return self.async_scheduling
 
     @property

@@ -81,7 +81,7 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
         async with contextlib.aclosing(outputs):
             async for output in outputs:
                 if output.new_token_ids:
-                    timer.on_tokens()
+                    timer.on_tokens(len(output.new_token_ids))
                 if check_prediction and output.num_prompt_tokens:
                     check_prediction = False
                     if choice.engine.num_migrations == 0:

@@ -95,6 +95,22 @@ class GatewayMetrics:
         self.predicted_cached_tokens += predicted_cached_tokens
         self.actual_cached_tokens += actual_cached_tokens
 
+    @staticmethod
+    def _spec_decode(stats: pb.Stats, labels: dict[str, str]) -> list[str]:
+        """Speculative decoding counters (vLLM's names under myvllm:), acceptance by draft position."""
+        lines = _single("myvllm:spec_decode_num_drafts_total", "counter", "Verification rounds (a request's "
+                        "drafts checked in one step).", stats.spec_decode_num_drafts, labels)
+        lines += _single("myvllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+                         stats.spec_decode_num_draft_tokens, labels)
+        lines += _single("myvllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                         stats.spec_decode_num_accepted_tokens, labels)
+        lines += ["# HELP myvllm:spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted, by position "
+                  "in the draft (0 = first).",
+                  "# TYPE myvllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
+        lines += [f"myvllm:spec_decode_num_accepted_tokens_per_pos_total{_labels({**labels, 'position': str(j)})} "
+                  f"{count}" for j, count in enumerate(stats.spec_decode_accepted_per_pos)]
+        return lines
+
     def timer(self, arrival_time: float) -> RequestTimer:
         return RequestTimer(self, arrival_time)
 
@@ -122,6 +138,7 @@ class GatewayMetrics:
                              "structured-output grammars.", stats.grammar_compile_seconds, labels)
             lines += _single("myvllm:grammar_cache_hits_total", "counter", "Constrained requests whose grammar "
                              "was already compiled.", stats.grammar_cache_hits, labels)
+            lines += self._spec_decode(stats, labels)
         lines += _single("myvllm:scheduler_up", "gauge", "1 if the scheduler answered this scrape.",
                          int(stats is not None), labels)
         lines += ["# HELP myvllm:request_success_total Finished requests, by finish reason.",
@@ -155,12 +172,17 @@ class RequestTimer:
         self._arrival_time = arrival_time
         self._last_token_time: float | None = None
 
-    def on_tokens(self) -> None:
+    def on_tokens(self, num_tokens: int = 1) -> None:
+        """A step's tokens arrived (several with speculative decoding: the wait is shared among
+        them, one inter-token latency each; the first token's wait is the time to first token)."""
         now = time.monotonic()
         if self._last_token_time is None:
             self._metrics.time_to_first_token.observe(now - self._arrival_time)
+            for _ in range(num_tokens - 1):
+                self._metrics.inter_token_latency.observe(0.0)  # they arrived with the first
         else:
-            self._metrics.inter_token_latency.observe(now - self._last_token_time)
+            for _ in range(num_tokens):
+                self._metrics.inter_token_latency.observe((now - self._last_token_time) / num_tokens)
         self._last_token_time = now
 
     def on_finish(self, finish_reason: str) -> None:

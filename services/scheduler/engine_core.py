@@ -21,7 +21,9 @@ def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:
                                max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                compile_model=config.compile_model,
-                               pipeline_parallel_size=config.pipeline_parallel_size)
+                               pipeline_parallel_size=config.pipeline_parallel_size,
+                               speculative_config=config.speculative_config.to_proto()
+                               if config.speculative_config else None)
 
 
 def kv_capacity_request(config: EngineConfig) -> pb.KVCapacityRequest:
@@ -55,7 +57,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
             async_scheduling=config.async_scheduling, pipeline_parallel=config.pipeline_parallel_size > 1,
-            structured_output=self.structured_output)
+            structured_output=self.structured_output, speculative_config=config.speculative_config)
         self.num_steps = 0
 
     def add_request(self, req: pb.GenerateRequest) -> None:

@@ -66,6 +66,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Speculative decoding: draft tokens proposed for this request's next positions, to be
+        # verified by the next step that schedules it (never counted in num_tokens).
+        self.spec_token_ids: list[int] = []
         # Async scheduling: tokens being sampled by steps still in flight (not yet appended).
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache at first schedule
@@ -89,6 +92,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

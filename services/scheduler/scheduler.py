@@ -13,8 +13,10 @@ import logging
 from collections import deque
 
 from services.common.proto import myvllm_pb2 as pb
+from services.common.spec_config import SpeculativeConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.spec_decode import SpecDecodeStats, lookahead_slots, max_drafts
 from services.scheduler.structured_output import RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class Scheduler:
         async_scheduling: bool = False,
         pipeline_parallel: bool = False,
         structured_output: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -65,6 +68,10 @@ class Scheduler:
         # Async scheduling: steps sent before their constrained rows' matchers caught up, by step
         # id, with those rows' requests; their bitmask follows once the tokens are folded in.
         self.deferred_bitmasks: dict[int, list[Request]] = {}
+        # Speculative decoding (None: off): drafts come back from the worker with each step.
+        self.speculative_config = speculative_config
+        self.num_lookahead_slots = lookahead_slots(speculative_config)
+        self.spec_stats = SpecDecodeStats(speculative_config.num_speculative_tokens if speculative_config else 0)
 
     # ------------------------------------------------------------------ queue management
 
@@ -78,7 +85,8 @@ class Scheduler:
         # itself forever: refuse it now, with the numbers.
         capacity = (self.kv_cache_manager.block_pool.num_blocks - 1) * self.block_size
         # (max_tokens counts a migrated request's resumed outputs too: they are not extra.)
-        needed = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        # (A draft model's lookahead slots count: the scheduler allocates them with every step.)
+        needed = min(request.num_prompt_tokens + request.max_tokens + self.num_lookahead_slots, self.max_model_len)
         if needed > capacity:
             raise ValueError(
                 f"request needs KV cache for up to {needed} tokens ({request.num_prompt_tokens} prompt + "
@@ -114,6 +122,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.spec_token_ids = []
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         if request.request_id in self.worker_known:
@@ -149,6 +158,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0  # an in-flight token of a preempted request is dropped
+        victim.spec_token_ids = []  # its drafts' slots are gone with its blocks
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if victim.request_id in self.worker_known:
@@ -174,16 +184,18 @@ class Scheduler:
         preempted = False
 
         # 1) Running requests first: they already hold blocks.
+        self._trim_drafts()
         idx = 0
         while idx < len(self.running) and token_budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+            num_new = min(request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens,
                           token_budget, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0 or self._finishes_in_flight(request):
                 idx += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new + self._lookahead(request, num_new))
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -226,7 +238,8 @@ class Scheduler:
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks)
+            lookahead = self._lookahead(request, num_hit_tokens + num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead, hit_blocks)
             if new_blocks is None:
                 break  # waiting requests wait; they never preempt
             self.waiting.popleft()
@@ -243,6 +256,26 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         return self._build_output(scheduled_new, scheduled_cached)
+
+    def _trim_drafts(self) -> None:
+        """Drop drafts nobody should verify: above disable_by_batch_size running requests, all of
+        them (verification costs more than it saves in a large batch); else those past what the
+        request may still output."""
+        if self.speculative_config is None:
+            return
+        limit = self.speculative_config.disable_by_batch_size
+        off = bool(limit) and len(self.running) >= limit
+        for request in self.running:
+            if request.spec_token_ids:
+                keep = 0 if off else max_drafts(request, self.max_model_len)
+                del request.spec_token_ids[keep:]
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Extra KV slots past this step's tokens for a draft model's own draft positions,
+        never past max_model_len."""
+        if not self.num_lookahead_slots:
+            return 0
+        return max(min(self.num_lookahead_slots, self.max_model_len - request.num_computed_tokens - num_new), 0)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether `request`'s grammar is compiled (its matcher built); a grammar that failed to
@@ -305,11 +338,16 @@ class Scheduler:
             self.worker_known.add(request.request_id)
         for request, num_new, new_block_ids in scheduled_cached:
             start = request.num_computed_tokens
+            # Drafts that fit this step's share (a budget cut may leave only some, or none).
+            num_spec = max(start + num_new - request.num_tokens, 0)
+            if num_spec < len(request.spec_token_ids):
+                del request.spec_token_ids[num_spec:]
             out.cached_requests.append(pb.CachedRequestData(
                 request_id=request.request_id,
                 new_block_ids=new_block_ids,
                 num_computed_tokens=start,
                 new_token_ids=request.all_token_ids[start:start + num_new] if self.pipeline_parallel else (),
+                spec_token_ids=request.spec_token_ids,
             ))
             num_scheduled.append(num_new)
         out.num_scheduled_tokens.extend(num_scheduled)
@@ -367,22 +405,44 @@ class Scheduler:
         outputs: list[pb.RequestOutput] = self.take_failed_outputs()
         self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         logprobs = runner_output.logprobs
-        sampled = zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True)
-        for i, (rid, token_id) in enumerate(sampled):
+        # Speculative decoding: a request may produce several tokens (accepted drafts + one).
+        counts = runner_output.num_sampled_tokens or [1] * len(runner_output.request_ids)
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        drafts = runner_output.spec_token_ids
+        num_scheduled_drafts = {c.request_id: len(c.spec_token_ids) for c in scheduler_output.cached_requests
+                                if c.spec_token_ids}
+        for i, rid in enumerate(runner_output.request_ids):
             request = self.requests.get(rid)
             if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if request.grammar is not None and status != RequestStatus.FINISHED_STOPPED:
-                status = self._advance_grammar(request, token_id) or status
-            out = pb.RequestOutput(request_id=rid, new_token_ids=[token_id],
+            tokens = runner_output.sampled_token_ids[starts[i]:starts[i + 1]]
+            num_draft = num_scheduled_drafts.get(rid, 0)
+            if num_draft:
+                # Rejected drafts' slots are given back: the next step recomputes those positions.
+                request.num_computed_tokens -= num_draft + 1 - len(tokens)
+                request.spec_token_ids = []
+                self.spec_stats.observe(num_draft, len(tokens) - 1)
+            new_token_ids: list[int] = []
+            status = None
+            for token_id in tokens:  # one at a time: a stop ends the request where it would without drafts
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if request.grammar is not None and status != RequestStatus.FINISHED_STOPPED:
+                    status = self._advance_grammar(request, token_id) or status
+                if status is not None:
+                    break
+            if status is None and i < len(drafts):
+                request.spec_token_ids = list(drafts[i].ids)
+            out = pb.RequestOutput(request_id=rid, new_token_ids=new_token_ids,
                                    num_prompt_tokens=request.num_prompt_tokens,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))
             if logprobs and request.sampling.logprobs >= 0:
-                out.logprobs.append(logprobs[i])
+                out.logprobs.extend(logprobs[starts[i]:starts[i] + len(new_token_ids)])
             if request.needs_prompt_logprobs:
                 out.prompt_logprobs.extend(request.prompt_logprobs)
                 request.prompt_logprobs, request.prompt_logprobs_sent = [], True
@@ -434,4 +494,5 @@ class Scheduler:
             "num_waiting": self.num_waiting,
             "num_running": self.num_running,
             "kv_cache_usage": kv.usage,
+            **self.spec_stats.as_dict(),
         }

@@ -40,6 +40,9 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Speculative decoding: drafts scheduled this step, stored after the row's known tokens
+        # (token_ids[row, num_tokens:num_tokens + num_spec]) but not counted in num_tokens.
+        self.num_spec = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling: list[pb.SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.req_id_to_row: dict[str, int] = {}
@@ -74,6 +77,7 @@ class InputBatch:
         self.block_table[row, :blocks.size] = blocks
         self.num_blocks[row] = blocks.size
         self.num_computed_tokens[row] = data.num_computed_tokens
+        self.num_spec[row] = 0
         self.sampling[row] = data.sampling
         if data.sampling.HasField("seed"):
             # A request's own generator: seeded outputs do not depend on the batch around them.
@@ -101,6 +105,9 @@ class InputBatch:
             end = data.num_computed_tokens + len(data.new_token_ids)
             self.token_ids[row, data.num_computed_tokens:end] = data.new_token_ids
             self.num_tokens[row] = max(self.num_tokens[row], end)
+        n, k = self.num_tokens[row], len(data.spec_token_ids)
+        self.token_ids[row, n:n + k] = data.spec_token_ids
+        self.num_spec[row] = k
         return row
 
     def reseed_generators(self, rows: np.ndarray) -> None:
@@ -126,3 +133,10 @@ class InputBatch:
         """Write each row's newly sampled token after its last one."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+
+    def append_token_lists(self, rows: list[int], token_lists: list[list[int]]) -> None:
+        """Speculative decoding: each row's emitted tokens (accepted drafts + one) after its last one."""
+        for row, tokens in zip(rows, token_lists, strict=True):
+            n = self.num_tokens[row]
+            self.token_ids[row, n:n + len(tokens)] = tokens
+            self.num_tokens[row] = n + len(tokens)

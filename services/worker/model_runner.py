@@ -34,6 +34,8 @@ from services.worker.parallel import (
     threads_per_rank,
 )
 from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
+from services.worker.spec_decode.proposer import SpecProposer, make_proposer
+from services.worker.spec_decode.verifier import verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class ModelRunner:
                  max_model_len: int | None = None, attention_backend: str | None = None,
                  device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
                  distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, speculative_config: pb.SpeculativeConfig | None = None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         num_ranks = tensor_parallel_size * pipeline_parallel_size
         if self.device.type == "cpu":
@@ -122,6 +124,8 @@ class ModelRunner:
         if self.device.type == "cpu" and compile_model:
             self.compiled = CompiledForward(self.model)
         self.forward: Forward = self.compiled or self.model
+        # Speculative decoding (None: off): proposes drafts after each step's sampling.
+        self.proposer: SpecProposer | None = make_proposer(speculative_config, self)
         self.set_max_num_seqs(max_num_seqs)
 
     def set_max_num_seqs(self, max_num_seqs: int) -> None:
@@ -137,7 +141,8 @@ class ModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         attn = self.model.attention_layers()[0]
         per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
-        return per_token * block_size * len(self.model.attention_layers())
+        draft = self.proposer.kv_bytes_per_block(block_size) if self.proposer is not None else 0
+        return per_token * block_size * len(self.model.attention_layers()) + draft
 
     def _free_bytes_for_kv(self) -> int:
         """Memory a KV cache may take: what is free now, plus the cache this worker already
@@ -176,6 +181,8 @@ class ModelRunner:
             # zeros: never-written slots are masked out, but 0 * NaN garbage would still be NaN.
             layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
                                          dtype=self.dtype, device=self.device)
+        if self.proposer is not None:
+            self.proposer.init_kv_cache(num_blocks, block_size)
         self.reset_batch()
         if self.compiled is not None and self.compiled.enabled:
             self._compile()
@@ -234,9 +241,12 @@ class ModelRunner:
         seq_lens = context_lens + num_scheduled
         max_blocks = int(-(-seq_lens.max() // bs))
         block_table = batch.block_table[rows, :max_blocks]
-        # Requests that caught up with their known tokens sample; partial prefills do not.
+        # Requests that caught up with their known tokens sample; partial prefills do not. A row
+        # verifying d drafts needs logits at its last d + 1 positions.
         samples = seq_lens >= batch.num_tokens[rows]
-        logits_indices = cu_num_tokens[samples] - 1
+        num_logits = np.where(samples, batch.num_spec[rows] + 1, 0)
+        logits_indices = (np.repeat(cu_num_tokens - num_logits, num_logits) + np.arange(num_logits.sum())
+                          - np.repeat(np.cumsum(num_logits) - num_logits, num_logits))
 
         dev = self.device
         meta = AttentionMetadata.from_host(slot_mapping, query_start_loc, seq_lens, context_lens, block_table,
@@ -322,6 +332,8 @@ class ModelRunner:
                 received = recv_from_previous_stage((meta.num_tokens, self.config.hidden_size), self.dtype,
                                                     self.device)
                 hidden = self.model(input_ids, positions, received)
+        if self.proposer is not None:
+            self.proposer.observe_step(input_ids, positions, meta, hidden)
         if not self.pp.is_last:
             self._send_to_next_stage(hidden)
             return out  # the last stage samples and answers for the step
@@ -334,9 +346,57 @@ class ModelRunner:
 
     def _sample(self, out: pb.ModelRunnerOutput, logits: torch.Tensor | None, sample_rows: np.ndarray,
                 so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
-        """Mask the constrained rows (bitmask from `so`), sample, record the tokens in `out`."""
+        """Sample (verifying drafts where a row brought some), record the tokens in `out`, and
+        propose the next step's drafts."""
         if logits is None:
             return out
+        num_spec = self.input_batch.num_spec[sample_rows]
+        if num_spec.any():
+            self._sample_with_drafts(out, logits, sample_rows, num_spec, so)
+        else:
+            self._sample_plain(out, logits, sample_rows, so)
+        if self.proposer is not None:
+            self.proposer.propose(out, sample_rows)
+        return out
+
+    def _sample_with_drafts(self, out: pb.ModelRunnerOutput, logits: torch.Tensor, sample_rows: np.ndarray,
+                            num_spec: np.ndarray, so: pb.SchedulerOutput) -> None:
+        """Rows without drafts sample as ever (from their last logits row); rows with drafts are
+        verified over all their positions. `out` lists the plain rows first, then the verified."""
+        batch = self.input_batch
+        ends = np.cumsum(num_spec + 1)
+        plain = num_spec == 0
+        if plain.any():
+            self._sample_plain(out, logits[torch.from_numpy(ends[plain] - 1).to(logits.device)], sample_rows[plain], so)
+        out.num_sampled_tokens.extend([1] * len(out.request_ids))
+        spec_rows, nd = sample_rows[~plain], num_spec[~plain]
+        sel = np.concatenate([np.arange(e - n - 1, e) for e, n in zip(ends[~plain], nd, strict=True)])
+        rep_rows = np.repeat(spec_rows, nd + 1)
+        md = build_sampling_metadata([batch.sampling[r] for r in rep_rows.tolist()], {}, self.vocab_size,
+                                     self.device, rows=rep_rows, history=batch, eos_token_ids=self.eos_token_ids)
+        draft_ids = np.zeros((spec_rows.size, int(nd.max())), dtype=np.int64)
+        for i, (row, n) in enumerate(zip(spec_rows.tolist(), nd.tolist(), strict=True)):
+            start = batch.num_tokens[row]
+            draft_ids[i, :n] = batch.token_ids[row, start:start + n]
+        draft_probs = self.proposer.draft_probs(spec_rows, nd) if self.proposer is not None else None
+        emitted, logprobs = verify_drafts(self.sampler, logits[torch.from_numpy(sel).to(logits.device)], md, nd,
+                                          draft_ids, draft_probs,
+                                          sync=broadcast_from_first if get_tp().size > 1 else None)
+        batch.append_token_lists(spec_rows.tolist(), emitted)
+        out.request_ids.extend([batch.row_req_ids[r] for r in spec_rows.tolist()])
+        for tokens in emitted:
+            out.sampled_token_ids.extend(tokens)
+            out.num_sampled_tokens.append(len(tokens))
+        if logprobs is not None or len(out.logprobs):
+            # Logprobs stay parallel to the tokens: empty entries where the rows asked for none.
+            num_plain = int(plain.sum())
+            out.logprobs.extend(pb.TokenLogprobs() for _ in range(num_plain - len(out.logprobs)))
+            for r, tokens in enumerate(emitted):
+                out.logprobs.extend(logprobs[r] if logprobs is not None else [pb.TokenLogprobs()] * len(tokens))
+
+    def _sample_plain(self, out: pb.ModelRunnerOutput, logits: torch.Tensor, sample_rows: np.ndarray,
+                      so: pb.SchedulerOutput) -> None:
+        """Mask the constrained rows (bitmask from `so`), sample one token per row, record it in `out`."""
         if so.structured_output_request_ids:
             row_req_ids = self.input_batch.row_req_ids
             apply_grammar_bitmask(logits, so, {row_req_ids[r]: i for i, r in enumerate(sample_rows.tolist())})
@@ -352,4 +412,3 @@ class ModelRunner:
         out.sampled_token_ids.extend(token_ids.tolist())
         if logprobs is not None:
             out.logprobs.extend(lp if lp is not None else pb.TokenLogprobs() for lp in logprobs)
-        return out

@@ -445,6 +445,26 @@ class Sampler:
                 out[dist.index] = rows
         return out
 
+    def target_distributions(self, logits: torch.Tensor,
+                             md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What each row would sample from, without sampling (speculative decoding verifies drafts
+        against it): the argmax of the processed logits (a greedy row's choice) for every row, and
+        for random rows their normalised distribution after every stage, [B, vocab] (zeros on
+        greedy rows; None when every row is greedy). `logits` are left untouched."""
+        x = self.apply_processors(logits, md)
+        argmax = x.argmax(dim=-1)
+        if md.all_greedy:
+            return argmax, None
+        probs = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for dist in self._random_dists(x, md):
+            p = dist.probs.float()
+            p = p / p.sum(dim=-1, keepdim=True)
+            if dist.ids is None:
+                probs[dist.index] = p
+            else:
+                probs[dist.index] = torch.zeros((p.shape[0], x.shape[1]), device=x.device).scatter_(1, dist.ids, p)
+        return argmax, probs
+
     # ------------------------------------------------------------------ logits processors
 
     @staticmethod

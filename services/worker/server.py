@@ -60,13 +60,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         merged.CopyFrom(self.default_load)
         # Fields the caller sets override the worker's own command-line defaults.
         for field, value in request.ListFields():
-            setattr(merged, field.name, value)
+            if field.message_type is not None:
+                getattr(merged, field.name).CopyFrom(value)
+            else:
+                setattr(merged, field.name, value)
         if os.path.realpath(merged.model) == os.path.realpath(self.default_load.model):
             merged.model = self.default_load.model  # the same directory spelt another way: no reload
         if not self._model_allowed(merged.model):
             root = f" or a directory under {self.allowed_model_root}" if self.allowed_model_root else ""
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"this worker serves {self.default_load.model}{root}; refusing to load {merged.model}")
+        draft = merged.speculative_config.model
+        if draft and not (draft == self.default_load.speculative_config.model or self._model_allowed(draft)):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"this worker may not load draft model {draft} (start it with --speculative-config "
+                                "naming that model, or with --allowed-model-root above it)")
         try:
             return await self._run(self.worker.load_model, merged)
         except (FileNotFoundError, ValueError, NotImplementedError, KeyError) as e:

@@ -19,7 +19,7 @@ logger = logging.getLogger("myvllm.worker")
 # A new TP/PP rank, group size or rendezvous means new shards and a new process group: a reload.
 WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_rank",
                  "tensor_parallel_size", "distributed_init_method", "compile_model", "pipeline_parallel_rank",
-                 "pipeline_parallel_size")
+                 "pipeline_parallel_size", "speculative_config")
 DEFAULT_MAX_NUM_SEQS = 256
 MAX_INT32 = 2**31 - 1
 
@@ -51,7 +51,8 @@ class Worker:
             tensor_parallel_size=max(req.tensor_parallel_size, 1),
             distributed_init_method=req.distributed_init_method, compile_model=req.compile_model,
             pipeline_parallel_rank=req.pipeline_parallel_rank,
-            pipeline_parallel_size=max(req.pipeline_parallel_size, 1))
+            pipeline_parallel_size=max(req.pipeline_parallel_size, 1),
+            speculative_config=req.speculative_config if req.HasField("speculative_config") else None)
         r = self.runner
         self._loaded_key = weights_key(req)
         self.info = pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,

@@ -48,7 +48,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan = super().prepare(meta)
         if plan.decode_rows is not None:
             plan.decode_block_table = meta.block_table.index_select(0, plan.decode_rows).contiguous()
-            plan.decode_seq_lens = meta.seq_lens.index_select(0, plan.decode_rows).contiguous()
         return plan
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _TorchPlan,

@@ -2,7 +2,10 @@
 
 Decodes (one query token) are attended together in one batched call over their gathered
 blocks; prefill chunks go one request at a time (there are few per step), with a causal
-mask shifted by the context already in the cache.
+mask shifted by the context already in the cache. A short query after a context (speculative
+decoding's k+1 verified positions) is split into one decode entry per token, query token j
+seeing the first context + j + 1 positions: every token's K/V of the step is stored before
+attention reads, so this is exact, and it keeps such rows on the decode path (a kernel's).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ class _Prefill:
     mask: torch.Tensor | None       # [q, seq_len] bool (None: plain causal)
 
 
+# Queries of at most this many tokens after a context attend as per-token decode entries.
+SHORT_QUERY_AS_DECODES = 8
+
+
 @dataclass
 class _TorchPlan:
     decode_token_idx: torch.Tensor | None  # [Bd] int64
@@ -34,9 +41,9 @@ class _TorchPlan:
     decode_mask: torch.Tensor | None       # [Bd, 1, 1, nb * block_size] bool
     prefills: list[_Prefill]
     all_decode: bool
-    decode_rows: torch.Tensor | None = None         # [Bd] batch rows of the decodes
+    decode_rows: torch.Tensor | None = None         # [Bd] batch row of each decode entry
     decode_block_table: torch.Tensor | None = None  # [Bd, max_blocks] int32 (kernel backends)
-    decode_seq_lens: torch.Tensor | None = None     # [Bd] int32 (kernel backends)
+    decode_seq_lens: torch.Tensor | None = None     # [Bd] int32: positions each decode entry attends to
 
 
 class TorchAttentionBackend:
@@ -48,18 +55,24 @@ class TorchAttentionBackend:
         query_lens = np.diff(qsl)
         seq_lens = meta.seq_lens_np
         bs = meta.block_size
-        is_decode = query_lens == 1
+        is_decode = (query_lens == 1) | ((query_lens <= SHORT_QUERY_AS_DECODES) & (meta.context_lens_np > 0))
         dec = np.flatnonzero(is_decode)
         plan = _TorchPlan(None, None, 0, None, [], bool(is_decode.all()))
         if dec.size:
-            nb = int(-(-seq_lens[dec].max() // bs))
-            dec_t = torch.from_numpy(dec).to(device)
-            plan.decode_rows = dec_t
-            plan.decode_token_idx = torch.from_numpy(qsl[dec].astype(np.int64)).to(device)
-            plan.decode_block_ids = meta.block_table[dec_t, :nb].reshape(-1).long()
+            # One entry per query token of the decode rows, in token order.
+            per_row = query_lens[dec]
+            rows = np.repeat(dec, per_row)
+            offsets = np.arange(rows.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+            entry_seq_lens = meta.context_lens_np[rows] + offsets + 1
+            nb = int(-(-entry_seq_lens.max() // bs))
+            rows_t = torch.from_numpy(rows).to(device)
+            plan.decode_rows = rows_t
+            plan.decode_seq_lens = torch.from_numpy(entry_seq_lens.astype(np.int32)).to(device)
+            plan.decode_token_idx = torch.from_numpy((qsl[rows] + offsets).astype(np.int64)).to(device)
+            plan.decode_block_ids = meta.block_table[rows_t, :nb].reshape(-1).long()
             plan.decode_num_blocks = nb
             key_pos = torch.arange(nb * bs, device=device)
-            plan.decode_mask = (key_pos[None, :] < meta.seq_lens[dec_t, None]).view(len(dec), 1, 1, -1)
+            plan.decode_mask = (key_pos[None, :] < plan.decode_seq_lens[:, None]).view(rows.size, 1, 1, -1)
         for i in np.flatnonzero(~is_decode):
             start, end = int(qsl[i]), int(qsl[i + 1])
             ctx, seq = int(meta.context_lens_np[i]), int(seq_lens[i])

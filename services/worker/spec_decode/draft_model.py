@@ -1,0 +1,124 @@
+"""Draft-model proposer: a second, smaller model with the same tokenizer, run by the worker with
+its own paged KV cache under the target's block ids.
+
+Every target forward is mirrored by the draft (same tokens, positions and slots), so the draft's
+KV holds every position the target computed. After sampling, the draft runs k one-token steps
+per proposing row from its last token. Positions of refused drafts hold stale draft KV, but
+each is rewritten before any query reads it: the next proposal starts at the first of them,
+and every later position is written by the step that reaches it. The scheduler allocates k
+lookahead slots per step for these positions.
+
+Drafts are drawn from the draft model's distribution processed exactly like the target's
+(logit bias, temperature, top-k / top-p / min-p: the same `SamplingMetadata` stages), and
+that distribution is kept for the rejection sampler, which needs p_draft of each draft.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from services.common.proto import myvllm_pb2 as pb
+from services.worker.attention.base import AttentionMetadata, forward_context
+from services.worker.models.loader import load_model
+from services.worker.sampler import build_sampling_metadata
+from services.worker.spec_decode.proposer import SpecProposer
+
+if TYPE_CHECKING:
+    from services.worker.model_runner import ModelRunner
+
+
+class DraftModelProposer(SpecProposer):
+    def __init__(self, config: pb.SpeculativeConfig, runner: ModelRunner) -> None:
+        super().__init__(config, runner)
+        self.k = config.num_speculative_tokens
+        self.model, draft_config = load_model(config.model, runner.dtype, runner.device, progress=False)
+        if draft_config.vocab_size != runner.vocab_size:
+            raise ValueError(f"speculative_config.model {config.model} has vocab size {draft_config.vocab_size}, "
+                             f"the target {runner.vocab_size}: a draft model must share the target's tokenizer")
+        if runner.device.type == "cpu":
+            self.model.pack_for_cpu()
+        # Row -> [n, vocab] distributions its last proposal drew from (random rows only).
+        self.probs: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        layers = self.model.attention_layers()
+        per_token = 2 * layers[0].num_kv_heads * layers[0].head_dim * self.runner.dtype.itemsize
+        return per_token * block_size * len(layers)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
+                                         dtype=self.runner.dtype, device=self.runner.device)
+        self.probs.clear()
+
+    # ------------------------------------------------------------------ per step
+
+    def observe_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     hidden: torch.Tensor) -> None:
+        with forward_context(self.runner.attn_backend, meta):
+            self.model(input_ids, positions)
+
+    def draft_probs(self, rows: np.ndarray, num_draft: np.ndarray) -> torch.Tensor | None:
+        if not any(r in self.probs for r in rows.tolist()):
+            return None  # every verified row is greedy
+        out = torch.zeros((rows.size, int(num_draft.max()), self.runner.vocab_size), device=self.runner.device)
+        for i, (row, n) in enumerate(zip(rows.tolist(), num_draft.tolist(), strict=True)):
+            probs = self.probs.get(row)
+            if probs is not None:
+                out[i, :n] = probs[:n]
+        return out
+
+    @torch.inference_mode()
+    def propose_rows(self, rows: list[int]) -> list[list[int]]:
+        runner, batch = self.runner, self.runner.input_batch
+        bs, dev = runner.block_size, runner.device
+        for row in rows:
+            self.probs.pop(row, None)
+        rows_np = np.asarray(rows, dtype=np.int64)
+        # Never propose a draft whose bonus token would fall past max_model_len.
+        num = np.minimum(self.k, batch.max_model_len - batch.num_tokens[rows_np] - 1)
+        rows_np, num = rows_np[num > 0], num[num > 0]
+        drafts: dict[int, list[int]] = {}
+        if rows_np.size == 0:
+            return [[] for _ in rows]
+        md = build_sampling_metadata([batch.sampling[r] for r in rows_np.tolist()], {}, runner.vocab_size, dev,
+                                     rows=rows_np, history=batch, eos_token_ids=runner.eos_token_ids)
+        random_idx = torch.nonzero(~md.greedy_mask)[:, 0]
+        positions = batch.num_tokens[rows_np] - 1
+        tokens = torch.from_numpy(batch.token_ids[rows_np, positions].astype(np.int64)).to(dev)
+        qsl = np.arange(rows_np.size + 1)
+        steps: list[torch.Tensor] = []
+        step_probs: list[torch.Tensor] = []
+        for _ in range(int(num.max())):
+            pos = np.minimum(positions, batch.max_model_len - 1)  # rows already done write harmlessly in place
+            slots = batch.block_table[rows_np, pos // bs].astype(np.int64) * bs + pos % bs
+            max_blocks = int(pos.max() // bs + 1)
+            meta = AttentionMetadata.from_host(slots, qsl, pos + 1, pos, batch.block_table[rows_np, :max_blocks],
+                                               bs, dev)
+            meta.backend_data = runner.attn_backend.prepare(meta)
+            with forward_context(runner.attn_backend, meta):
+                hidden = self.model(tokens, torch.from_numpy(pos).to(dev))
+            argmax, probs = runner.sampler.target_distributions(self.model.compute_logits(hidden), md)
+            tokens = argmax
+            if probs is not None and random_idx.numel():
+                p = probs[random_idx]
+                tokens = argmax.clone()
+                tokens[random_idx] = p.div(torch.empty_like(p).exponential_()).argmax(dim=-1)
+                step_probs.append(p)
+            steps.append(tokens)
+            positions = positions + 1
+        drafted = torch.stack(steps, dim=1).cpu().numpy()  # [R, max num]
+        for i, (row, n) in enumerate(zip(rows_np.tolist(), num.tolist(), strict=True)):
+            drafts[row] = drafted[i, :n].tolist()
+        if step_probs:
+            stacked = torch.stack(step_probs, dim=1)  # [random rows, steps, vocab]
+            for j, i in enumerate(random_idx.tolist()):
+                self.probs[int(rows_np[i])] = stacked[j]
+        return [drafts.get(r, []) for r in rows]
