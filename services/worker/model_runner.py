@@ -115,6 +115,10 @@ class ModelRunner:
         # A step that waits for its grammar bitmask: (its output so far, logits, sampling rows).
         self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
         if self.device.type == "cpu":
+            if (self.attn_backend.name == "cpu" and not compile_model
+                    and os.environ.get("MYVLLM_CPU_DECODE_STEP", "1") != "0"):
+                # Before packing: the step keeps the row-major weights (at most a tenth of the RAM).
+                self.model.use_cpu_decode_step(_available_ram_bytes() // 10)
             self.model.pack_for_cpu()
             # Outside a compiled graph (inductor fuses these itself) the elementwise ops go
             # through the fused C kernels.

@@ -94,6 +94,11 @@ def forward_context(backend: AttentionBackend, meta: AttentionMetadata) -> Itera
         _forward_context = previous
 
 
+def current_metadata() -> AttentionMetadata | None:
+    """The metadata of the forward pass running now (None outside one)."""
+    return None if _forward_context is None else _forward_context[1]
+
+
 class AttentionLayer(nn.Module):
     """One layer's paged attention; its KV cache tensor is bound by the model runner."""
 

@@ -9,6 +9,7 @@ the arithmetic is exactly the unsharded model's.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.attention.base import AttentionLayer
+from services.worker.attention.base import AttentionLayer, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
 from services.worker.parallel import (
     all_gather_last_dim,
@@ -30,6 +31,8 @@ from services.worker.parallel import (
     stage_layers,
     vocab_range,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -263,6 +266,8 @@ class DecoderForCausalLM(nn.Module):
         self.tied_head: nn.Module | None = None
         # The fused CPU elementwise ops, when `use_cpu_ops` enabled them.
         self.cpu_ops: CpuOps | None = None
+        # Small decode steps as one C call, when `use_cpu_decode_step` enabled it.
+        self.decode_step = None
 
     def _stage(self) -> Iterable[DecoderLayer]:
         return self.layers[self.layer_range.start:self.layer_range.stop]
@@ -275,6 +280,10 @@ class DecoderForCausalLM(nn.Module):
         """The first stage embeds `input_ids`; later stages continue from the previous stage's
         `hidden`. The last stage returns normed hidden states, the others the raw residual stream."""
         x = self.embed_tokens(input_ids) if self.is_first_stage else hidden
+        if self.decode_step is not None and not torch.compiler.is_compiling():
+            meta = current_metadata()
+            if meta is not None and self.decode_step.applies(meta, x):
+                return self.decode_step.forward(x, positions, meta)
         if self.cpu_ops is not None and not torch.compiler.is_compiling():
             return self._forward_fused(self.cpu_ops, positions, x)
         cos_sin = self.rotary_emb.lookup(positions, x.dtype)
@@ -304,7 +313,34 @@ class DecoderForCausalLM(nn.Module):
         self.cpu_ops = CpuOps.load() if CpuOps.supports(param) else None
         return self.cpu_ops is not None
 
+    def use_cpu_decode_step(self, max_extra_bytes: int) -> bool:
+        """Run decode steps of a few requests as one C call (services/worker/cpu/decode_step.py).
+        Call before `pack_for_cpu`: the step keeps the row-major weights, which costs their
+        bytes again beside the packed copies, so it is left off when that exceeds
+        `max_extra_bytes`; also off where it does not apply (not CPU, tensor or pipeline
+        parallel, another dtype, no C compiler)."""
+        from services.worker.cpu.decode_step import CpuDecodeStep, load_library
+
+        param = next(self.parameters())
+        if (param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16) or get_tp().size > 1
+                or not (self.is_first_stage and self.is_last_stage)):
+            return False
+        extra = CpuDecodeStep.plain_weight_bytes(self)
+        if extra > max_extra_bytes:
+            logger.info("cpu decode step off: its row-major weights (%.1f GB) exceed the %.1f GB allowed",
+                        extra / 1e9, max_extra_bytes / 1e9)
+            return False
+        try:
+            self.decode_step = CpuDecodeStep(self, load_library())
+        except (RuntimeError, OSError) as e:
+            logger.warning("cpu decode step unavailable (%s); decode steps run layer by layer", e)
+            return False
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.decode_step is not None and 0 < hidden.shape[0] <= self.decode_step.max_rows \
+                and not torch.compiler.is_compiling():
+            return self.decode_step.lm_head(hidden)[..., :self.config.vocab_size].float()
         if self.tied_head is not None:
             logits = self.tied_head(hidden)
         elif self.tie_word_embeddings:

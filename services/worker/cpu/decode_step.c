@@ -1,0 +1,305 @@
+/* The whole decoder forward of a small decode batch (a few requests, one new token each) in one
+ * call, for CPUs: every layer's RMSNorm, QKV projection, RoPE, KV-cache write, paged attention,
+ * output projection, MLP, and the final norm; the LM head is `lm_head` below.
+ *
+ * Built at first use by decode_step.py (cpu/cbuild.py: a fixed x86-64 level, -fopenmp on torch's
+ * own libgomp threads, -ffp-contract=off so the elementwise arithmetic rounds exactly as
+ * cpu_ops.c's does: both use row_ops.h).
+ *
+ * Why: a batch-1 decode step is bound by reading the weights once (SmolLM2-135M in fp32: 540 MB
+ * per token). Eagerly the step is ~120 oneDNN GEMV calls plus ~150 other ops and ctypes calls,
+ * each a Python dispatch and an OpenMP region whose threads wake, split a small matrix and meet
+ * at a barrier; that overhead was ~30% of the batch-1 step. Here one OpenMP region runs the
+ * whole step: each projection is split by output rows over the threads (each streams its own
+ * contiguous part of the weight), and the threads meet at a barrier only where the next stage
+ * needs every row of the previous one.
+ *
+ * Weights are the checkpoint's row-major [out, in] matrices (fp32 or bf16); products accumulate
+ * in fp32 (8 lanes, fused multiply-adds, then a fixed pairwise lane sum) and are rounded to the
+ * model's dtype once, as a linear layer's output is.
+ */
+#include <stdlib.h>
+
+#include "paged_attend.h"
+#include "row_ops.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Most rows (requests) a step may carry: beyond a few rows the projections stop being bound by
+ * reading the weights and oneDNN's blocked GEMMs win. */
+#define MAX_ROWS 8
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192
+#endif
+
+/* Per-layer weight pointers, in this order (NULL where the model has none). */
+enum { W_IN_NORM, W_QKV, B_QKV, W_Q_NORM, W_K_NORM, W_O, B_O, W_POST_NORM, W_GATE_UP, B_GATE_UP, W_DOWN, B_DOWN,
+       LAYER_PTRS };
+
+typedef struct {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, bf16;
+    float eps, scale;
+    const void *const *layers; /* [num_layers * LAYER_PTRS] */
+    void *const *kv;           /* [num_layers * 2]: each layer's K and V cache [blocks, BS, KVH, D] */
+    const void *final_norm;    /* [hidden] */
+    const float *cos, *sin;    /* RoPE tables, fp32 [max_position, head_dim] */
+} StepModel;
+
+/* ---------------------------------------------------------------- projections */
+
+static inline __attribute__((always_inline)) f32x8 wload8(const void *w, int64_t off, const int bf16) {
+    if (!bf16) return load8((const float *)w + off);
+#ifdef __AVX2__
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + off));
+    return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+    return load8_bf16((const uint16_t *)w + off);
+#endif
+}
+
+static inline float wload1(const void *w, int64_t off, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)w)[off]) : ((const float *)w)[off];
+}
+
+static inline __attribute__((always_inline)) f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
+#ifdef __FMA__
+    return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* A fixed pairwise order, so every machine of the build's level sums alike. */
+static inline float lane_sum(f32x8 v) {
+    const float a = (v[0] + v[4]) + (v[2] + v[6]), b = (v[1] + v[5]) + (v[3] + v[7]);
+    return a + b;
+}
+
+static inline void store_out(void *y, int64_t i, float v, const int bf16) {
+    if (bf16)
+        ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
+/* y[m, r] = x[m] . W[r] (+ bias[r]) for output rows [r0, r1): x fp32 [M, K]; W [N, K] and y
+ * [M, N] in the model's dtype. R weight rows are streamed together, each element of them
+ * multiplied into all M rows of x (read from L1). */
+static inline __attribute__((always_inline)) void gemv_impl(const float *restrict x, const void *restrict W,
+                                                            const void *restrict bias, void *restrict y, int K,
+                                                            int N, int r0, int r1, const int M, const int R,
+                                                            const int bf16) {
+    int r = r0;
+    for (; r + R <= r1; r += R) {
+        /* fixed-size arrays (not VLAs) with fully unrolled loops, so the accumulators live in
+         * registers */
+        f32x8 acc[4][MAX_ROWS];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) acc[i][m] = (f32x8){0};
+        int k = 0;
+        for (; k + 8 <= K; k += 8) {
+            f32x8 w[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                w[i] = wload8(W, (int64_t)(r + i) * K + k, bf16);
+                __builtin_prefetch((const char *)W + ((int64_t)(r + i) * K + k) * (bf16 ? 2 : 4) + PREFETCH_BYTES, 0, 0);
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const f32x8 xv = load8(x + (int64_t)m * K + k);
+#pragma GCC unroll 4
+                for (int i = 0; i < R; i++) acc[i][m] = fma8(w[i], xv, acc[i][m]);
+            }
+        }
+        for (int i = 0; i < R; i++) {
+            for (int m = 0; m < M; m++) {
+                float s = lane_sum(acc[i][m]);
+                for (int kk = k; kk < K; kk++) s += x[(int64_t)m * K + kk] * wload1(W, (int64_t)(r + i) * K + kk, bf16);
+                if (bias) s += wload1(bias, r + i, bf16);
+                store_out(y, (int64_t)m * N + r + i, s, bf16);
+            }
+        }
+    }
+    for (; r < r1; r++) { /* rows left over from the groups of R */
+        for (int m = 0; m < M; m++) {
+            f32x8 acc = {0};
+            int k = 0;
+            for (; k + 8 <= K; k += 8) acc = fma8(wload8(W, (int64_t)r * K + k, bf16), load8(x + (int64_t)m * K + k), acc);
+            float s = lane_sum(acc);
+            for (; k < K; k++) s += x[(int64_t)m * K + k] * wload1(W, (int64_t)r * K + k, bf16);
+            if (bias) s += wload1(bias, r, bf16);
+            store_out(y, (int64_t)m * N + r, s, bf16);
+        }
+    }
+}
+
+#define GEMV_CASE(MM, RR)                                                                  \
+    case MM:                                                                               \
+        if (bf16)                                                                          \
+            gemv_impl(x, W, bias, y, K, N, r0, r1, MM, RR, 1);                             \
+        else                                                                               \
+            gemv_impl(x, W, bias, y, K, N, r0, r1, MM, RR, 0);                             \
+        break;
+
+static void gemv_rows(const float *x, const void *W, const void *bias, void *y, int K, int N, int r0, int r1, int M,
+                      int bf16) {
+    switch (M) {
+        GEMV_CASE(1, 4)
+        GEMV_CASE(2, 4)
+        GEMV_CASE(3, 2)
+        GEMV_CASE(4, 2)
+        GEMV_CASE(5, 1)
+        GEMV_CASE(6, 1)
+        GEMV_CASE(7, 1)
+        GEMV_CASE(8, 1)
+    default:
+        break;
+    }
+}
+
+/* This thread's share of a projection: x ([M, K], model dtype) widened into its own fp32
+ * scratch xf, then its contiguous range of output rows (a multiple of 8 rows per thread). */
+static void gemv_share(const void *x, const void *W, const void *bias, void *y, int K, int N, int M, int bf16,
+                       float *restrict xf, int tid, int nth) {
+    load_f32(x, 0, M * K, bf16, xf);
+    const int per = ((N + nth - 1) / nth + 7) / 8 * 8;
+    const int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
+    if (r0 < r1) gemv_rows(xf, W, bias, y, K, N, r0, r1, M, bf16);
+}
+
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* ---------------------------------------------------------------- the step */
+
+/* x: [M, hidden] embeddings (model dtype), rows are requests; positions / slots: [M] int64 (the
+ * new token's position and KV slot); block_table [M, bt_stride] and seq_lens [M] (int32, the new
+ * token included) as for paged_decode; out: [M, hidden], the final norm's output. Returns 0, -1
+ * when M is out of range, -2 when scratch memory could not be allocated. */
+int decode_step(const StepModel *md, int M, const void *x, const int64_t *positions, const int64_t *slots,
+                const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens, void *out, int nthreads) {
+    if (M < 1 || M > MAX_ROWS) return -1;
+    const int H = md->hidden, NH = md->num_heads, KVH = md->num_kv_heads, D = md->head_dim, I = md->intermediate;
+    const int G = NH / KVH, QKV = (NH + 2 * KVH) * D, bf16 = md->bf16;
+    const size_t es = bf16 ? 2 : 4;
+    if (nthreads < 1) nthreads = 1;
+    int max_len = 0;
+    for (int b = 0; b < M; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+
+    /* shared, model dtype: residual, h (norm output / projection output), qkv, attention output,
+     * gate_up, the activation; per thread, fp32: a widened input row block and attention scratch */
+    int widest = H > NH * D ? H : NH * D;
+    widest = widest > I ? widest : I;
+    const size_t shared_elems = (size_t)M * (2 * H + QKV + NH * D + 3 * I);
+    const size_t per_thread = (size_t)M * widest + (size_t)G * max_len + 2 * (size_t)G * D + (size_t)KVH * D + 16;
+    char *mem = malloc(shared_elems * es + sizeof(float) * per_thread * (size_t)nthreads + 64);
+    if (mem == NULL) return -2;
+    void *res = mem, *h = mem + (size_t)M * H * es, *qkv = (char *)h + (size_t)M * H * es;
+    void *att = (char *)qkv + (size_t)M * QKV * es, *gu = (char *)att + (size_t)M * NH * D * es;
+    void *act = (char *)gu + (size_t)M * 2 * I * es;
+    float *scratch = (float *)(((uintptr_t)((char *)act + (size_t)M * I * es) + 63) & ~(uintptr_t)63);
+    memcpy(res, x, (size_t)M * H * es);
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = thread_id(), nth = team_size();
+        float *xf = scratch + per_thread * (size_t)tid;
+        float *scores = xf + (size_t)M * widest, *acc = scores + (size_t)G * max_len, *qrows = acc + (size_t)G * D;
+        float *tmp = qrows + (size_t)G * D;
+        for (int l = 0; l < md->num_layers; l++) {
+            const void *const *w = md->layers + (size_t)l * LAYER_PTRS;
+            /* h = RMSNorm(residual), the previous layer's MLP output (in h) added first */
+#pragma omp single
+            for (int m = 0; m < M; m++) {
+                char *hm = (char *)h + (size_t)m * H * es, *rm = (char *)res + (size_t)m * H * es;
+                if (l == 0)
+                    rms_norm_row(rm, w[W_IN_NORM], hm, H, md->eps, bf16);
+                else
+                    add_rms_norm_row(hm, rm, w[W_IN_NORM], H, md->eps, bf16);
+            }
+            gemv_share(h, w[W_QKV], w[B_QKV], qkv, H, QKV, M, bf16, xf, tid, nth);
+#pragma omp barrier
+            /* per-head norms (Qwen3), RoPE on the q and k heads, K/V into the cache */
+#pragma omp single
+            for (int m = 0; m < M; m++) {
+                char *row = (char *)qkv + (size_t)m * QKV * es;
+                if (w[W_Q_NORM] != NULL) {
+                    for (int hd = 0; hd < NH + KVH; hd++) {
+                        char *head = row + (size_t)hd * D * es;
+                        rms_norm_row(head, hd < NH ? w[W_Q_NORM] : w[W_K_NORM], head, D, md->eps, bf16);
+                    }
+                }
+                rope_row(row, NH + KVH, D, md->cos + positions[m] * (int64_t)D, md->sin + positions[m] * (int64_t)D,
+                         bf16);
+                const size_t kv_bytes = (size_t)KVH * D * es, at = (size_t)slots[m] * kv_bytes;
+                memcpy((char *)md->kv[2 * l] + at, row + (size_t)NH * D * es, kv_bytes);
+                memcpy((char *)md->kv[2 * l + 1] + at, row + (size_t)(NH + KVH) * D * es, kv_bytes);
+            }
+            /* attention, one (request, KV head) unit at a time */
+            const Args a = {NULL, md->kv[2 * l], md->kv[2 * l + 1], block_table, seq_lens, NULL, bt_stride,
+                            NH, KVH, D, md->block_size, bf16, bf16, md->scale};
+            const AttendFn attend = select_attend(D);
+#pragma omp for schedule(dynamic, 1)
+            for (int u = 0; u < M * KVH; u++) {
+                const int b = u / KVH, kh = u % KVH;
+                load_f32(qkv, (int64_t)b * QKV + (int64_t)kh * G * D, G * D, bf16, qrows);
+                attend(&a, b, kh, kh + 1, qrows, scores, acc, tmp);
+                store_from_f32(att, (int64_t)b * NH * D + (int64_t)kh * G * D, G * D, bf16, acc);
+            }
+            gemv_share(att, w[W_O], w[B_O], h, NH * D, H, M, bf16, xf, tid, nth);
+#pragma omp barrier
+#pragma omp single
+            for (int m = 0; m < M; m++)
+                add_rms_norm_row((char *)h + (size_t)m * H * es, (char *)res + (size_t)m * H * es, w[W_POST_NORM], H,
+                                 md->eps, bf16);
+            gemv_share(h, w[W_GATE_UP], w[B_GATE_UP], gu, H, 2 * I, M, bf16, xf, tid, nth);
+#pragma omp barrier
+#pragma omp single
+            for (int m = 0; m < M; m++) {
+                const char *g = (const char *)gu + (size_t)m * 2 * I * es;
+                silu_mul_row(g, g + (size_t)I * es, (char *)act + (size_t)m * I * es, I, bf16);
+            }
+            gemv_share(act, w[W_DOWN], w[B_DOWN], h, I, H, M, bf16, xf, tid, nth);
+#pragma omp barrier
+        }
+    }
+    for (int m = 0; m < M; m++)
+        add_rms_norm_row((char *)h + (size_t)m * H * es, (char *)res + (size_t)m * H * es, md->final_norm, H, md->eps,
+                         bf16);
+    memcpy(out, h, (size_t)M * H * es);
+    free(mem);
+    return 0;
+}
+
+/* logits [M, N] (model dtype) = x [M, K] . W [N, K]^T: the LM head of a small batch over the
+ * vocabulary rows, split over the threads. Returns 0, -1 when M is out of range, -2 without
+ * memory. */
+int lm_head(const void *x, const void *W, void *y, int M, int K, int N, int bf16, int nthreads) {
+    if (M < 1 || M > MAX_ROWS) return -1;
+    if (nthreads < 1) nthreads = 1;
+    float *xf = malloc(sizeof(float) * (size_t)M * K * (size_t)nthreads);
+    if (xf == NULL) return -2;
+#pragma omp parallel num_threads(nthreads)
+    gemv_share(x, W, NULL, y, K, N, M, bf16, xf + (size_t)M * K * thread_id(), thread_id(), team_size());
+    free(xf);
+    return 0;
+}
+
+int max_rows(void) { return MAX_ROWS; }

@@ -1,0 +1,149 @@
+"""The whole decode step of a small batch in one C call (`decode_step.c`), for CPU workers.
+
+At batch 1 a decode step reads every weight once and does little else, so its speed is the
+speed of streaming the weights; the eager forward spent ~30% on top of that in ~270 op
+dispatches and OpenMP regions per step. `CpuDecodeStep` runs the decoder (and, through
+`lm_head`, the LM head) of a step whose requests each bring one new token, at most
+`max_rows` of them, as one OpenMP region. Larger batches and prefills keep the eager path
+(oneDNN's blocked GEMMs win once a projection is no longer bound by reading its weights).
+
+The C code reads the checkpoint's row-major weights, while the eager path runs on oneDNN's
+prepacked copies (`cpu_linear.py`): the step keeps the row-major tensors too, which doubles
+the projections' memory. `DecoderForCausalLM.use_cpu_decode_step` therefore turns it on only
+when that copy is small next to the available RAM, and `MYVLLM_CPU_DECODE_STEP=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from services.worker.attention.base import AttentionMetadata
+from services.worker.cpu import cbuild
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("decode_step.c")
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# The C side's per-layer pointer order (decode_step.c's enum).
+LAYER_SLOTS = ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
+               "gate_up_bias", "down", "down_bias")
+_lib: ctypes.CDLL | None = None
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+
+
+class _StepModel(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I),
+                ("intermediate", _I), ("block_size", _I), ("bf16", _I), ("eps", _F), ("scale", _F),
+                ("layers", _P), ("kv", _P), ("final_norm", _P), ("cos", _P), ("sin", _P)]
+
+
+def load_library() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = cbuild.build(_SOURCE, ["-ffp-contract=off"])
+        lib.decode_step.restype = _I
+        lib.decode_step.argtypes = [_P, _I, _P, _P, _P, _P, _I64, _P, _P, _I]
+        lib.lm_head.restype = _I
+        lib.lm_head.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
+        lib.max_rows.restype = _I
+        _lib = lib
+    return _lib
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class CpuDecodeStep:
+    """Holds the row-major weights of one model and runs its small decode steps in C."""
+
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        layers = list(model._stage())
+        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        self.dtype = next(model.parameters()).dtype
+        # Up to these many rows the step beat the eager forward (SmolLM2, 2 threads, AVX-512
+        # EPYC): fp32 1.27x at 1 row, 1.39x at 2, 1.25x at 4, 1.05x at 8; bf16 1.40x at 1, 1.2x
+        # at 4 but 0.78x at 8, where AVX2 FMAs on widened bf16 fall behind oneDNN's bf16 dot
+        # products (the projections stop being bound by the weights' bytes).
+        self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
+        tensors: list[torch.Tensor | None] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                        attn.q_norm.weight if attn.q_norm is not None else None,
+                        attn.k_norm.weight if attn.k_norm is not None else None,
+                        attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias]
+        # Kept alive here: after the eager layers are packed for oneDNN these are the only
+        # references to the row-major weights.
+        self._weights = [t.detach().contiguous() if t is not None else None for t in tensors]
+        self._layer_ptrs = (_P * len(tensors))(*[_ptr(t) for t in self._weights])
+        self.head_weight = (model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight).detach()
+        rope = model.rotary_emb
+        self._rope = (rope.cos.contiguous(), rope.sin.contiguous())
+        self._model = _StepModel(
+            num_layers=len(layers), hidden=model.config.hidden_size, num_heads=attn0.num_heads,
+            num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim, intermediate=mlp0.intermediate_size,
+            block_size=0, bf16=int(self.dtype == torch.bfloat16), eps=float(layers[0].input_layernorm.eps),
+            scale=float(attn0.attn.scale), layers=ctypes.addressof(self._layer_ptrs), kv=None,
+            final_norm=model.norm.weight.data_ptr(), cos=self._rope[0].data_ptr(), sin=self._rope[1].data_ptr())
+        self._attention = [layer.self_attn.attn for layer in layers]
+        self._kv_bound: list[torch.Tensor] = []
+        self._kv_ptrs = None
+
+    @staticmethod
+    def plain_weight_bytes(model: torch.nn.Module) -> int:
+        """What the row-major copy of the projections costs next to the packed ones."""
+        total = 0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                total += module.weight.numel() * module.weight.element_size()
+        return total
+
+    def _bind_kv(self) -> None:
+        caches = [a.kv_cache for a in self._attention]
+        if len(caches) == len(self._kv_bound) and all(c is b for c, b in zip(caches, self._kv_bound, strict=True)):
+            return
+        if any(c is None for c in caches):
+            raise RuntimeError("decode step before the KV cache exists")
+        self._kv_bound = caches
+        self._kv_ptrs = (_P * (2 * len(caches)))(*[p for c in caches for p in (c[0].data_ptr(), c[1].data_ptr())])
+        self._model.kv = ctypes.addressof(self._kv_ptrs)
+        self._model.block_size = int(caches[0].shape[2])
+
+    def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
+        """A step of at most `max_rows` requests, each bringing exactly one new token."""
+        return meta.max_query_len == 1 and 0 < meta.num_tokens <= self.max_rows and x.dtype == self.dtype
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: [M, hidden] embeddings of the new tokens → [M, hidden], the final norm's output;
+        each token's K/V is written into the cache at meta.slot_mapping on the way."""
+        self._bind_kv()
+        x = x.contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        block_table = meta.block_table
+        assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+        assert meta.seq_lens.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+        out = torch.empty_like(x)
+        rc = self.lib.decode_step(ctypes.addressof(self._model), x.shape[0], x.data_ptr(), positions.data_ptr(),
+                                  meta.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                                  meta.seq_lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"cpu decode step failed ({rc})")
+        return out
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] → [M, vocabulary rows] logits in the model's dtype, for M <= max_rows."""
+        hidden = hidden.contiguous()
+        w = self.head_weight
+        out = torch.empty((hidden.shape[0], w.shape[0]), dtype=w.dtype)
+        rc = self.lib.lm_head(hidden.data_ptr(), w.data_ptr(), out.data_ptr(), hidden.shape[0], w.shape[1],
+                              w.shape[0], int(w.dtype == torch.bfloat16), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"cpu LM head failed ({rc})")
+        return out
