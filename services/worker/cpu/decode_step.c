@@ -85,71 +85,65 @@ static inline void store_out(void *y, int64_t i, float v, const int bf16) {
 }
 
 /* y[m, r] = x[m] . W[r] (+ bias[r]) for output rows [r0, r1): x fp32 [M, K]; W [N, K] and y
- * [M, N] in the model's dtype. R weight rows are streamed together, each element of them
- * multiplied into all M rows of x (read from L1). */
+ * [M, N] in the model's dtype. One weight row at a time, so each thread reads its share of W as
+ * a single sequential stream (four rows side by side streamed ~15% slower: the hardware
+ * prefetcher follows one stream best), each element multiplied into all M rows of x (read
+ * from L1). S independent accumulators per x row over alternating 8-element chunks of K keep
+ * enough FMAs in flight when M is small. */
 static inline __attribute__((always_inline)) void gemv_impl(const float *restrict x, const void *restrict W,
                                                             const void *restrict bias, void *restrict y, int K,
-                                                            int N, int r0, int r1, const int M, const int R,
+                                                            int N, int r0, int r1, const int M, const int S,
                                                             const int bf16) {
-    int r = r0;
-    for (; r + R <= r1; r += R) {
+    const int es = bf16 ? 2 : 4, step = 8 * S;
+    for (int r = r0; r < r1; r++) {
+        const int64_t row = (int64_t)r * K;
         /* fixed-size arrays (not VLAs) with fully unrolled loops, so the accumulators live in
          * registers */
         f32x8 acc[4][MAX_ROWS];
 #pragma GCC unroll 4
-        for (int i = 0; i < R; i++)
+        for (int j = 0; j < S; j++)
 #pragma GCC unroll 8
-            for (int m = 0; m < M; m++) acc[i][m] = (f32x8){0};
+            for (int m = 0; m < M; m++) acc[j][m] = (f32x8){0};
         int k = 0;
-        for (; k + 8 <= K; k += 8) {
-            f32x8 w[4];
+        for (; k + step <= K; k += step) {
+            const char *at = (const char *)W + (row + k) * es + PREFETCH_BYTES;
+            for (int b = 0; b < step * es; b += 64) __builtin_prefetch(at + b, 0, 0);
 #pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                w[i] = wload8(W, (int64_t)(r + i) * K + k, bf16);
-                __builtin_prefetch((const char *)W + ((int64_t)(r + i) * K + k) * (bf16 ? 2 : 4) + PREFETCH_BYTES, 0, 0);
-            }
+            for (int j = 0; j < S; j++) {
+                const f32x8 w = wload8(W, row + k + 8 * j, bf16);
 #pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const f32x8 xv = load8(x + (int64_t)m * K + k);
-#pragma GCC unroll 4
-                for (int i = 0; i < R; i++) acc[i][m] = fma8(w[i], xv, acc[i][m]);
+                for (int m = 0; m < M; m++) acc[j][m] = fma8(w, load8(x + (int64_t)m * K + k + 8 * j), acc[j][m]);
             }
         }
-        for (int i = 0; i < R; i++) {
-            for (int m = 0; m < M; m++) {
-                float s = lane_sum(acc[i][m]);
-                for (int kk = k; kk < K; kk++) s += x[(int64_t)m * K + kk] * wload1(W, (int64_t)(r + i) * K + kk, bf16);
-                if (bias) s += wload1(bias, r + i, bf16);
-                store_out(y, (int64_t)m * N + r + i, s, bf16);
-            }
+        for (; k + 8 <= K; k += 8) {
+            const f32x8 w = wload8(W, row + k, bf16);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) acc[0][m] = fma8(w, load8(x + (int64_t)m * K + k), acc[0][m]);
         }
-    }
-    for (; r < r1; r++) { /* rows left over from the groups of R */
         for (int m = 0; m < M; m++) {
-            f32x8 acc = {0};
-            int k = 0;
-            for (; k + 8 <= K; k += 8) acc = fma8(wload8(W, (int64_t)r * K + k, bf16), load8(x + (int64_t)m * K + k), acc);
-            float s = lane_sum(acc);
-            for (; k < K; k++) s += x[(int64_t)m * K + k] * wload1(W, (int64_t)r * K + k, bf16);
-            if (bias) s += wload1(bias, r, bf16);
-            store_out(y, (int64_t)m * N + r, s, bf16);
+            f32x8 total = acc[0][m];
+            for (int j = 1; j < S; j++) total += acc[j][m];
+            float sum = lane_sum(total);
+            for (int kk = k; kk < K; kk++) sum += x[(int64_t)m * K + kk] * wload1(W, row + kk, bf16);
+            if (bias) sum += wload1(bias, r, bf16);
+            store_out(y, (int64_t)m * N + r, sum, bf16);
         }
     }
 }
 
-#define GEMV_CASE(MM, RR)                                                                  \
+#define GEMV_CASE(MM, SS)                                                                  \
     case MM:                                                                               \
         if (bf16)                                                                          \
-            gemv_impl(x, W, bias, y, K, N, r0, r1, MM, RR, 1);                             \
+            gemv_impl(x, W, bias, y, K, N, r0, r1, MM, SS, 1);                             \
         else                                                                               \
-            gemv_impl(x, W, bias, y, K, N, r0, r1, MM, RR, 0);                             \
+            gemv_impl(x, W, bias, y, K, N, r0, r1, MM, SS, 0);                             \
         break;
 
 static void gemv_rows(const float *x, const void *W, const void *bias, void *y, int K, int N, int r0, int r1, int M,
                       int bf16) {
     switch (M) {
         GEMV_CASE(1, 4)
-        GEMV_CASE(2, 4)
+        GEMV_CASE(2, 2)
         GEMV_CASE(3, 2)
         GEMV_CASE(4, 2)
         GEMV_CASE(5, 1)

@@ -66,10 +66,10 @@ class CpuDecodeStep:
         layers = list(model._stage())
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         self.dtype = next(model.parameters()).dtype
-        # Up to these many rows the step beat the eager forward (SmolLM2, 2 threads, AVX-512
-        # EPYC): fp32 1.27x at 1 row, 1.39x at 2, 1.25x at 4, 1.05x at 8; bf16 1.40x at 1, 1.2x
-        # at 4 but 0.78x at 8, where AVX2 FMAs on widened bf16 fall behind oneDNN's bf16 dot
-        # products (the projections stop being bound by the weights' bytes).
+        # Up to these many rows the step beats the eager forward (SmolLM2, 2 threads, AVX-512
+        # EPYC, forward + LM head): fp32 1.47x at 1 row, 1.45x at 4, 1.05x at 8; bf16 2.2x at 1,
+        # 1.3x at 4, even at 8, where AVX2 FMAs on widened bf16 catch up with oneDNN's bf16
+        # dot products (the projections stop being bound by the weights' bytes).
         self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
         tensors: list[torch.Tensor | None] = []
         for layer in layers:
