@@ -82,11 +82,10 @@ def test_the_step_takes_only_small_all_decode_batches(tiny_model_dir) -> None:
     runner = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0)
     runner.init_kv_cache(128, BLOCK)
     step = runner.model.decode_step
-    x = torch.zeros(step.max_rows, 8)  # embeddings of the new tokens (the model is fp32)
-    assert step.applies(_meta(runner, np.full(step.max_rows, 3), np.ones(step.max_rows, np.int64)), x)
-    assert not step.applies(_meta(runner, np.full(step.max_rows + 1, 3), np.ones(step.max_rows + 1, np.int64)), x)
-    assert not step.applies(_meta(runner, np.array([3, 0]), np.array([1, 4])), x)  # a prefill among them
-    assert not step.applies(_meta(runner, np.array([3]), np.array([2])), x)  # two new tokens (drafts)
+    assert step.applies(_meta(runner, np.full(step.max_rows, 3), np.ones(step.max_rows, np.int64)))
+    assert not step.applies(_meta(runner, np.full(step.max_rows + 1, 3), np.ones(step.max_rows + 1, np.int64)))
+    assert not step.applies(_meta(runner, np.array([3, 0]), np.array([1, 4])))  # a prefill among them
+    assert not step.applies(_meta(runner, np.array([3]), np.array([2])))  # two new tokens (drafts)
 
 
 def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, monkeypatch) -> None:

@@ -255,7 +255,11 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.from_host(slot_mapping, query_start_loc, seq_lens, context_lens, block_table,
                                           bs, dev)
-        meta.backend_data = self.attn_backend.prepare(meta)
+        # The C decode step attends without the backend's plan; a draft model mirrors the
+        # target's forward with the same metadata, so it needs the plan either way.
+        step = getattr(self.model, "decode_step", None)
+        if step is None or self.proposer is not None or not step.applies(meta):
+            meta.backend_data = self.attn_backend.prepare(meta)
         batch.num_computed_tokens[rows] = seq_lens
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)
         positions_t = torch.from_numpy(positions).to(dev)

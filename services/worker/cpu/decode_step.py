@@ -116,9 +116,9 @@ class CpuDecodeStep:
         self._model.kv = ctypes.addressof(self._kv_ptrs)
         self._model.block_size = int(caches[0].shape[2])
 
-    def applies(self, meta: AttentionMetadata, x: torch.Tensor) -> bool:
+    def applies(self, meta: AttentionMetadata) -> bool:
         """A step of at most `max_rows` requests, each bringing exactly one new token."""
-        return meta.max_query_len == 1 and 0 < meta.num_tokens <= self.max_rows and x.dtype == self.dtype
+        return meta.max_query_len == 1 and 0 < meta.num_tokens <= self.max_rows
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [M, hidden] embeddings of the new tokens → [M, hidden], the final norm's output;

@@ -282,7 +282,7 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids) if self.is_first_stage else hidden
         if self.decode_step is not None and not torch.compiler.is_compiling():
             meta = current_metadata()
-            if meta is not None and self.decode_step.applies(meta, x):
+            if meta is not None and self.decode_step.applies(meta):
                 return self.decode_step.forward(x, positions, meta)
         if self.cpu_ops is not None and not torch.compiler.is_compiling():
             return self._forward_fused(self.cpu_ops, positions, x)
