@@ -83,6 +83,26 @@ def test_bench_latency_tiny(smollm2_dir: str, capsys: pytest.CaptureFixture[str]
     assert match
 
 
+def test_bench_latency_interleaved(smollm2_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """--interleave loads the in-process peers together and alternates their iterations."""
+    from services.bench import workload
+
+    order: list[str] = []
+    for cls in (workload.MyVllmPeer, __import__("services.bench.hf_peer", fromlist=["HFPeer"]).HFPeer):
+        original = cls.generate
+        monkeypatch.setattr(cls, "generate", lambda self, reqs, knobs, _o=original: order.append(self.name) or
+                            _o(self, reqs, knobs))
+    rc = main(["bench", "latency", "--model", smollm2_dir, "--input-len", "16", "--output-len", "6",
+               "--num-iters", "2", "--no-llamacpp", "--interleave"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = _rows(out, 9)
+    assert set(rows) == {"my-vllm", "hf"} and all(r[2] == 2 for r in rows.values())
+    assert "interleaved" in out
+    # Both loaded and warmed up first, then TTFT + E2E of each in turn, twice.
+    assert order == ["my-vllm", "hf"] + ["my-vllm", "my-vllm", "hf", "hf"] * 2
+
+
 def test_bench_latency_repeat_workload_with_speculation(smollm2_dir: str, tmp_path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """--speculative-config adds a my-vllm+spec peer (plain my-vllm still runs) and its ITL ratio;

@@ -62,6 +62,10 @@ def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineAr
                      help="random: random prompt tokens (default); repeat: chat prompts asking to rewrite a "
                           "paragraph changing only the names, which the model largely copies (n-gram speculation's "
                           "home ground); --input-len is then the paragraph's own length")
+    lat.add_argument("--interleave", action="store_true",
+                     help="load the in-process peers (my-vllm, HF, llama.cpp) together and take their iterations "
+                          "in turn, so a machine whose speed drifts during the run affects them alike (vLLM, a "
+                          "subprocess, still runs on its own); needs the memory of all of them at once")
     _add_common_args(lat)
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
@@ -277,11 +281,13 @@ def run_latency(args: argparse.Namespace) -> int:
         return _fail(str(e))
     for note in notes:
         log(note)
-    results = latency.benchmark(prompt_ids, args.output_len, args.num_iters, knobs, specs, warmup)
+    results = latency.benchmark(prompt_ids, args.output_len, args.num_iters, knobs, specs, warmup,
+                                interleave=args.interleave)
     what = (f"'rewrite this paragraph, changing only the names' chat prompts of {min(map(len, prompt_ids))}-"
             f"{max(map(len, prompt_ids))} tokens" if args.workload == "repeat" else f"{args.input_len} prompt tokens")
     workload = (f"workload: batch 1, {what}, {args.output_len} output tokens (ignore_eos), "
-                f"{args.num_iters} iterations after 1 warm-up; means shown")
+                f"{args.num_iters} iterations after 1 warm-up; means shown"
+                + ("; in-process peers interleaved iteration by iteration" if args.interleave else ""))
     print(_header(args, knobs, notes, workload))
     print(latency.report(results), flush=True)
     if args.json:

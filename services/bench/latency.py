@@ -7,8 +7,9 @@ tokens; ITL = (E2E - TTFT) / (output_len - 1). Every run uses a fresh prompt of
 
 from __future__ import annotations
 
+import gc
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from services.bench.workload import (
     PeerSpec,
     SamplingKnobs,
     format_table,
+    log,
     run_peer,
     torch_threads,
 )
@@ -61,8 +63,10 @@ class LatencyResult:
 
 
 def benchmark(prompts: Sequence[list[int]], output_len: int, num_iters: int, knobs: SamplingKnobs,
-              peers: Sequence[PeerSpec], warmup: BenchRequest) -> list[LatencyResult]:
-    """Measure each peer (loaded one at a time) with the same prompts.
+              peers: Sequence[PeerSpec], warmup: BenchRequest, interleave: bool = False) -> list[LatencyResult]:
+    """Measure each peer with the same prompts: loaded one at a time, or, with `interleave`, the
+    in-process ones loaded together and measured in turn, iteration by iteration (a subprocess
+    peer, vLLM, still alone: its idle runtime may spin on the cores the others use).
 
     `prompts` holds 2 * num_iters prompts: iteration i uses prompts[2i] for TTFT and
     prompts[2i + 1] for E2E.
@@ -72,15 +76,50 @@ def benchmark(prompts: Sequence[list[int]], output_len: int, num_iters: int, kno
     if len(prompts) < 2 * num_iters:
         raise ValueError(f"need {2 * num_iters} prompts for {num_iters} iterations, got {len(prompts)}")
 
-    def measure(peer: Peer) -> LatencyResult:
-        threads = torch_threads()
-        ttft, e2e = [], []
-        for i in range(num_iters):
-            ttft.append(peer.generate([BenchRequest(prompts[2 * i], 1)], knobs))
-            e2e.append(peer.generate([BenchRequest(prompts[2 * i + 1], output_len)], knobs))
-        return LatencyResult(peer.name, len(prompts[0]), output_len, ttft, e2e, threads)
+    def one_iteration(peer: Peer, i: int) -> tuple[float, float]:
+        return (peer.generate([BenchRequest(prompts[2 * i], 1)], knobs),
+                peer.generate([BenchRequest(prompts[2 * i + 1], output_len)], knobs))
 
-    return [run_peer(spec, warmup, knobs, measure) for spec in peers]
+    def measure(peer: Peer) -> LatencyResult:
+        runs = [one_iteration(peer, i) for i in range(num_iters)]
+        return LatencyResult(peer.name, len(prompts[0]), output_len, [r[0] for r in runs], [r[1] for r in runs],
+                             torch_threads())
+
+    together = [spec for spec in peers if interleave and spec.name not in SUBPROCESS_PEERS]
+    results = dict(zip([s.name for s in together], _interleaved(together, warmup, knobs, num_iters, one_iteration,
+                                                                len(prompts[0]), output_len), strict=True))
+    for spec in peers:
+        if spec.name not in results:
+            results[spec.name] = run_peer(spec, warmup, knobs, measure)
+    return [results[spec.name] for spec in peers]
+
+
+# Peers that run in a process of their own (their runtime's threads may spin while idle).
+SUBPROCESS_PEERS = ("vllm",)
+
+
+def _interleaved(specs: Sequence[PeerSpec], warmup: BenchRequest, knobs: SamplingKnobs, num_iters: int,
+                 one_iteration: Callable[[Peer, int], tuple[float, float]], input_len: int,
+                 output_len: int) -> list[LatencyResult]:
+    loaded: list[Peer] = []
+    try:
+        for spec in specs:
+            log(f"loading {spec.name}")
+            loaded.append(spec.factory())
+            loaded[-1].generate([warmup], knobs)
+        runs: list[list[tuple[float, float]]] = [[] for _ in loaded]
+        log("measuring " + ", ".join(s.name for s in specs) + " in turn")
+        for i in range(num_iters):
+            for peer, peer_runs in zip(loaded, runs, strict=True):
+                peer_runs.append(one_iteration(peer, i))
+        threads = torch_threads()
+        return [LatencyResult(peer.name, input_len, output_len, [r[0] for r in peer_runs], [r[1] for r in peer_runs],
+                              threads) for peer, peer_runs in zip(loaded, runs, strict=True)]
+    finally:
+        for peer in loaded:
+            peer.close()
+        del loaded
+        gc.collect()
 
 
 def ratio(results: Sequence[LatencyResult], other: str = "hf") -> float | None:
