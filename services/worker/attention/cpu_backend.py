@@ -1,4 +1,5 @@
-"""CPU attention: the torch reference for prefill chunks, a small C kernel for decodes.
+"""CPU attention: small C kernels for decodes (`cpu_paged_decode.c`) and prefill chunks
+(`cpu_paged_prefill.c`), the torch reference where they do not apply.
 
 Decode attention on CPU is memory bound. The torch reference first gathers every decode
 request's K/V blocks into a dense copy, then reads them again in SDPA: three passes over
@@ -11,6 +12,7 @@ backend is unavailable and `torch` is used.
 from __future__ import annotations
 
 import ctypes
+import logging
 from pathlib import Path
 
 import torch
@@ -19,8 +21,12 @@ from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend, _TorchPlan
 from services.worker.cpu import cbuild
 
+logger = logging.getLogger(__name__)
+
 _SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
+_PREFILL_SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
 _lib: ctypes.CDLL | None = None
+_prefill_lib: ctypes.CDLL | None = None
 
 
 def load_library() -> ctypes.CDLL:
@@ -38,11 +44,29 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
+def load_prefill_library() -> ctypes.CDLL:
+    """Compile (once per source version) and load the prefill kernel."""
+    global _prefill_lib
+    if _prefill_lib is None:
+        lib = cbuild.build(_PREFILL_SOURCE)
+        lib.paged_prefill.restype = ctypes.c_int
+        lib.paged_prefill.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + \
+            [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        _prefill_lib = lib
+    return _prefill_lib
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
         self.lib = load_library()
+        try:
+            self.prefill_lib: ctypes.CDLL | None = load_prefill_library()
+        except (RuntimeError, OSError) as e:
+            logger.warning("cpu prefill kernel unavailable (%s); prefill chunks use torch's SDPA", e)
+            self.prefill_lib = None
 
     def prepare(self, meta: AttentionMetadata) -> _TorchPlan:
         plan = super().prepare(meta)
@@ -67,3 +91,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if rc != 0:
             raise MemoryError("cpu paged decode kernel could not allocate its scratch memory")
         return out.to(in_dtype)
+
+    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, plan: _TorchPlan, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor) -> None:
+        """Every prefill chunk of the step in one call, reading K/V from the cache (where the
+        forward stored this step's own before attending)."""
+        head_dim = q.shape[2]
+        if (self.prefill_lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or q.dtype != k_cache.dtype
+                or k_cache.device.type != "cpu" or head_dim % 8 or q.stride(2) != 1 or q.stride(1) != head_dim
+                or not out.is_contiguous() or meta.block_table.dtype != torch.int32):
+            super()._prefills(q, k, v, k_cache, v_cache, plan, meta, scale, out)
+            return
+        chunks = torch.tensor([[p.row, p.start, p.end - p.start, p.context_len] for p in plan.prefills],
+                              dtype=torch.int32).t().contiguous()
+        bt = meta.block_table
+        rc = self.prefill_lib.paged_prefill(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.stride(0),
+            chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[2].data_ptr(), chunks[3].data_ptr(), out.data_ptr(),
+            len(plan.prefills), q.shape[1], k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+            int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("cpu paged prefill kernel could not allocate its scratch memory")

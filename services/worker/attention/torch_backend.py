@@ -27,6 +27,7 @@ class _Prefill:
     seq_len: int
     block_ids: torch.Tensor | None  # blocks holding the whole sequence (None: no context)
     mask: torch.Tensor | None       # [q, seq_len] bool (None: plain causal)
+    row: int = -1                   # the request's row of the metadata's block table
 
 
 # Queries of at most this many tokens after a context attend as per-token decode entries.
@@ -81,7 +82,7 @@ class TorchAttentionBackend:
                 block_ids = meta.block_table[i, :-(-seq // bs)].long()
                 q_pos = torch.arange(ctx, seq, device=device)
                 mask = torch.arange(seq, device=device)[None, :] <= q_pos[:, None]
-            plan.prefills.append(_Prefill(start, end, ctx, seq, block_ids, mask))
+            plan.prefills.append(_Prefill(start, end, ctx, seq, block_ids, mask, int(i)))
         return plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -99,10 +100,17 @@ class TorchAttentionBackend:
             if plan.all_decode:
                 return dec_out
             out.index_copy_(0, plan.decode_token_idx, dec_out)
+        if plan.prefills:
+            self._prefills(q, k, v, k_cache, v_cache, plan, meta, scale, out)
+        return out
+
+    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, plan: _TorchPlan, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor) -> None:
+        """Attend every prefill chunk of the step into its rows of `out` (one at a time here)."""
         for p in plan.prefills:
             out[p.start:p.end] = self._prefill(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
                                                k_cache, v_cache, p, scale)
-        return out
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _TorchPlan,
