@@ -34,10 +34,6 @@ typedef struct {
     float scale;
 } Args;
 
-static inline f32x8 load_any8(const void *p, int64_t off, int bf16) {
-    return bf16 ? load8_bf16((const uint16_t *)p + off) : load8((const float *)p + off);
-}
-
 static inline float hmax8(f32x8 v) {
 #ifdef __AVX__
     __m256 x = _mm256_max_ps((__m256)v, _mm256_permute2f128_ps((__m256)v, (__m256)v, 1));
@@ -60,9 +56,6 @@ static inline f32x8 max8(f32x8 a, f32x8 b) {
 #endif
 }
 
-static inline float lane_sum8(f32x8 v) {
-    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-}
 
 /* One unit: prefill with block-table row `bt`, query tokens [q0, q0 + QT) of its chunk (absolute
  * position ctx + i), query heads of KV head kh. Scratch: qs [R, D], kt [D, KT], vt [KT, D],
@@ -82,7 +75,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const Args *a, co
             float *dst = qs + (int64_t)(i * G + g) * D;
             if (i < nq) {
                 const int64_t src = (int64_t)(q_row0 + q0 + i) * a->q_stride + (int64_t)(kh * G + g) * D;
-                for (int d = 0; d < D; d += 8) store8(dst + d, load_any8(a->q, src + d, bf16) * a->scale);
+                for (int d = 0; d < D; d += 8) store8(dst + d, load8_any(a->q, src + d, bf16) * a->scale);
             } else {
                 memset(dst, 0, sizeof(float) * (size_t)D);
             }
@@ -102,9 +95,9 @@ static inline __attribute__((always_inline)) void prefill_unit(const Args *a, co
                 const int j = j0 + t;
                 const int64_t at = ((int64_t)bt[j / a->BS] * a->BS + j % a->BS) * krow + (int64_t)kh * D;
                 for (int d = 0; d < D; d += 8) {
-                    const f32x8 kv = load_any8(a->k_cache, at + d, bf16);
+                    const f32x8 kv = load8_any(a->k_cache, at + d, bf16);
                     for (int e = 0; e < 8; e++) kt[(int64_t)(d + e) * KT + t] = kv[e];
-                    store8(vt + (int64_t)t * D + d, load_any8(a->v_cache, at + d, bf16));
+                    store8(vt + (int64_t)t * D + d, load8_any(a->v_cache, at + d, bf16));
                 }
             } else {
                 for (int d = 0; d < D; d++) kt[(int64_t)d * KT + t] = 0.f;

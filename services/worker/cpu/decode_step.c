@@ -49,16 +49,6 @@ typedef struct {
 
 /* ---------------------------------------------------------------- projections */
 
-static inline __attribute__((always_inline)) f32x8 wload8(const void *w, int64_t off, const int bf16) {
-    if (!bf16) return load8((const float *)w + off);
-#ifdef __AVX2__
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + off));
-    return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-#else
-    return load8_bf16((const uint16_t *)w + off);
-#endif
-}
-
 static inline float wload1(const void *w, int64_t off, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)w)[off]) : ((const float *)w)[off];
 }
@@ -69,12 +59,6 @@ static inline __attribute__((always_inline)) f32x8 fma8(f32x8 a, f32x8 b, f32x8 
 #else
     return a * b + c;
 #endif
-}
-
-/* A fixed pairwise order, so every machine of the build's level sums alike. */
-static inline float lane_sum(f32x8 v) {
-    const float a = (v[0] + v[4]) + (v[2] + v[6]), b = (v[1] + v[5]) + (v[3] + v[7]);
-    return a + b;
 }
 
 static inline void store_out(void *y, int64_t i, float v, const int bf16) {
@@ -110,20 +94,20 @@ static inline __attribute__((always_inline)) void gemv_impl(const float *restric
             for (int b = 0; b < step * es; b += 64) __builtin_prefetch(at + b, 0, 0);
 #pragma GCC unroll 4
             for (int j = 0; j < S; j++) {
-                const f32x8 w = wload8(W, row + k + 8 * j, bf16);
+                const f32x8 w = load8_any(W, row + k + 8 * j, bf16);
 #pragma GCC unroll 8
                 for (int m = 0; m < M; m++) acc[j][m] = fma8(w, load8(x + (int64_t)m * K + k + 8 * j), acc[j][m]);
             }
         }
         for (; k + 8 <= K; k += 8) {
-            const f32x8 w = wload8(W, row + k, bf16);
+            const f32x8 w = load8_any(W, row + k, bf16);
 #pragma GCC unroll 8
             for (int m = 0; m < M; m++) acc[0][m] = fma8(w, load8(x + (int64_t)m * K + k), acc[0][m]);
         }
         for (int m = 0; m < M; m++) {
             f32x8 total = acc[0][m];
             for (int j = 1; j < S; j++) total += acc[j][m];
-            float sum = lane_sum(total);
+            float sum = lane_sum8(total);
             for (int kk = k; kk < K; kk++) sum += x[(int64_t)m * K + kk] * wload1(W, row + kk, bf16);
             if (bias) sum += wload1(bias, r, bf16);
             store_out(y, (int64_t)m * N + r, sum, bf16);

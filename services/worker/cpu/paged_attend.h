@@ -114,24 +114,6 @@ static inline __attribute__((always_inline)) void attend_impl(const Args *a, int
         for (int d = 0; d < D; d++) acc[(int64_t)h * D + d] *= inv_sum[h];
 }
 
-/* Eight fp32 lanes of a cache row at `offset` (elements), fp32 or bf16 cache. */
-static inline __attribute__((always_inline)) f32x8 load_row8(const void *cache, int64_t offset, const int bf16) {
-    f32x8 v;
-    if (!bf16) {
-        memcpy(&v, (const float *)cache + offset, sizeof v);
-    } else {
-#ifdef __AVX2__
-        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + offset));
-        v = (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-#else
-        u16x8 h;
-        memcpy(&h, (const uint16_t *)cache + offset, sizeof h);
-        v = (f32x8)(__builtin_convertvector(h, u32x8) << 16);
-#endif
-    }
-    return v;
-}
-
 /* Software prefetch of the 8-token group that follows the one at (blk, t0): its rows' columns of
  * this unit's KV heads. Without it the loop is bound by memory latency (the out-of-order window
  * holds ~1.5 KB of loads at this arithmetic density): ~12 GB/s per core against ~35 GB/s for a
@@ -187,7 +169,7 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
                 for (int c = 0; c < D; c += 8) {
                     f32x8 qc;
                     memcpy(&qc, qh + c, sizeof qc);
-                    for (int t = 0; t < 8; t++) s[t] += qc * load_row8(a->k_cache, kbase + t * row + c, bf16);
+                    for (int t = 0; t < 8; t++) s[t] += qc * load8_any(a->k_cache, kbase + t * row + c, bf16);
                 }
                 const f32x8 r = sum8x8(s) * a->scale;
                 memcpy(scores + (int64_t)h * L + (int64_t)blk * BS + t0, &r, sizeof r);
@@ -201,7 +183,7 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
                 for (int c = 0; c < D; c += 8) {
                     f32x8 qc;
                     memcpy(&qc, qh + c, sizeof qc);
-                    s1 += qc * load_row8(a->k_cache, kbase + c, bf16);
+                    s1 += qc * load8_any(a->k_cache, kbase + c, bf16);
                 }
                 float dot = 0.f;
                 for (int i = 0; i < 8; i++) dot += s1[i];
@@ -231,7 +213,7 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
                     memcpy(o, ah, sizeof o);
                     for (int t = 0; t < nt; t++) {
                         const f32x8 p = zero + ph[t];
-                        for (int c = 0; c < 8; c++) o[c] += p * load_row8(a->v_cache, vbase + t * row + 8 * c, bf16);
+                        for (int c = 0; c < 8; c++) o[c] += p * load8_any(a->v_cache, vbase + t * row + 8 * c, bf16);
                     }
                     memcpy(ah, o, sizeof o);
                 }

@@ -43,9 +43,26 @@ static inline f32x8 load8(const float *p) {
 static inline void store8(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
 
 static inline f32x8 load8_bf16(const uint16_t *p) {
+#ifdef __AVX2__
+    /* GCC's generic widening below compiled to a slower sequence: a bf16 GEMV streamed at 25 GB/s
+     * with it against 66 with these two instructions */
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
     u16x8 h;
     memcpy(&h, p, sizeof h);
     return (f32x8)(__builtin_convertvector(h, u32x8) << 16);
+#endif
+}
+
+/* 8 lanes at element `offset` of an fp32 or (bf16) bf16 array, as fp32. */
+static inline __attribute__((always_inline)) f32x8 load8_any(const void *p, int64_t offset, const int bf16) {
+    return bf16 ? load8_bf16((const uint16_t *)p + offset) : load8((const float *)p + offset);
+}
+
+/* The sum of 8 lanes in a fixed pairwise order (every machine of a build level sums alike). */
+static inline float lane_sum8(f32x8 v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
 static inline u16x8 to_bf16x8(f32x8 v) {
