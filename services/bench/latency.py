@@ -85,9 +85,12 @@ def benchmark(prompts: Sequence[list[int]], output_len: int, num_iters: int, kno
         return LatencyResult(peer.name, len(prompts[0]), output_len, [r[0] for r in runs], [r[1] for r in runs],
                              torch_threads())
 
-    together = [spec for spec in peers if interleave and spec.name not in SUBPROCESS_PEERS]
-    results = dict(zip([s.name for s in together], _interleaved(together, warmup, knobs, num_iters, one_iteration,
-                                                                len(prompts[0]), output_len), strict=True))
+    together = [spec for spec in peers if spec.name not in SUBPROCESS_PEERS] if interleave else []
+    results = {}
+    if together:
+        results = dict(zip([s.name for s in together], _interleaved(together, warmup, knobs, num_iters,
+                                                                    one_iteration, len(prompts[0]), output_len),
+                           strict=True))
     for spec in peers:
         if spec.name not in results:
             results[spec.name] = run_peer(spec, warmup, knobs, measure)

@@ -16,15 +16,12 @@ when that copy is small next to the available RAM, and `MYVLLM_CPU_DECODE_STEP=0
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cpu import cbuild
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_step.c")
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -74,11 +71,13 @@ class CpuDecodeStep:
         tensors: list[torch.Tensor | None] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            tensors += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                        attn.q_norm.weight if attn.q_norm is not None else None,
-                        attn.k_norm.weight if attn.k_norm is not None else None,
-                        attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias]
+            slots = {"in_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj.weight,
+                     "qkv_bias": attn.qkv_proj.bias, "q_norm": attn.q_norm.weight if attn.q_norm else None,
+                     "k_norm": attn.k_norm.weight if attn.k_norm else None, "o": attn.o_proj.weight,
+                     "o_bias": attn.o_proj.bias, "post_norm": layer.post_attention_layernorm.weight,
+                     "gate_up": mlp.gate_up_proj.weight, "gate_up_bias": mlp.gate_up_proj.bias,
+                     "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias}
+            tensors += [slots[name] for name in LAYER_SLOTS]
         # Kept alive here: after the eager layers are packed for oneDNN these are the only
         # references to the row-major weights.
         self._weights = [t.detach().contiguous() if t is not None else None for t in tensors]

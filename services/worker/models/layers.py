@@ -20,6 +20,7 @@ from torch import nn
 
 from services.worker.attention.base import AttentionLayer, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
+from services.worker.cpu.decode_step import CpuDecodeStep, load_library
 from services.worker.parallel import (
     all_gather_last_dim,
     all_reduce,
@@ -267,7 +268,7 @@ class DecoderForCausalLM(nn.Module):
         # The fused CPU elementwise ops, when `use_cpu_ops` enabled them.
         self.cpu_ops: CpuOps | None = None
         # Small decode steps as one C call, when `use_cpu_decode_step` enabled it.
-        self.decode_step = None
+        self.decode_step: CpuDecodeStep | None = None
 
     def _stage(self) -> Iterable[DecoderLayer]:
         return self.layers[self.layer_range.start:self.layer_range.stop]
@@ -319,10 +320,7 @@ class DecoderForCausalLM(nn.Module):
         bytes again beside the packed copies, so it is left off when that exceeds
         `max_extra_bytes`; also off where it does not apply (not CPU, tensor or pipeline
         parallel, another dtype, no C compiler)."""
-        from services.worker.cpu.decode_step import CpuDecodeStep, load_library
-
-        param = next(self.parameters())
-        if (param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16) or get_tp().size > 1
+        if (not CpuOps.supports(next(self.parameters())) or get_tp().size > 1
                 or not (self.is_first_stage and self.is_last_stage)):
             return False
         extra = CpuDecodeStep.plain_weight_bytes(self)
@@ -340,8 +338,8 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.decode_step is not None and 0 < hidden.shape[0] <= self.decode_step.max_rows \
                 and not torch.compiler.is_compiling():
-            return self.decode_step.lm_head(hidden)[..., :self.config.vocab_size].float()
-        if self.tied_head is not None:
+            logits = self.decode_step.lm_head(hidden)
+        elif self.tied_head is not None:
             logits = self.tied_head(hidden)
         elif self.tie_word_embeddings:
             logits = F.linear(hidden, self.embed_tokens.weight)
