@@ -114,25 +114,57 @@ static inline __attribute__((always_inline)) void attend_impl(const Args *a, int
         for (int d = 0; d < D; d++) acc[(int64_t)h * D + d] *= inv_sum[h];
 }
 
-/* Software prefetch of the 8-token group that follows the one at (blk, t0): its rows' columns of
- * this unit's KV heads. Without it the loop is bound by memory latency (the out-of-order window
- * holds ~1.5 KB of loads at this arithmetic density): ~12 GB/s per core against ~35 GB/s for a
- * plain streaming read on the same machine. A group ahead (6 KB at three fp32 KV heads) is far
- * enough; a whole block ahead at once overflowed the line-fill buffers (measured 4x slower). */
-static inline void prefetch_next_group(const Args *a, const void *cache, const int32_t *bt, int nblocks, int L,
-                                       int blk, int t0, int kh0, int width, int64_t row, const int bf16) {
-    int nblk = blk, nt0 = t0 + 8;
-    if (nt0 >= a->BS) {
-        nblk = blk + 1;
-        nt0 = 0;
-    }
-    if (nblk >= nblocks) return;
-    const int rows = L - (nblk * a->BS + nt0) < 8 ? L - (nblk * a->BS + nt0) : 8;
+/* Software prefetch of the cache rows PREFETCH_GROUPS 8-token groups ahead of the group being
+ * consumed. Without it the loop is bound by memory latency (the out-of-order window holds ~1.5 KB
+ * of loads at this arithmetic density): ~12 GB/s per core against ~35 GB/s for a plain streaming
+ * read on the same machine. The lines of that group are prefetched a slice per query head
+ * (prefetch_part), spread over the group's work: issued in one burst, the prefetches queued behind
+ * each other in the line-fill buffers (the burst itself was a tenth of the kernel's samples).
+ * Measured on 64 requests x ~400 tokens x 30 layers, 2 threads (BENCHMARKS.md, round 7): one
+ * group ahead in one burst 23 GB/s fp32 / 18 bf16; spread, two groups ahead 34-46 / 25 (a plain
+ * read of the same rows: 38-41); one group spread 34-40, three or more groups a little less. */
+#define PREFETCH_GROUPS 2
+
+typedef struct {
+    const char *first; /* NULL: nothing to prefetch (the end of the request) */
+    int rows;          /* 1 when the group is one contiguous span of lines */
+    int lines;         /* cache lines per row (per span) */
+    int64_t row_bytes;
+} Prefetch;
+
+/* Where the group PREFETCH_GROUPS ahead of position `pos` lies, for this unit's KV heads. */
+static inline Prefetch prefetch_plan(const Args *a, const void *cache, const int32_t *bt, int L, int pos, int kh0,
+                                     int width, int64_t row, const int bf16) {
+    Prefetch p = {NULL, 0, 0, 0};
+    pos += PREFETCH_GROUPS * 8;
+    if (pos >= L) return p;
     const int es = bf16 ? 2 : 4;
-    const char *first = (const char *)cache + ((int64_t)bt[nblk] * a->BS * row + (int64_t)nt0 * row +
-                                               (int64_t)kh0 * (row / a->KVH)) * es;
-    for (int t = 0; t < rows; t++)
-        for (int byte = 0; byte < width * es; byte += 64) __builtin_prefetch(first + t * row * es + byte, 0, 3);
+    p.first = (const char *)cache + ((int64_t)bt[pos / a->BS] * a->BS * row + (int64_t)(pos % a->BS) * row +
+                                     (int64_t)kh0 * (row / a->KVH)) * es;
+    p.rows = L - pos < 8 ? L - pos : 8;
+    p.row_bytes = row * es;
+    /* Rows holding every KV head (whole-request units) make the group one span of lines. With a
+     * block size that is not a multiple of 8 the span may run past its block into whatever
+     * follows: a prefetch never faults, so that only costs a wasted line. */
+    if (width == row) {
+        p.lines = (int)((p.rows * p.row_bytes + 63) / 64);
+        p.rows = 1;
+    } else {
+        p.lines = (int)((width * es + 63) / 64);
+    }
+    return p;
+}
+
+/* The part-th of nparts slices of the planned group's lines. */
+static inline void prefetch_part(const Prefetch *p, int part, int nparts) {
+    if (p->first == NULL) return;
+    if (p->rows == 1) {
+        for (int i = part * p->lines / nparts; i < (part + 1) * p->lines / nparts; i++)
+            __builtin_prefetch(p->first + (int64_t)i * 64, 0, 3);
+        return;
+    }
+    for (int r = part * p->rows / nparts; r < (part + 1) * p->rows / nparts; r++)
+        for (int l = 0; l < p->lines; l++) __builtin_prefetch(p->first + r * p->row_bytes + (int64_t)l * 64, 0, 3);
 }
 
 /* attend_impl for head sizes that are multiples of 64, reorganised so that neither pass is
@@ -161,8 +193,9 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
         const int n = L - blk * BS < BS ? L - blk * BS : BS;
         int t0 = 0;
         for (; t0 + 8 <= n; t0 += 8) {
-            prefetch_next_group(a, a->k_cache, bt, nblocks, L, blk, t0, kh0, nkv * D, row, bf16);
+            const Prefetch pf = prefetch_plan(a, a->k_cache, bt, L, blk * BS + t0, kh0, nkv * D, row, bf16);
             for (int h = 0; h < nh; h++) {
+                prefetch_part(&pf, h, nh);
                 const float *restrict qh = q + (int64_t)h * D;
                 const int64_t kbase = base + (int64_t)t0 * row + (int64_t)(h / G) * D;
                 f32x8 s[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
@@ -203,8 +236,9 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
         const int n = L - blk * BS < BS ? L - blk * BS : BS;
         for (int t0 = 0; t0 < n; t0 += 8) {
             const int nt = n - t0 < 8 ? n - t0 : 8;
-            prefetch_next_group(a, a->v_cache, bt, nblocks, L, blk, t0, kh0, nkv * D, row, bf16);
+            const Prefetch pf = prefetch_plan(a, a->v_cache, bt, L, blk * BS + t0, kh0, nkv * D, row, bf16);
             for (int h = 0; h < nh; h++) {
+                prefetch_part(&pf, h, nh);
                 const float *restrict ph = scores + (int64_t)h * L + (int64_t)blk * BS + t0;
                 for (int d0 = 0; d0 < D; d0 += 64) {
                     const int64_t vbase = base + (int64_t)t0 * row + (int64_t)(h / G) * D + d0;
