@@ -20,6 +20,7 @@ import torch
 from services.common.config import check_model_dir
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
+from services.worker.cpu.malloc_tuning import keep_freed_memory
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch
 from services.worker.models.compiled import CompiledForward, Forward
@@ -85,6 +86,7 @@ class ModelRunner:
         num_ranks = tensor_parallel_size * pipeline_parallel_size
         if self.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(num_ranks))
+            keep_freed_memory()  # activations reused between steps instead of re-faulted
         torch.manual_seed(seed)
         self.seed = seed
         self.dtype = resolve_dtype(dtype, self.device)
