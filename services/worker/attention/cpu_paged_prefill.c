@@ -8,9 +8,13 @@
  * Why: torch's SDPA ran these shapes (prompts of 32-512 tokens, 64-wide heads) at 50-90 GFLOPS on
  * two cores, about a fifth of the attention's time per step spent on overhead. Here a unit of
  * work is (prefill, KV head, tile of QT query tokens): the tile's G * QT query rows (every query
- * head of the KV head) are scored against 16 cached tokens at a time as a small matrix product
- * (keys transposed once into L1, each query value broadcast across 16 keys: 8 independent
- * accumulators), and the keys' values are accumulated with each output row held in registers.
+ * head of the KV head) are scored against KT = 32 cached tokens at a time as a small matrix
+ * product (keys transposed into L1 8 x 8 at a time in registers, each query value broadcast
+ * across 16 keys: 8 independent accumulators), and the keys' values are accumulated with each
+ * output row held in registers. 32 keys per step rather than 16 halve the online softmax's
+ * per-row bookkeeping (max, rescale of the output rows); 64 wasted more on masked keys than it
+ * saved (6 x 272 tokens, fp32: 16 keys 127, 32 keys 128-132, 64 keys 116 GFLOPS; at 8 x 128 tokens
+ * 114 / 115 / 98).
  * Units go to threads dynamically (later tiles see more keys).
  */
 #include <stdlib.h>
@@ -21,7 +25,8 @@
 #endif
 
 #define QT 16 /* query tokens per tile */
-#define KT 16 /* keys per step */
+#define KT 32 /* keys per step (a multiple of 16) */
+#define NV (KT / 8) /* vectors per row of scores */
 
 typedef struct {
     const void *q;             /* [T, H, D] rows q_stride elements apart */
@@ -89,41 +94,49 @@ static inline __attribute__((always_inline)) void prefill_unit(const Args *a, co
     const int last_pos = ctx + q0 + nq - 1; /* the tile's last query sees keys [0, last_pos] */
     for (int j0 = 0; j0 <= last_pos; j0 += KT) {
         const int nk = last_pos + 1 - j0 < KT ? last_pos + 1 - j0 : KT;
-        /* keys transposed [D, KT] and values [KT, D], fp32; missing keys zero (masked below) */
-        for (int t = 0; t < KT; t++) {
-            if (t < nk) {
-                const int j = j0 + t;
-                const int64_t at = ((int64_t)bt[j / a->BS] * a->BS + j % a->BS) * krow + (int64_t)kh * D;
-                for (int d = 0; d < D; d += 8) {
-                    const f32x8 kv = load8_any(a->k_cache, at + d, bf16);
-                    for (int e = 0; e < 8; e++) kt[(int64_t)(d + e) * KT + t] = kv[e];
-                    store8(vt + (int64_t)t * D + d, load8_any(a->v_cache, at + d, bf16));
-                }
-            } else {
-                for (int d = 0; d < D; d++) kt[(int64_t)d * KT + t] = 0.f;
-                memset(vt + (int64_t)t * D, 0, sizeof(float) * (size_t)D);
+        /* keys transposed [D, KT] (8 keys x 8 dims at a time, in registers) and values [KT, D],
+         * fp32; missing keys zero (masked below) */
+        for (int t0 = 0; t0 < KT; t0 += 8) {
+            int64_t at[8];
+            for (int t = 0; t < 8; t++) {
+                const int j = j0 + t0 + t;
+                at[t] = t0 + t < nk ? ((int64_t)bt[j / a->BS] * a->BS + j % a->BS) * krow + (int64_t)kh * D : -1;
+            }
+            for (int d = 0; d < D; d += 8) {
+                f32x8 rows[8];
+                for (int t = 0; t < 8; t++) rows[t] = at[t] >= 0 ? load8_any(a->k_cache, at[t] + d, bf16) : (f32x8){0};
+                transpose8x8(rows);
+                for (int e = 0; e < 8; e++) store8(kt + (int64_t)(d + e) * KT + t0, rows[e]);
+            }
+            for (int t = 0; t < 8; t++) {
+                float *dst = vt + (int64_t)(t0 + t) * D;
+                if (at[t] >= 0)
+                    for (int d = 0; d < D; d += 8) store8(dst + d, load8_any(a->v_cache, at[t] + d, bf16));
+                else
+                    memset(dst, 0, sizeof(float) * (size_t)D);
             }
         }
         /* s = qs . kt, 4 rows x 16 keys at a time */
-        for (int r = 0; r < R; r += 4) {
-            f32x8 acc[4][2] = {{{0}}};
-            for (int d = 0; d < D; d++) {
-                const f32x8 k0 = load8(kt + (int64_t)d * KT), k1 = load8(kt + (int64_t)d * KT + 8);
+        for (int k0 = 0; k0 < KT; k0 += 16)
+            for (int r = 0; r < R; r += 4) {
+                f32x8 acc[4][2] = {{{0}}};
+                for (int d = 0; d < D; d++) {
+                    const f32x8 ka = load8(kt + (int64_t)d * KT + k0), kb = load8(kt + (int64_t)d * KT + k0 + 8);
+                    for (int u = 0; u < 4; u++) {
+                        const f32x8 qv = broadcast8(qs + (int64_t)(r + u) * D + d);
+                        acc[u][0] += qv * ka;
+                        acc[u][1] += qv * kb;
+                    }
+                }
                 for (int u = 0; u < 4; u++) {
-                    const f32x8 qv = (f32x8){0} + qs[(int64_t)(r + u) * D + d];
-                    acc[u][0] += qv * k0;
-                    acc[u][1] += qv * k1;
+                    store8(s + (int64_t)(r + u) * KT + k0, acc[u][0]);
+                    store8(s + (int64_t)(r + u) * KT + k0 + 8, acc[u][1]);
                 }
             }
-            for (int u = 0; u < 4; u++) {
-                store8(s + (int64_t)(r + u) * KT, acc[u][0]);
-                store8(s + (int64_t)(r + u) * KT + 8, acc[u][1]);
-            }
-        }
         /* causal mask, online softmax, o = o * correction + p . v. Masking is needed only where
          * some key of the tile lies past some row's position (the diagonal tiles, the last one). */
         const int may_mask = nk < KT || j0 + KT - 1 > ctx + q0;
-        const i32x8 key0 = (i32x8){0, 1, 2, 3, 4, 5, 6, 7} + j0, key1 = key0 + 8;
+        const i32x8 key0 = (i32x8){0, 1, 2, 3, 4, 5, 6, 7} + j0;
         const f32x8 neg_inf = (f32x8){0} - INFINITY;
         for (int r = 0; r < R; r++) {
             const int i = r / G;
@@ -133,16 +146,22 @@ static inline __attribute__((always_inline)) void prefill_unit(const Args *a, co
                 memset(sr, 0, sizeof(float) * KT);
                 continue;
             }
-            f32x8 s0 = load8(sr), s1 = load8(sr + 8);
-            i32x8 out0 = {0}, out1 = {0}; /* all-ones lanes: keys this row must not see */
+            f32x8 sv[NV];
+            i32x8 out[NV]; /* all-ones lanes: keys this row must not see */
+            for (int c = 0; c < NV; c++) {
+                sv[c] = load8(sr + 8 * c);
+                out[c] = (i32x8){0};
+            }
             if (may_mask) {
                 const int pos = ctx + q0 + i, lim = pos < j0 + nk - 1 ? pos : j0 + nk - 1;
-                out0 = key0 > lim;
-                out1 = key1 > lim;
-                s0 = (f32x8)(((i32x8)s0 & ~out0) | ((i32x8)neg_inf & out0));
-                s1 = (f32x8)(((i32x8)s1 & ~out1) | ((i32x8)neg_inf & out1));
+                for (int c = 0; c < NV; c++) {
+                    out[c] = key0 + 8 * c > lim;
+                    sv[c] = (f32x8)(((i32x8)sv[c] & ~out[c]) | ((i32x8)neg_inf & out[c]));
+                }
             }
-            const float tile_max = hmax8(max8(s0, s1));
+            f32x8 vmax = sv[0];
+            for (int c = 1; c < NV; c++) vmax = max8(vmax, sv[c]);
+            const float tile_max = hmax8(vmax);
             if (tile_max == -INFINITY) { /* every key of this tile is in the future */
                 memset(sr, 0, sizeof(float) * KT);
                 continue;
@@ -150,12 +169,14 @@ static inline __attribute__((always_inline)) void prefill_unit(const Args *a, co
             const float m_new = fmaxf(m[r], tile_max);
             const float corr = m[r] == -INFINITY ? 0.f : exp1(m[r] - m_new);
             /* exp8 clamps its argument, so masked lanes are zeroed after it */
-            s0 = (f32x8)((i32x8)exp8(s0 - m_new) & ~out0);
-            s1 = (f32x8)((i32x8)exp8(s1 - m_new) & ~out1);
-            l[r] = l[r] * corr + lane_sum8(s0 + s1);
+            f32x8 sum = (f32x8){0};
+            for (int c = 0; c < NV; c++) {
+                sv[c] = (f32x8)((i32x8)exp8(sv[c] - m_new) & ~out[c]);
+                sum += sv[c];
+                store8(sr + 8 * c, sv[c]); /* the row's weights p, in place of its scores */
+            }
+            l[r] = l[r] * corr + lane_sum8(sum);
             m[r] = m_new;
-            store8(sr, s0); /* the row's weights p, in place of its scores */
-            store8(sr + 8, s1);
             corr_row[r] = corr;
         }
         /* o = o * corr + p . v, two rows at a time over 32-lane slices (2 x 4 accumulators: each
@@ -171,7 +192,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const Args *a, co
                     a1[c] = load8(o1 + d0 + 8 * c) * corr_row[r + 1];
                 }
                 for (int t = 0; t < nk; t++) {
-                    const f32x8 w0 = (f32x8){0} + p0[t], w1 = (f32x8){0} + p1[t];
+                    const f32x8 w0 = broadcast8(p0 + t), w1 = broadcast8(p1 + t);
                     for (int c = 0; c < w; c++) {
                         const f32x8 vv = load8(vt + (int64_t)t * D + d0 + 8 * c);
                         a0[c] += w0 * vv;

@@ -246,7 +246,7 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
                     f32x8 o[8];
                     memcpy(o, ah, sizeof o);
                     for (int t = 0; t < nt; t++) {
-                        const f32x8 p = zero + ph[t];
+                        const f32x8 p = broadcast8(ph + t);
                         for (int c = 0; c < 8; c++) o[c] += p * load8_any(a->v_cache, vbase + t * row + 8 * c, bf16);
                     }
                     memcpy(ah, o, sizeof o);

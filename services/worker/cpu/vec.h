@@ -55,6 +55,45 @@ static inline f32x8 load8_bf16(const uint16_t *p) {
 #endif
 }
 
+/* *p in all 8 lanes, one load-and-broadcast: GCC compiles the generic `(f32x8){0} + *p` to a
+ * scalar add and a broadcast, an extra dependent instruction in the kernels' innermost loops. */
+static inline f32x8 broadcast8(const float *p) {
+#ifdef __AVX__
+    return (f32x8)_mm256_broadcast_ss(p);
+#else
+    return (f32x8){0} + *p;
+#endif
+}
+
+/* Transpose the 8x8 block of rows r[0..7] in place (r[i][j] <-> r[j][i]): three rounds of
+ * shuffles in registers instead of 64 single-lane stores. */
+static inline void transpose8x8(f32x8 r[8]) {
+#ifdef __AVX__
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps((__m256)r[i], (__m256)r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps((__m256)r[i], (__m256)r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+#else
+    for (int i = 0; i < 8; i++)
+        for (int j = i + 1; j < 8; j++) {
+            const float x = r[i][j];
+            r[i][j] = r[j][i];
+            r[j][i] = x;
+        }
+#endif
+}
+
 /* 8 lanes at element `offset` of an fp32 or (bf16) bf16 array, as fp32. */
 static inline __attribute__((always_inline)) f32x8 load8_any(const void *p, int64_t offset, const int bf16) {
     return bf16 ? load8_bf16((const uint16_t *)p + offset) : load8((const float *)p + offset);
