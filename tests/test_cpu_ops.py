@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.worker.cpu import cpu_ops
 from services.worker.cpu.cpu_ops import CpuOps
 
 ops = CpuOps.load()
@@ -68,7 +69,11 @@ def test_rms_norm_and_fused_residual_add(dtype: torch.dtype, rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64])
-def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("path", ["c", "dispatch"])
+def test_silu_and_mul(monkeypatch, dtype: torch.dtype, rows: int, path: str) -> None:
+    """Our loop (forced) and whatever the op picks for these rows (bf16 may go to torch's ops)."""
+    if path == "c":
+        monkeypatch.setattr(cpu_ops, "TORCH_BF16_SILU_MIN_ROWS", 1 << 62)
     torch.manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
     gate_up[0, :8] = torch.tensor([0.0, -100.0, 100.0, -88.5, 88.5, 1e-30, -1e-30, 20.0]).to(dtype)

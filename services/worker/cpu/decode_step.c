@@ -53,14 +53,6 @@ static inline float wload1(const void *w, int64_t off, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)w)[off]) : ((const float *)w)[off];
 }
 
-static inline __attribute__((always_inline)) f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
-#ifdef __FMA__
-    return (f32x8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
-}
-
 static inline void store_out(void *y, int64_t i, float v, const int bf16) {
     if (bf16)
         ((uint16_t *)y)[i] = f32_to_bf16(v);
