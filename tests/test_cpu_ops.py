@@ -133,3 +133,20 @@ def test_the_model_with_fused_ops_scores_prompts_as_the_torch_ops_do(tiny_model_
         for got, want in zip(got_prompt, want_prompt, strict=True):
             top = max(want, key=lambda t: want[t].logprob)
             assert top in got and abs(got[top].logprob - want[top].logprob) <= tol
+
+
+def test_bf16_residual_add_rounds_specials_and_ties_like_torch() -> None:
+    """The bf16 rows go 16 values at a time through the split load/store (vec.h): NaN, infinities,
+    values that round to infinity and exact ties between two bf16 neighbours come out as torch's."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    delta = torch.randn(3, 576).to(torch.bfloat16)
+    inf, nan, tie_down, tie_up = float("inf"), float("nan"), 2.0 ** -8, 3 * 2.0 ** -8
+    # each special at an even and an odd position (the split path's two halves)
+    x[0, :12] = torch.tensor([nan, nan, inf, inf, -inf, -inf, 3e38, 3e38, 1, 1, 1, 1]).to(torch.bfloat16)
+    delta[0, :12] = torch.tensor([1, 1, 1, 1, 1, 1, 3e38, 3e38, tie_down, tie_down, tie_up, tie_up]).to(torch.bfloat16)
+    residual, h = x.clone(), delta.clone()
+    ops.fused_add_rms_norm(h, residual, (torch.rand(576) + 0.5).to(torch.bfloat16), EPS)
+    torch.testing.assert_close(residual, x + delta, rtol=0, atol=0, equal_nan=True)
+    assert residual[0, 6:8].isinf().all()
+    assert residual[0, 8:10].eq(1.0).all() and residual[0, 10:12].eq(1.015625).all()  # ties to even

@@ -167,15 +167,6 @@ static inline void prefetch_part(const Prefetch *p, int part, int nparts) {
         for (int l = 0; l < p->lines; l++) __builtin_prefetch(p->first + r * p->row_bytes + (int64_t)l * 64, 0, 3);
 }
 
-/* 16 bf16 values as two fp32 vectors: the even elements (each 32-bit lane's low half shifted
- * up) and the odd ones (its high half, masked): two instructions for 16 values. */
-static inline void load16_bf16_split(const uint16_t *p, f32x8 *even, f32x8 *odd) {
-    u32x8 raw;
-    memcpy(&raw, p, sizeof raw);
-    *even = (f32x8)(raw << 16);
-    *odd = (f32x8)(raw & 0xffff0000u);
-}
-
 /* x[0..16) into dst as [x0 x2 .. x14 | x1 x3 .. x15], the order load16_bf16_split yields. */
 static inline void split16(const float *restrict x, float *restrict dst) {
     for (int i = 0; i < 8; i++) {

@@ -126,6 +126,27 @@ static inline void store8_bf16(uint16_t *p, f32x8 v) {
     memcpy(p, &h, sizeof h);
 }
 
+/* 16 bf16 values as two fp32 vectors: the even elements (each 32-bit lane's low half shifted
+ * up) and the odd ones (its high half, masked): two instructions for 16 values. */
+static inline void load16_bf16_split(const uint16_t *p, f32x8 *even, f32x8 *odd) {
+    u32x8 raw;
+    memcpy(&raw, p, sizeof raw);
+    *even = (f32x8)(raw << 16);
+    *odd = (f32x8)(raw & 0xffff0000u);
+}
+
+/* The inverse: even and odd elements rounded to bf16 (nearest even, NaN stays a quiet NaN, as
+ * f32_to_bf16) and stored as 16 values in order, each 32-bit lane holding one of each. About
+ * half the instructions of two store8_bf16 (no narrowing pack across lanes). */
+static inline void store16_bf16_split(uint16_t *p, f32x8 even, f32x8 odd) {
+    const u32x8 e = (u32x8)even, o = (u32x8)odd;
+    const u32x8 e_nan = (u32x8)((i32x8)(e & 0x7fffffffu) > 0x7f800000), o_nan = (u32x8)((i32x8)(o & 0x7fffffffu) > 0x7f800000);
+    const u32x8 e_r = ((e + 0x7fffu + ((e >> 16) & 1u)) & ~e_nan) | ((e | 0x00400000u) & e_nan);
+    const u32x8 o_r = ((o + 0x7fffu + ((o >> 16) & 1u)) & ~o_nan) | ((o | 0x00400000u) & o_nan);
+    const u32x8 both = (o_r & 0xffff0000u) | (e_r >> 16);
+    memcpy(p, &both, sizeof both);
+}
+
 /* v rounded to bf16 precision (nearest even), staying in fp32 lanes: no narrowing and widening
  * back. NaN stays NaN: every NaN here comes from bf16 inputs, whose quiet bit is in the upper
  * half the rounding keeps. */
