@@ -22,9 +22,7 @@
 #include <stdlib.h>
 
 #include "paged_attend.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 
 /* Returns 0, or -1 when scratch memory could not be allocated. q and out are fp32 or, with
  * io_bf16, bf16; the cache is fp32 or, with is_bf16, bf16. */
@@ -48,11 +46,7 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, const 
     const AttendFn attend = select_attend(D);
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int u = 0; u < num_units; u++) {
-#ifdef _OPENMP
-        float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
-#else
-        float *mine = scratch;
-#endif
+        float *mine = thread_scratch(scratch, per_thread);
         float *scores = mine, *acc = scores + (size_t)nh * max_len, *qrows = acc + (size_t)nh * D;
         float *tmp = qrows + (size_t)nh * D;
         const int b = u / units_per_req, kh0 = (u % units_per_req) * heads_per_unit;

@@ -20,9 +20,7 @@
 #include <stdlib.h>
 
 #include "vec.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 
 #define QT 16 /* query tokens per tile */
 #define KT 32 /* keys per step (a multiple of 16) */
@@ -276,11 +274,7 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_cache, const vo
     if (num_threads > num_units) num_threads = num_units;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int u = 0; u < num_units; u++) {
-#ifdef _OPENMP
-        float *mine = scratch + per_thread * (size_t)omp_get_thread_num();
-#else
-        float *mine = scratch;
-#endif
+        float *mine = thread_scratch(scratch, per_thread);
         float *qs = mine, *kt = qs + (size_t)R * D, *vt = kt + (size_t)D * KT, *s = vt + (size_t)KT * D;
         float *o = s + (size_t)R * KT, *m = o + (size_t)R * D, *l = m + R, *c = l + R;
         const int p = units[u][0];

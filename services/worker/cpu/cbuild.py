@@ -55,7 +55,7 @@ def compiler_version(cc: str) -> str:
     return result.stdout.partition("\n")[0]
 
 
-INCLUDE_DIR = Path(__file__).parent  # vec.h, shared by the kernels
+INCLUDE_DIR = Path(__file__).parent  # vec.h, threads.h and the other headers the kernels share
 
 
 def build_key(source: Path, cc: str, flags: list[str], version: str | None = None) -> str:

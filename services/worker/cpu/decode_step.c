@@ -22,9 +22,7 @@
 
 #include "paged_attend.h"
 #include "row_ops.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 
 /* Most rows (requests) a step may carry: beyond a few rows the projections stop being bound by
  * reading the weights and oneDNN's blocked GEMMs win. */
@@ -141,21 +139,6 @@ static void gemv_share(const void *x, const void *W, const void *bias, void *y, 
     if (r0 < r1) gemv_rows(xf, W, bias, y, K, N, r0, r1, M, bf16);
 }
 
-static inline int thread_id(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static inline int team_size(void) {
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
 
 /* ---------------------------------------------------------------- the step */
 
@@ -190,7 +173,7 @@ int decode_step(const StepModel *md, int M, const void *x, const int64_t *positi
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = thread_id(), nth = team_size();
-        float *xf = scratch + per_thread * (size_t)tid;
+        float *xf = thread_scratch(scratch, per_thread);
         float *scores = xf + (size_t)M * widest, *acc = scores + (size_t)G * max_len, *qrows = acc + (size_t)G * D;
         float *tmp = qrows + (size_t)G * D;
         for (int l = 0; l < md->num_layers; l++) {
