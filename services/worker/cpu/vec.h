@@ -104,13 +104,17 @@ static inline float lane_sum8(f32x8 v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
-static inline u16x8 to_bf16x8(f32x8 v) {
+/* Each lane's fp32 bits rounded to bf16 (nearest even, NaN stays a quiet NaN, as f32_to_bf16),
+ * the bf16 in the upper 16 bits of the lane (the lower 16 are garbage). */
+static inline u32x8 bf16_round_bits(f32x8 v) {
     const u32x8 bits = (u32x8)v;
-    const u32x8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const u32x8 nan = (bits >> 16) | 0x40u;
     /* a signed compare (AVX2 has no unsigned one): both sides are below 2^31 */
     const u32x8 is_nan = (u32x8)((i32x8)(bits & 0x7fffffffu) > 0x7f800000);
-    const u32x8 h = (rounded & ~is_nan) | (nan & is_nan); /* each lane < 2^16 */
+    return ((bits + 0x7fffu + ((bits >> 16) & 1u)) & ~is_nan) | ((bits | 0x00400000u) & is_nan);
+}
+
+static inline u16x8 to_bf16x8(f32x8 v) {
+    const u32x8 h = bf16_round_bits(v) >> 16; /* each lane < 2^16 */
 #ifdef __AVX2__
     /* 32 -> 16 bit lanes: AVX2 has no truncating move (vpmovdw is AVX-512), and GCC's generic
      * conversion went lane by lane; an unsigned saturating pack of in-range lanes is the same. */
@@ -135,15 +139,11 @@ static inline void load16_bf16_split(const uint16_t *p, f32x8 *even, f32x8 *odd)
     *odd = (f32x8)(raw & 0xffff0000u);
 }
 
-/* The inverse: even and odd elements rounded to bf16 (nearest even, NaN stays a quiet NaN, as
- * f32_to_bf16) and stored as 16 values in order, each 32-bit lane holding one of each. About
- * half the instructions of two store8_bf16 (no narrowing pack across lanes). */
+/* The inverse: even and odd elements rounded to bf16 (bf16_round_bits) and stored as 16 values
+ * in order, each 32-bit lane holding one of each. About half the instructions of two
+ * store8_bf16 (no narrowing pack across lanes). */
 static inline void store16_bf16_split(uint16_t *p, f32x8 even, f32x8 odd) {
-    const u32x8 e = (u32x8)even, o = (u32x8)odd;
-    const u32x8 e_nan = (u32x8)((i32x8)(e & 0x7fffffffu) > 0x7f800000), o_nan = (u32x8)((i32x8)(o & 0x7fffffffu) > 0x7f800000);
-    const u32x8 e_r = ((e + 0x7fffu + ((e >> 16) & 1u)) & ~e_nan) | ((e | 0x00400000u) & e_nan);
-    const u32x8 o_r = ((o + 0x7fffu + ((o >> 16) & 1u)) & ~o_nan) | ((o | 0x00400000u) & o_nan);
-    const u32x8 both = (o_r & 0xffff0000u) | (e_r >> 16);
+    const u32x8 both = (bf16_round_bits(odd) & 0xffff0000u) | (bf16_round_bits(even) >> 16);
     memcpy(p, &both, sizeof both);
 }
 
