@@ -1,14 +1,15 @@
 """The cpu backend's C prefill kernel (attention/cpu_paged_prefill.c) against exact (float64)
-causal attention: steps mixing decodes with prefill chunks with and without cached context,
-ragged lengths around the kernel's 16-token tiles, shuffled paged blocks, GQA ratios, head sizes
-with and without a specialised copy, fp32 and bf16, strided query rows (a view of the fused qkv
-output, as the model hands them over), 1 and 2 threads.
+causal attention, at each instruction-set level this CPU runs: steps mixing decodes with prefill
+chunks with and without cached context, ragged lengths around the kernel's 16-token tiles,
+shuffled paged blocks, GQA ratios, head sizes with and without a specialised copy, fp32 and bf16,
+strided query rows (a view of the fused qkv output, as the model hands them over), 1 and 2 threads.
 
 The tolerance is an error bound, not a machine's observed error: scores here are O(1) (unit
-normal q and k, scale 1/sqrt(D)), so each fp32 dot product, the softmax's exp (~2e-7 relative)
-and the sums over at most a few hundred keys stay well within 1e-5 of the output's scale,
-whatever order a machine's vector units sum in. bf16 outputs add their rounding to bf16: up to
-half a bf16 step of the fp32 result, bounded here by a whole step (2^-7 of the value).
+normal q and k, scale 1/sqrt(D)), so each fp32 dot product (bf16 dot products too: their products
+are exact, their sums fp32), the softmax's exp (~2e-7 relative) and the sums over at most a few
+hundred keys stay well within 1e-5 of the output's scale, whatever order a machine's vector units
+sum in. bf16 outputs add their rounding to bf16: up to half a bf16 step of the fp32 result,
+bounded here by a whole step (2^-7 of the value).
 """
 
 from __future__ import annotations
@@ -22,11 +23,21 @@ from services.worker.attention.base import AttentionMetadata
 NUM_BLOCKS = 256
 
 
-@pytest.fixture(scope="module")
-def cpu_backend():
+def _isa_levels() -> list[str | None]:
+    """The kernel's instruction-set levels with code of their own that this CPU runs (AVX-512 with
+    and without bf16 dot products, AVX2); None (the compiler's default) off x86."""
+    from services.worker.attention.cpu_backend import HIGHEST_ISA
+    from services.worker.cpu import cbuild
+
+    levels = [level for level in cbuild.isa_levels(highest=HIGHEST_ISA) if level in ("avx512_bf16", "avx512", "avx2")]
+    return levels or [None]
+
+
+@pytest.fixture(scope="module", params=_isa_levels(), ids=str)
+def cpu_backend(request):
     from services.worker.attention.cpu_backend import CpuAttentionBackend
 
-    return CpuAttentionBackend()
+    return CpuAttentionBackend(isa_level=request.param)
 
 
 CASES = [

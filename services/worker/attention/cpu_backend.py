@@ -25,45 +25,49 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 _PREFILL_SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
-_lib: ctypes.CDLL | None = None
-_prefill_lib: ctypes.CDLL | None = None
+# The attention kernels carry AVX-512 code (16 lanes; bf16 dot products): built at the best level
+# this CPU runs, up to this one (cbuild's docstring).
+HIGHEST_ISA = "avx512_bf16"
+_libs: dict[tuple[str, str | None], ctypes.CDLL] = {}
 
 
-def load_library() -> ctypes.CDLL:
-    """Compile (once per source version) and load the decode kernel."""
-    global _lib
-    if _lib is not None:
-        return _lib
-    lib = cbuild.build(_SOURCE)
-    lib.paged_decode.restype = ctypes.c_int
-    lib.paged_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-        [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.exp_neg_lanes.restype = None
-    lib.exp_neg_lanes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    _lib = lib
-    return lib
+def load_library(level: str | None = None) -> ctypes.CDLL:
+    """Compile (once per source version and ISA level) and load the decode kernel; `level`
+    None: the best this CPU runs."""
+    key = ("decode", level)
+    if key not in _libs:
+        lib = cbuild.build(_SOURCE, highest=HIGHEST_ISA, level=level)
+        lib.paged_decode.restype = ctypes.c_int
+        lib.paged_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+            [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.exp_neg_lanes.restype = None
+        lib.exp_neg_lanes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        _libs[key] = lib
+    return _libs[key]
 
 
-def load_prefill_library() -> ctypes.CDLL:
-    """Compile (once per source version) and load the prefill kernel."""
-    global _prefill_lib
-    if _prefill_lib is None:
-        lib = cbuild.build(_PREFILL_SOURCE)
+def load_prefill_library(level: str | None = None) -> ctypes.CDLL:
+    """Compile (once per source version and ISA level) and load the prefill kernel."""
+    key = ("prefill", level)
+    if key not in _libs:
+        lib = cbuild.build(_PREFILL_SOURCE, highest=HIGHEST_ISA, level=level)
         lib.paged_prefill.restype = ctypes.c_int
         lib.paged_prefill.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + \
             [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-        _prefill_lib = lib
-    return _prefill_lib
+        _libs[key] = lib
+    return _libs[key]
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
-        self.lib = load_library()
+    def __init__(self, isa_level: str | None = None) -> None:
+        """`isa_level`: the kernels' instruction-set level (cbuild.ISA_LEVELS); None: the best this
+        CPU runs (tests pass each level in turn)."""
+        self.lib = load_library(isa_level)
         try:
-            self.prefill_lib: ctypes.CDLL | None = load_prefill_library()
+            self.prefill_lib: ctypes.CDLL | None = load_prefill_library(isa_level)
         except (RuntimeError, OSError) as e:
             logger.warning("cpu prefill kernel unavailable (%s); prefill chunks use torch's SDPA", e)
             self.prefill_lib = None

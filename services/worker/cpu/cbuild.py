@@ -1,11 +1,19 @@
 """Build a C source file into a shared library at first use, cached on disk, and load it.
 
-The CPU kernels (paged decode attention, the fused elementwise ops) are small C files compiled
-with the system C compiler (about a second each) into a cache directory, keyed by the source,
-the compiler and its version, and the flags. The instruction set is a fixed x86-64 level (v3 =
-AVX2 + FMA where the CPU has it), not `-march=native`: every x86 machine of that level
-(AVX2-only EPYC, AVX-512 EPYC, Xeon with AMX) then runs the same machine code and gets
-bit-identical results. Without a compiler the caller falls back to torch.
+The CPU kernels (paged attention, the fused elementwise ops, the decode step) are small C files
+compiled with the system C compiler (about a second each) into a cache directory, keyed by the
+source, the compiler and its version, and the flags.
+
+Instruction sets: each kernel is built for a fixed x86-64 *level*, never `-march=native`, so every
+machine of a level runs the same machine code and gets the same results. A kernel says the
+highest level it has code for (`highest`): the fused ops and the decode step stop at `avx2`
+(x86-64-v3, AVX2 + FMA: their results match torch's bit for bit at that level), the attention
+kernels carry AVX-512 paths (`#ifdef __AVX512F__`, `__AVX512BF16__`) and are built at `avx512`
+or `avx512_bf16` where /proc/cpuinfo lists those flags (16-lane vectors, bf16 dot products: the
+fixed v3 build left half of an AVX-512 machine's vector width unused). `MYVLLM_CPU_ISA` caps the
+level for every kernel (for example `avx2` to run the v3 code on an AVX-512 machine); the tests
+build each kernel at every level this CPU can run. Without a compiler the caller falls back to
+torch.
 """
 
 from __future__ import annotations
@@ -27,23 +35,43 @@ from services.common.config import cpu_flags as read_cpu_flags
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 # The CPU flags each x86-64 micro-architecture level needs (as /proc/cpuinfo spells them).
-_X86_64_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 _X86_64_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+_X86_64_V3 = _X86_64_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+# The levels a kernel can be built for, highest first: (name, compiler flags, CPU flags needed).
+ISA_LEVELS = [
+    ("avx512_bf16", ["-march=x86-64-v4", "-mavx512bf16"], _X86_64_V4 | {"avx512_bf16"}),
+    ("avx512", ["-march=x86-64-v4"], _X86_64_V4),
+    ("avx2", ["-march=x86-64-v3"], _X86_64_V3),
+    ("sse4", ["-march=x86-64-v2"], _X86_64_V2),
+    ("x86-64", ["-march=x86-64"], set()),
+]
+_LEVEL_NAMES = [name for name, _, _ in ISA_LEVELS]
+ISA_ENV = "MYVLLM_CPU_ISA"
 
 
-def isa_flags(machine: str | None = None, cpu_flags: set[str] | None = None) -> list[str]:
-    """The -march for this CPU: a fixed x86-64 level, so the build depends on the level alone.
-
-    Off x86-64 (aarch64 and the like) the compiler's default target is used."""
+def isa_levels(machine: str | None = None, cpu_flags: set[str] | None = None, highest: str = "avx2") -> list[str]:
+    """Every level this CPU can run, at most `highest` (and at most $MYVLLM_CPU_ISA), best first.
+    Off x86-64 (aarch64 and the like): [""], the compiler's default target."""
     machine = machine or platform.machine()
     if machine not in ("x86_64", "AMD64"):
-        return []
+        return [""]
     cpu_flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-    if _X86_64_V3 <= cpu_flags:
-        return ["-march=x86-64-v3"]
-    if _X86_64_V2 <= cpu_flags:
-        return ["-march=x86-64-v2"]
-    return ["-march=x86-64"]
+    caps = [highest, os.environ.get(ISA_ENV) or highest]
+    for cap in caps:
+        if cap not in _LEVEL_NAMES:
+            raise ValueError(f"unknown CPU instruction-set level {cap!r} (one of {', '.join(_LEVEL_NAMES)})")
+    top = max(_LEVEL_NAMES.index(cap) for cap in caps)
+    return [name for name, _, needs in ISA_LEVELS[top:] if needs <= cpu_flags]
+
+
+def isa_flags(machine: str | None = None, cpu_flags: set[str] | None = None, highest: str = "avx2",
+              level: str | None = None) -> list[str]:
+    """The -march (and extension) flags of `level`, or of the best level this CPU can run, at most
+    `highest`: a fixed x86-64 level, so the build depends on the level alone."""
+    level = isa_levels(machine, cpu_flags, highest)[0] if level is None else level
+    return next((flags for name, flags, _ in ISA_LEVELS if name == level), [])
 
 
 def compiler_version(cc: str) -> str:
@@ -79,10 +107,12 @@ def find_compiler() -> str:
     return cc
 
 
-def build(source: Path, extra_flags: list[str] | None = None, version: str | None = None) -> ctypes.CDLL:
-    """Compile `source` (once per source, compiler and flags) and load it."""
+def build(source: Path, extra_flags: list[str] | None = None, version: str | None = None, highest: str = "avx2",
+          level: str | None = None) -> ctypes.CDLL:
+    """Compile `source` (once per source, compiler and flags) and load it, built for `level` or
+    for the best level this CPU can run up to `highest` (see the module's docstring)."""
     cc = find_compiler()
-    flags = [*BASE_FLAGS, *isa_flags(), f"-I{INCLUDE_DIR}", *(extra_flags or [])]
+    flags = [*BASE_FLAGS, *isa_flags(highest=highest, level=level), f"-I{INCLUDE_DIR}", *(extra_flags or [])]
     target = cache_dir() / f"{source.stem}_{build_key(source, cc, flags, version)}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -167,28 +167,46 @@ static inline __attribute__((always_inline)) f32x8 fma8(f32x8 a, f32x8 b, f32x8 
 #endif
 }
 
-/* e^x for x in [-87, 89] (clamped; inf from about 88.7 on, as expf): Cephes-style range
- * reduction + degree-6 polynomial, relative error ~2e-7. */
-static inline f32x8 exp8(f32x8 x) {
-    const f32x8 zero = {0}, lo = zero - 87.0f, hi = zero + 89.0f;
+static inline f32x8 min8(f32x8 a, f32x8 b) {
 #ifdef __AVX__
-    x = (f32x8)_mm256_min_ps(_mm256_max_ps((__m256)x, (__m256)lo), (__m256)hi);
+    return (f32x8)_mm256_min_ps((__m256)a, (__m256)b);
 #else
-    const i32x8 below = x < lo, above = x > hi; /* all-ones lanes where x is out of range */
-    x = (f32x8)(((i32x8)x & ~(below | above)) | ((i32x8)lo & below) | ((i32x8)hi & above));
+    const i32x8 lt = a < b; /* b where either is NaN, as minps */
+    return (f32x8)(((i32x8)a & lt) | ((i32x8)b & ~lt));
 #endif
-    const f32x8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const f32x8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x8 p = zero + 1.9875691500e-4f;
-    p = fma8(p, r, zero + 1.3981999507e-3f);
-    p = fma8(p, r, zero + 8.3334519073e-3f);
-    p = fma8(p, r, zero + 4.1665795894e-2f);
-    p = fma8(p, r, zero + 1.6666665459e-1f);
-    p = fma8(p, r, zero + 5.0000001201e-1f);
-    p = fma8(p * r, r, r) + 1.0f;
-    const i32x8 two_n = (__builtin_convertvector(n, i32x8) + 127) << 23;
-    return p * (f32x8)two_n;
 }
+
+static inline f32x8 max8(f32x8 a, f32x8 b) {
+#ifdef __AVX__
+    return (f32x8)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    const i32x8 gt = a > b;
+    return (f32x8)(((i32x8)a & gt) | ((i32x8)b & ~gt));
+#endif
+}
+
+/* e^x for x in [-87, 89] (clamped; inf from about 88.7 on, as expf): Cephes-style range
+ * reduction + degree-6 polynomial, relative error ~2e-7. One body for each vector width (F: the
+ * float vector, I: the int32 vector of as many lanes, and their min, max and fma), so that 8 and
+ * 16 lanes compute the same values. */
+#define DEFINE_EXP(NAME, F, I, MIN, MAX, FMA)                                                              \
+    static inline F NAME(F x) {                                                                            \
+        const F zero = {0};                                                                                \
+        x = MIN(MAX(x, zero - 87.0f), zero + 89.0f);                                                       \
+        const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */         \
+        const F r = x - n * 0.693359375f + n * 2.12194440e-4f;                                             \
+        F p = zero + 1.9875691500e-4f;                                                                     \
+        p = FMA(p, r, zero + 1.3981999507e-3f);                                                            \
+        p = FMA(p, r, zero + 8.3334519073e-3f);                                                            \
+        p = FMA(p, r, zero + 4.1665795894e-2f);                                                            \
+        p = FMA(p, r, zero + 1.6666665459e-1f);                                                            \
+        p = FMA(p, r, zero + 5.0000001201e-1f);                                                            \
+        p = FMA(p * r, r, r) + 1.0f;                                                                       \
+        const I two_n = (__builtin_convertvector(n, I) + 127) << 23;                                       \
+        return p * (F)two_n;                                                                               \
+    }
+
+DEFINE_EXP(exp8, f32x8, i32x8, min8, max8, fma8)
 
 static inline float exp1(float x) {
     f32x8 v = {x};
@@ -213,5 +231,19 @@ static inline f32x8 sum8x8(const f32x8 v[8]) {
     return out;
 #endif
 }
+
+#ifdef __AVX512F__
+/* 16 lanes (zmm), for the kernels' AVX-512 paths (built at cbuild's avx512 levels). */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 min16(f32x16 a, f32x16 b) { return (f32x16)_mm512_min_ps((__m512)a, (__m512)b); }
+static inline f32x16 max16(f32x16 a, f32x16 b) { return (f32x16)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline __attribute__((always_inline)) f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+
+DEFINE_EXP(exp16, f32x16, i32x16, min16, max16, fma16)
+#endif
 
 #endif
