@@ -4,9 +4,10 @@
 Decode attention on CPU is memory bound. The torch reference first gathers every decode
 request's K/V blocks into a dense copy, then reads them again in SDPA: three passes over
 the cache per layer. `cpu_paged_decode.c` reads K/V in place through the block table in
-one pass, on torch's own OpenMP threads. It is built at first use by `cpu/cbuild.py` (a fixed
-x86-64 level, so every machine of that level runs the same code); without a compiler this
-backend is unavailable and `torch` is used.
+one pass, on torch's own OpenMP threads. Both kernels are built at first use by `cpu/cbuild.py`
+at a fixed x86-64 level, the best this CPU runs up to AVX-512 with bf16 dot products (so every
+machine of a level runs the same code); without a compiler this backend is unavailable and
+`torch` is used.
 """
 
 from __future__ import annotations

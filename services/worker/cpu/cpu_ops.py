@@ -11,9 +11,7 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from services.common.config import cpu_flags
 from services.worker.cpu import cbuild
 
 logger = logging.getLogger(__name__)
@@ -27,14 +25,14 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I, _I, _I, _I],
     "rope_neox": [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _I],
 }
+# SiLU·up has a 16-lane path (row_ops.h) with the same arithmetic per element as its 8-lane loop; the
+# other ops' explicit 8-lane code is the same at either level. So results do not depend on the
+# level. On the avx512_bf16 EPYC, 2 threads, 64-2,048 rows of 1,536: bf16 1.2x torch's two
+# AVX-512 ops (F.silu, mul; 576 against 678 us at 2,048 rows) and 2.4x our AVX2 loop; fp32 1.6-1.9x
+# torch's and 1.7-2.8x the AVX2 loop (round 8).
+HIGHEST_ISA = "avx512"
 _loaded: CpuOps | None = None
 _failed = False
-# bf16 SiLU·up from this many rows on goes through torch's ops where torch has AVX-512 kernels:
-# on the avx512_bf16 EPYC they ran 2x our AVX2 loop at 64-2,048 rows (3.9 against 2.1 Gelem/s)
-# and were faster from 8 rows on; our loop stays for fewer rows (one call, no dispatches) and on
-# CPUs without AVX-512 (where torch's kernels are AVX2 too, so two passes cannot win).
-TORCH_BF16_SILU_MIN_ROWS = 8 if "avx512f" in cpu_flags() else 1 << 62
-
 
 class CpuOps:
     """One pass per op instead of several torch ops; see cpu_ops.c for the arithmetic."""
@@ -46,12 +44,18 @@ class CpuOps:
         self.lib = lib
 
     @classmethod
+    def build(cls, level: str | None = None) -> CpuOps:
+        """A new instance built at instruction-set `level` (None: the best this CPU runs, up to
+        HIGHEST_ISA); raises RuntimeError / OSError where it cannot be built."""
+        return cls(cbuild.build(_SOURCE, ["-ffp-contract=off"], highest=HIGHEST_ISA, level=level))
+
+    @classmethod
     def load(cls) -> CpuOps | None:
         """The shared instance, or None (logged once) where the library cannot be built."""
         global _loaded, _failed
         if _loaded is None and not _failed:
             try:
-                _loaded = cls(cbuild.build(_SOURCE, ["-ffp-contract=off"]))
+                _loaded = cls.build()
             except (RuntimeError, OSError) as e:
                 _failed = True
                 logger.warning("fused CPU ops unavailable (%s); the model runs its torch ops", e)
@@ -83,10 +87,6 @@ class CpuOps:
         """silu(gate) * up for gate_up = [gate | up] ([M, 2I] contiguous) → [M, I]."""
         assert gate_up.is_contiguous()
         m, two_i = gate_up.shape
-        if gate_up.dtype == torch.bfloat16 and m >= TORCH_BF16_SILU_MIN_ROWS:
-            # HF's own two ops, which round where our loop rounds (see TORCH_BF16_SILU_MIN_ROWS)
-            gate, up = gate_up.split(two_i // 2, dim=-1)
-            return F.silu(gate) * up
         out = torch.empty((m, two_i // 2), dtype=gate_up.dtype)
         self.lib.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2,
                               gate_up.dtype == torch.bfloat16, torch.get_num_threads())

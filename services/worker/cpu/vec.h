@@ -233,9 +233,11 @@ static inline f32x8 sum8x8(const f32x8 v[8]) {
 }
 
 #ifdef __AVX512F__
-/* 16 lanes (zmm), for the kernels' AVX-512 paths (built at cbuild's avx512 levels). */
+/* 16 lanes (zmm), for the kernels' AVX-512 paths (built at cbuild's avx512 levels). The same
+ * arithmetic per element as the 8-lane helpers above, so either width gives the same bits. */
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline f32x16 min16(f32x16 a, f32x16 b) { return (f32x16)_mm512_min_ps((__m512)a, (__m512)b); }
 static inline f32x16 max16(f32x16 a, f32x16 b) { return (f32x16)_mm512_max_ps((__m512)a, (__m512)b); }
@@ -244,6 +246,33 @@ static inline __attribute__((always_inline)) f32x16 fma16(f32x16 a, f32x16 b, f3
 }
 
 DEFINE_EXP(exp16, f32x16, i32x16, min16, max16, fma16)
+
+static inline f32x16 load16(const float *p) { return (f32x16)_mm512_loadu_ps(p); }
+static inline void store16(float *p, f32x16 v) { _mm512_storeu_ps(p, (__m512)v); }
+
+/* bf16_round_bits and round8_bf16, 16 lanes */
+static inline u32x16 bf16_round_bits16(f32x16 v) {
+    const u32x16 bits = (u32x16)v;
+    const u32x16 is_nan = (u32x16)((i32x16)(bits & 0x7fffffffu) > 0x7f800000);
+    return ((bits + 0x7fffu + ((bits >> 16) & 1u)) & ~is_nan) | ((bits | 0x00400000u) & is_nan);
+}
+
+static inline f32x16 round16_bf16(f32x16 v) {
+    const u32x16 bits = (u32x16)v;
+    return (f32x16)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+}
+
+/* load16_bf16_split and store16_bf16_split, 32 values: even and odd elements as two vectors */
+static inline void load32_bf16_split(const uint16_t *p, f32x16 *even, f32x16 *odd) {
+    const u32x16 raw = (u32x16)_mm512_loadu_si512(p);
+    *even = (f32x16)(raw << 16);
+    *odd = (f32x16)(raw & 0xffff0000u);
+}
+
+static inline void store32_bf16_split(uint16_t *p, f32x16 even, f32x16 odd) {
+    const u32x16 both = (bf16_round_bits16(odd) & 0xffff0000u) | (bf16_round_bits16(even) >> 16);
+    _mm512_storeu_si512(p, (__m512i)both);
+}
 #endif
 
 #endif
