@@ -10,7 +10,7 @@ import torch
 def test_a_cpu_backend_that_cannot_be_built_falls_back_to_torch_with_the_reason(monkeypatch, caplog, asked) -> None:
     from services.worker.attention import base, cpu_backend
 
-    def no_compiler():
+    def no_compiler(level=None):
         raise RuntimeError("no C compiler found for the cpu attention backend")
 
     monkeypatch.setattr(cpu_backend, "load_library", no_compiler)

@@ -5,7 +5,9 @@ AVX-512, AMX) whatever order its vector units sum in.
 All-decode ragged batches over a paged cache with shuffled (non-contiguous) blocks: both
 unit shapes of the kernel (whole requests when there are many, single KV heads when there
 are few), 1 and 2 threads, GQA ratios, head sizes with and without a specialised copy,
-fp32 and bf16 caches; scores hundreds apart; the kernel's exp on its own.
+fp32 and bf16 caches (bf16 queries, and fp32 ones over a bf16 cache); scores hundreds apart;
+the kernel's exp on its own. Each at every instruction-set level this CPU runs (the AVX-512
+builds have their own 16-lane and bf16 dot-product code).
 
 Why a bound and not a fixed tolerance: the kernel and torch both compute q.k in fp32, each
 summing in its own order (8 lanes, 16 lanes, a GEMM's blocking), so with scores of ~100 their
@@ -32,18 +34,20 @@ import os
 import numpy as np
 import pytest
 import torch
+from isa_levels import levels_here
 
 from services.worker.attention.base import AttentionMetadata
+from services.worker.attention.cpu_backend import HIGHEST_ISA
 from services.worker.attention.torch_backend import TorchAttentionBackend
 
 NUM_BLOCKS = 1024
 
 
-@pytest.fixture(scope="module")
-def cpu_backend():
+@pytest.fixture(scope="module", params=levels_here(HIGHEST_ISA), ids=lambda level: level or "default")
+def cpu_backend(request):
     from services.worker.attention.cpu_backend import CpuAttentionBackend
 
-    return CpuAttentionBackend()
+    return CpuAttentionBackend(isa_level=request.param)
 
 
 def _decode_batch(seq_lens: list[int], block_size: int, seed: int) -> AttentionMetadata:
@@ -85,6 +89,13 @@ def test_cpu_decode_kernel_matches_torch_reference(cpu_backend, case: int, dtype
 def test_cpu_decode_kernel_softmax_over_a_wide_score_range(cpu_backend, q_scale: float) -> None:
     """Scores hundreds apart (std 8 and 40): most exp arguments fall below the clamp at -87."""
     _compare(cpu_backend, 3, torch.float32, 2, q_scale=q_scale)
+
+
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_cpu_decode_kernel_fp32_queries_over_a_bf16_cache(cpu_backend, case: int) -> None:
+    """fp32 queries (an fp32 model) over a bf16 cache: the queries must not be rounded to bf16, so
+    AVX512_BF16's bf16 dot products do not apply (the widening path at every level)."""
+    _compare(cpu_backend, case, torch.bfloat16, 2, q_dtype=torch.float32)
 
 
 EXP_RELATIVE_ERROR = 4 * 2.0 ** -24  # ETA: measured <= 1.4 u with and without FMA contraction
@@ -147,13 +158,16 @@ def _exact_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return exact, bound
 
 
-def _compare(cpu_backend, case: int, dtype: torch.dtype, threads: int, q_scale: float = 1.0) -> None:
+def _compare(cpu_backend, case: int, dtype: torch.dtype, threads: int, q_scale: float = 1.0,
+             q_dtype: torch.dtype | None = None) -> None:
+    """dtype: the cache's, and the queries' (and outputs') unless q_dtype says otherwise."""
     seq_lens, num_heads, num_kv_heads, head_dim, block_size = CASES[case]
     meta = _decode_batch(seq_lens, block_size, seed=case)
     gen = torch.Generator().manual_seed(case)
     kv_cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     batch = len(seq_lens)
-    q = (q_scale * torch.randn(batch, num_heads, head_dim, generator=gen)).to(dtype)
+    q_dtype = q_dtype or dtype
+    q = (q_scale * torch.randn(batch, num_heads, head_dim, generator=gen)).to(q_dtype)
     k = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
@@ -162,7 +176,7 @@ def _compare(cpu_backend, case: int, dtype: torch.dtype, threads: int, q_scale: 
     reference = TorchAttentionBackend()
     ref_cache = kv_cache.clone()
     meta.backend_data = reference.prepare(meta)
-    reference.forward(q, k, v, ref_cache, meta, scale)
+    reference.forward(q.to(dtype), k, v, ref_cache, meta, scale)  # (torch's SDPA wants one dtype)
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -173,9 +187,9 @@ def _compare(cpu_backend, case: int, dtype: torch.dtype, threads: int, q_scale: 
         torch.set_num_threads(previous)
 
     assert torch.equal(kv_cache, ref_cache)
-    assert got.dtype == dtype and got.shape == q.shape
+    assert got.dtype == q_dtype and got.shape == q.shape
     exact, bound = _exact_attention(q, kv_cache[0], kv_cache[1], meta, scale)
-    if dtype == torch.bfloat16:  # fp32 math over the bf16 cache, the result rounded to bf16
+    if q_dtype == torch.bfloat16:  # fp32 math over the bf16 cache, the result rounded to bf16
         bound = bound + 2.0 ** -8 * (np.abs(exact) + bound)  # bf16 keeps 8 significant bits: u = 2^-8
     error = np.abs(got.double().numpy() - exact)
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
@@ -200,17 +214,27 @@ def test_cpu_decode_kernel_shares_torch_openmp_runtime(cpu_backend) -> None:
 # /proc/cpuinfo flags of the three machine kinds CI runs on (the parts that matter here).
 _AVX2_EPYC = {"sse4_1", "sse4_2", "ssse3", "cx16", "lahf_lm", "popcnt", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma",
               "abm", "movbe", "xsave"}
-_AVX512_EPYC = _AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+_AVX512_EPYC = _AVX2_EPYC | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
 _AMX_XEON = _AVX512_EPYC | {"amx_tile", "amx_bf16"}
 
 
-def test_cpu_decode_kernel_builds_the_same_code_on_every_x86_machine_kind() -> None:
-    """One -march for all three CI machine kinds (so one binary, one set of results), a lower
-    level where AVX2 or FMA is missing, the compiler's default off x86."""
-    from services.worker.cpu.cbuild import isa_flags
+def test_cpu_decode_kernel_builds_one_fixed_level_per_machine_kind(monkeypatch) -> None:
+    """Each machine kind builds a fixed x86-64 level (so every machine of a kind runs one binary,
+    one set of results), never -march=native: v3 for kernels that stop at AVX2 (the default), and
+    for the attention kernels (up to avx512_bf16) v4 + AVX512_BF16 where the CPU has them, plain
+    v4 without bf16, v3 on an AVX2 machine; MYVLLM_CPU_ISA caps the level; lower levels where AVX2
+    or FMA is missing, the compiler's default off x86."""
+    from services.worker.cpu.cbuild import ISA_ENV, isa_flags
 
-    assert {tuple(isa_flags("x86_64", kind)) for kind in (_AVX2_EPYC, _AVX512_EPYC, _AMX_XEON)} == {
-        ("-march=x86-64-v3",)}
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    kinds = (_AVX2_EPYC, _AVX512_EPYC, _AMX_XEON)
+    assert {tuple(isa_flags("x86_64", kind)) for kind in kinds} == {("-march=x86-64-v3",)}
+    assert [isa_flags("x86_64", kind, highest="avx512_bf16") for kind in kinds] == [
+        ["-march=x86-64-v3"], ["-march=x86-64-v4", "-mavx512bf16"], ["-march=x86-64-v4", "-mavx512bf16"]]
+    assert isa_flags("x86_64", _AVX512_EPYC - {"avx512_bf16"}, highest="avx512_bf16") == ["-march=x86-64-v4"]
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert isa_flags("x86_64", _AMX_XEON, highest="avx512_bf16") == ["-march=x86-64-v3"]
+    monkeypatch.delenv(ISA_ENV)
     assert isa_flags("x86_64", _AVX2_EPYC - {"fma"}) == ["-march=x86-64-v2"]
     assert isa_flags("x86_64", set()) == ["-march=x86-64"]
     assert isa_flags("aarch64", _AVX2_EPYC) == []

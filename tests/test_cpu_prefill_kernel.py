@@ -17,23 +17,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from isa_levels import levels_here
 
 from services.worker.attention.base import AttentionMetadata
+from services.worker.attention.cpu_backend import HIGHEST_ISA
 
 NUM_BLOCKS = 256
 
 
-def _isa_levels() -> list[str | None]:
-    """The kernel's instruction-set levels with code of their own that this CPU runs (AVX-512 with
-    and without bf16 dot products, AVX2); None (the compiler's default) off x86."""
-    from services.worker.attention.cpu_backend import HIGHEST_ISA
-    from services.worker.cpu import cbuild
-
-    levels = [level for level in cbuild.isa_levels(highest=HIGHEST_ISA) if level in ("avx512_bf16", "avx512", "avx2")]
-    return levels or [None]
-
-
-@pytest.fixture(scope="module", params=_isa_levels(), ids=str)
+@pytest.fixture(scope="module", params=levels_here(HIGHEST_ISA), ids=lambda level: level or "default")
 def cpu_backend(request):
     from services.worker.attention.cpu_backend import CpuAttentionBackend
 

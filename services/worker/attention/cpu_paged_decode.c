@@ -1,8 +1,9 @@
 /* Paged decode attention for CPUs: one query token per request, K/V read in place from
  * the paged cache (no gather copy), GQA, fp32 or bf16 cache, fp32 math.
  *
- * Built at first use by cpu_backend.py through cpu/cbuild.py (gcc -O3 -march=x86-64-v3 -fopenmp on
- * AVX2 machines). The per-request attention itself is in cpu/paged_attend.h, shared with the
+ * Built at first use by cpu_backend.py through cpu/cbuild.py (a fixed x86-64 level, the best
+ * this CPU runs up to AVX-512 with bf16 dot products; -O3 -fopenmp on torch's own libgomp
+ * threads). The per-request attention itself is in cpu/paged_attend.h, shared with the
  * whole-step decode kernel (cpu/decode_step.c); this file splits a batch into units over threads.
  *
  * Why it looks like this:

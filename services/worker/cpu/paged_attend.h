@@ -114,7 +114,7 @@ static inline __attribute__((always_inline)) void attend_impl(const Args *a, int
         for (int d = 0; d < D; d++) acc[(int64_t)h * D + d] *= inv_sum[h];
 }
 
-/* Software prefetch of the cache rows PREFETCH_GROUPS 8-token groups ahead of the group being
+/* Software prefetch of the cache rows two 8-token groups ahead of the group being
  * consumed. Without it the loop is bound by memory latency (the out-of-order window holds ~1.5 KB
  * of loads at this arithmetic density): ~12 GB/s per core against ~35 GB/s for a plain streaming
  * read on the same machine. The lines of that group are prefetched a slice per query head
@@ -122,8 +122,18 @@ static inline __attribute__((always_inline)) void attend_impl(const Args *a, int
  * each other in the line-fill buffers (the burst itself was a tenth of the kernel's samples).
  * Measured on 64 requests x ~400 tokens x 30 layers, 2 threads (BENCHMARKS.md, round 7): one
  * group ahead in one burst 23 GB/s fp32 / 18 bf16; spread, two groups ahead 34-46 / 25 (a plain
- * read of the same rows: 38-41); one group spread 34-40, three or more groups a little less. */
-#define PREFETCH_GROUPS 2
+ * read of the same rows: 38-41); one group spread 34-40, three or more groups a little less.
+ * AVX-512 builds' bf16 passes (16 lanes) prefetch three groups ahead, about as many bytes ahead
+ * as fp32's two: 15.5 -> 14.5 ms against two (round 8, 64 requests; the AVX2 build's bf16 at
+ * three: 17.7 -> 17.2, within noise, so it stays at two; fp32 at three: 24.9 -> 26.7 ms). */
+static inline int prefetch_groups(const int bf16) {
+#ifdef __AVX512F__
+    return bf16 ? 3 : 2;
+#else
+    (void)bf16;
+    return 2;
+#endif
+}
 
 typedef struct {
     const char *first; /* NULL: nothing to prefetch (the end of the request) */
@@ -132,11 +142,11 @@ typedef struct {
     int64_t row_bytes;
 } Prefetch;
 
-/* Where the group PREFETCH_GROUPS ahead of position `pos` lies, for this unit's KV heads. */
+/* Where the group prefetch_groups ahead of position `pos` lies, for this unit's KV heads. */
 static inline Prefetch prefetch_plan(const Args *a, const void *cache, const int32_t *bt, int L, int pos, int kh0,
                                      int width, int64_t row, const int bf16) {
     Prefetch p = {NULL, 0, 0, 0};
-    pos += PREFETCH_GROUPS * 8;
+    pos += prefetch_groups(bf16) * 8;
     if (pos >= L) return p;
     const int es = bf16 ? 2 : 4;
     p.first = (const char *)cache + ((int64_t)bt[pos / a->BS] * a->BS * row + (int64_t)(pos % a->BS) * row +
@@ -167,20 +177,269 @@ static inline void prefetch_part(const Prefetch *p, int part, int nparts) {
         for (int l = 0; l < p->lines; l++) __builtin_prefetch(p->first + r * p->row_bytes + (int64_t)l * 64, 0, 3);
 }
 
-/* x[0..16) into dst as [x0 x2 .. x14 | x1 x3 .. x15], the order load16_bf16_split yields. */
-static inline void split16(const float *restrict x, float *restrict dst) {
-    for (int i = 0; i < 8; i++) {
+/* How a pass consumes the cache (kv_kind): fp32 rows, 8 lanes at a time or (AVX-512 builds) 16;
+ * bf16 rows widened to fp32 (q and the outputs split into even | odd elements alike, see
+ * attend_blocked); bf16 rows multiplied with a bf16 query by the CPU's bf16 dot-product instruction
+ * (AVX512_BF16 builds, queries that are bf16 values: io_bf16). The bf16 kinds come last. */
+enum { KV_F32, KV_F32_X16, KV_BF16, KV_BF16_DOT };
+
+/* The 8-lane (AVX2) passes, every build's (AVX-512 builds: fp32 caches in units of whole requests,
+ * see kv_kind). Dot products of q_h with 8 cached rows (row stride `row` elements from kbase): 8
+ * independent accumulators, one per row, one transposing reduction. q: fp32 (split for KV_BF16). */
+static inline __attribute__((always_inline)) f32x8 dots8_x8(const void *k, int64_t kbase, int64_t row,
+                                                            const float *restrict q, const uint16_t *restrict qb,
+                                                            const int D, const int kv) {
+    (void)qb;
+    const f32x8 zero = {0};
+    f32x8 s[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
+    if (kv == KV_BF16) {
+        for (int c = 0; c < D; c += 16) {
+            const f32x8 qe = load8(q + c), qo = load8(q + c + 8);
+            for (int t = 0; t < 8; t++) {
+                f32x8 ke, ko;
+                load16_bf16_split((const uint16_t *)k + kbase + t * row + c, &ke, &ko);
+                s[t] += qe * ke;
+                s[t] += qo * ko;
+            }
+        }
+    } else {
+        for (int c = 0; c < D; c += 8) {
+            const f32x8 qc = load8(q + c);
+            for (int t = 0; t < 8; t++) s[t] += qc * load8((const float *)k + kbase + t * row + c);
+        }
+    }
+    return sum8x8(s);
+}
+
+/* The dot product of q_h with one cached row (the tail of a block). */
+static inline __attribute__((always_inline)) float dot1_x8(const void *k, int64_t kbase, const float *restrict q,
+                                                           const uint16_t *restrict qb, const int D, const int kv) {
+    (void)qb;
+    f32x8 s1 = {0};
+    if (kv == KV_BF16) {
+        for (int c = 0; c < D; c += 16) {
+            f32x8 ke, ko;
+            load16_bf16_split((const uint16_t *)k + kbase + c, &ke, &ko);
+            s1 += load8(q + c) * ke;
+            s1 += load8(q + c + 8) * ko;
+        }
+    } else {
+        for (int c = 0; c < D; c += 8) s1 += load8(q + c) * load8((const float *)k + kbase + c);
+    }
+    float dot = 0.f;
+    for (int i = 0; i < 8; i++) dot += s1[i];
+    return dot;
+}
+
+/* acc[0..64) += sum over nt rows t of p[t] * v_t[0..64) (bf16 rows: acc split, see attend_blocked),
+ * the 64 output lanes in registers over the rows. */
+static inline __attribute__((always_inline)) void accumulate64_x8(const void *v, int64_t vbase, int64_t row,
+                                                                  const float *restrict p, int nt, float *restrict acc,
+                                                                  const int kv) {
+    if (kv >= KV_BF16) {
+        /* the even (e) and odd (o) lanes of the four 16-lane chunks, named one by one: as an
+         * array GCC stored them back to the stack every token */
+        f32x8 e0 = load8(acc), o0 = load8(acc + 8), e1 = load8(acc + 16), o1 = load8(acc + 24);
+        f32x8 e2 = load8(acc + 32), o2 = load8(acc + 40), e3 = load8(acc + 48), o3 = load8(acc + 56);
+        const uint16_t *restrict vrow = (const uint16_t *)v + vbase;
+        for (int t = 0; t < nt; t++, vrow += row) {
+            const f32x8 pt = broadcast8(p + t);
+            f32x8 ve, vo;
+            load16_bf16_split(vrow, &ve, &vo);
+            e0 += pt * ve;
+            o0 += pt * vo;
+            load16_bf16_split(vrow + 16, &ve, &vo);
+            e1 += pt * ve;
+            o1 += pt * vo;
+            load16_bf16_split(vrow + 32, &ve, &vo);
+            e2 += pt * ve;
+            o2 += pt * vo;
+            load16_bf16_split(vrow + 48, &ve, &vo);
+            e3 += pt * ve;
+            o3 += pt * vo;
+        }
+        store8(acc, e0);
+        store8(acc + 8, o0);
+        store8(acc + 16, e1);
+        store8(acc + 24, o1);
+        store8(acc + 32, e2);
+        store8(acc + 40, o2);
+        store8(acc + 48, e3);
+        store8(acc + 56, o3);
+        return;
+    }
+    f32x8 o[8];
+    memcpy(o, acc, sizeof o);
+    for (int t = 0; t < nt; t++) {
+        const f32x8 pt = broadcast8(p + t);
+        for (int c = 0; c < 8; c++) o[c] += pt * load8((const float *)v + vbase + t * row + 8 * c);
+    }
+    memcpy(acc, o, sizeof o);
+}
+
+#ifdef __AVX512F__
+/* The 16-lane passes of AVX-512 builds (the attention kernels' avx512 and avx512_bf16 levels,
+ * cbuild.py; vec.h's f32x16 helpers): 32 bf16 values widened by one shift and one mask, or none
+ * at all with bf16 dot products. Where each pays off: kv_kind. */
+static inline f32x16 broadcast16(const float *p) { return (f32x16)_mm512_set1_ps(*p); }
+
+#ifdef __AVX512BF16__
+/* acc plus the products of 32 bf16 values of q and k, summed in pairs into 16 lanes (vdpbf16ps:
+ * each product is exact in fp32, the sums round as fp32 FMAs do; inputs and results below
+ * 2^-126 are flushed to zero). */
+static inline f32x16 dot32_bf16(f32x16 acc, const uint16_t *q, const uint16_t *k) {
+    return (f32x16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k));
+}
+#endif
+
+/* The lane sums of 8 vectors as one vector: out[i] = sum(v[i]). */
+static inline f32x8 sum16x8(const f32x16 v[8]) {
+    f32x8 h[8];
+    for (int i = 0; i < 8; i++)
+        h[i] = (f32x8)_mm512_castps512_ps256((__m512)v[i]) + (f32x8)_mm512_extractf32x8_ps((__m512)v[i], 1);
+    return sum8x8(h);
+}
+
+/* Dot products of q_h with 8 cached rows (row stride `row` elements from kbase): 8 independent
+ * accumulators, one per row. q: fp32 (split for KV_BF16); qb: q_h as bf16 (KV_BF16_DOT). */
+static inline __attribute__((always_inline)) f32x8 dots8_x16(const void *k, int64_t kbase, int64_t row,
+                                                             const float *restrict q, const uint16_t *restrict qb,
+                                                             const int D, const int kv) {
+    (void)qb; /* KV_BF16_DOT's, in AVX512_BF16 builds */
+    f32x16 s[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    if (kv == KV_BF16_DOT) {
+#ifdef __AVX512BF16__
+        for (int c = 0; c < D; c += 32)
+            for (int t = 0; t < 8; t++) s[t] = dot32_bf16(s[t], qb + c, (const uint16_t *)k + kbase + t * row + c);
+#endif
+    } else if (kv == KV_BF16) {
+        for (int c = 0; c < D; c += 32) {
+            const f32x16 qe = load16(q + c), qo = load16(q + c + 16);
+            for (int t = 0; t < 8; t++) {
+                f32x16 ke, ko;
+                load32_bf16_split((const uint16_t *)k + kbase + t * row + c, &ke, &ko);
+                s[t] += qe * ke;
+                s[t] += qo * ko;
+            }
+        }
+    } else {
+        for (int c = 0; c < D; c += 16) {
+            const f32x16 qc = load16(q + c);
+            for (int t = 0; t < 8; t++) s[t] += qc * load16((const float *)k + kbase + t * row + c);
+        }
+    }
+    return sum16x8(s);
+}
+
+/* The dot product of q_h with one cached row (the tail of a block). */
+static inline __attribute__((always_inline)) float dot1_x16(const void *k, int64_t kbase, const float *restrict q,
+                                                            const uint16_t *restrict qb, const int D, const int kv) {
+    (void)qb;
+    f32x16 s = {0};
+    for (int c = 0; c < D; c += 32) {
+        if (kv == KV_BF16_DOT) {
+#ifdef __AVX512BF16__
+            s = dot32_bf16(s, qb + c, (const uint16_t *)k + kbase + c);
+#endif
+        } else if (kv == KV_BF16) {
+            f32x16 ke, ko;
+            load32_bf16_split((const uint16_t *)k + kbase + c, &ke, &ko);
+            s += load16(q + c) * ke;
+            s += load16(q + c + 16) * ko;
+        } else {
+            s += load16(q + c) * load16((const float *)k + kbase + c);
+            s += load16(q + c + 16) * load16((const float *)k + kbase + c + 16);
+        }
+    }
+    return _mm512_reduce_add_ps((__m512)s);
+}
+
+/* acc[0..64) += sum over nt rows t of p[t] * v_t[0..64) (bf16 rows: acc split, see attend_blocked),
+ * the 64 output lanes in registers over the rows. */
+static inline __attribute__((always_inline)) void accumulate64_x16(const void *v, int64_t vbase, int64_t row,
+                                                                   const float *restrict p, int nt, float *restrict acc,
+                                                                   const int kv) {
+    f32x16 o0 = load16(acc), o1 = load16(acc + 16), o2 = load16(acc + 32), o3 = load16(acc + 48);
+    if (kv >= KV_BF16) {
+        const uint16_t *restrict vrow = (const uint16_t *)v + vbase;
+        for (int t = 0; t < nt; t++, vrow += row) {
+            const f32x16 pt = broadcast16(p + t);
+            f32x16 ve, vo;
+            load32_bf16_split(vrow, &ve, &vo);
+            o0 += pt * ve;
+            o1 += pt * vo;
+            load32_bf16_split(vrow + 32, &ve, &vo);
+            o2 += pt * ve;
+            o3 += pt * vo;
+        }
+    } else {
+        const float *restrict vrow = (const float *)v + vbase;
+        for (int t = 0; t < nt; t++, vrow += row) {
+            const f32x16 pt = broadcast16(p + t);
+            o0 += pt * load16(vrow);
+            o1 += pt * load16(vrow + 16);
+            o2 += pt * load16(vrow + 32);
+            o3 += pt * load16(vrow + 48);
+        }
+    }
+    store16(acc, o0);
+    store16(acc + 16, o1);
+    store16(acc + 32, o2);
+    store16(acc + 48, o3);
+}
+#endif
+
+#ifdef __AVX512F__
+#define SPLIT_CHUNK 32 /* elements per even | odd chunk of a split row */
+#else
+#define SPLIT_CHUNK 16
+#endif
+
+/* The 16-lane passes where the build has them and kv asks for them, the 8-lane ones otherwise. */
+static inline __attribute__((always_inline)) f32x8 dots8(const void *k, int64_t kbase, int64_t row,
+                                                         const float *restrict q, const uint16_t *restrict qb,
+                                                         const int D, const int kv) {
+#ifdef __AVX512F__
+    if (kv != KV_F32) return dots8_x16(k, kbase, row, q, qb, D, kv);
+#endif
+    return dots8_x8(k, kbase, row, q, qb, D, kv);
+}
+
+static inline __attribute__((always_inline)) float dot1(const void *k, int64_t kbase, const float *restrict q,
+                                                        const uint16_t *restrict qb, const int D, const int kv) {
+#ifdef __AVX512F__
+    if (kv != KV_F32) return dot1_x16(k, kbase, q, qb, D, kv);
+#endif
+    return dot1_x8(k, kbase, q, qb, D, kv);
+}
+
+static inline __attribute__((always_inline)) void accumulate64(const void *v, int64_t vbase, int64_t row,
+                                                               const float *restrict p, int nt, float *restrict acc,
+                                                               const int kv) {
+#ifdef __AVX512F__
+    if (kv != KV_F32) {
+        accumulate64_x16(v, vbase, row, p, nt, acc, kv);
+        return;
+    }
+#endif
+    accumulate64_x8(v, vbase, row, p, nt, acc, kv);
+}
+
+/* x[0..SPLIT_CHUNK) into dst as [x0 x2 .. | x1 x3 ..], the order load16_bf16_split (AVX2) or
+ * load32_bf16_split (AVX-512) yields. */
+static inline void split_chunk(const float *restrict x, float *restrict dst) {
+    for (int i = 0; i < SPLIT_CHUNK / 2; i++) {
         dst[i] = x[2 * i];
-        dst[8 + i] = x[2 * i + 1];
+        dst[SPLIT_CHUNK / 2 + i] = x[2 * i + 1];
     }
 }
 
-/* The inverse of split16, in place. */
-static inline void interleave16(float *x) {
-    float tmp[16];
-    for (int i = 0; i < 8; i++) {
+/* The inverse of split_chunk, in place. */
+static inline void interleave_chunk(float *x) {
+    float tmp[SPLIT_CHUNK];
+    for (int i = 0; i < SPLIT_CHUNK / 2; i++) {
         tmp[2 * i] = x[i];
-        tmp[2 * i + 1] = x[8 + i];
+        tmp[2 * i + 1] = x[SPLIT_CHUNK / 2 + i];
     }
     memcpy(x, tmp, sizeof tmp);
 }
@@ -189,28 +448,33 @@ static inline void interleave16(float *x) {
  * bound by arithmetic latency (the straightforward loops above ran at ~10 GB/s per core, a
  * third of what one core can read):
  * - scores: 8 tokens at a time per query head, one accumulator per token (8 independent FMA
- *   chains instead of one dependent chain per dot product), one transposing reduction per 8;
- * - values: per query head, its output row held in 8 registers (64 lanes) across a block's
- *   tokens instead of loaded and stored for every token.
+ *   chains instead of one dependent chain per dot product), one transposing reduction per 8
+ *   (dots8);
+ * - values: per query head, its output row held in registers (64 lanes) across a group's
+ *   tokens instead of loaded and stored for every token (accumulate64).
  * A block of K (or V) rows is read from memory once and re-read from L1 by the other query
  * heads of its KV head (GQA). */
 static inline __attribute__((always_inline)) void attend_blocked(const Args *a, int b, int kh0, int kh1,
                                                                  const float *restrict q, float *restrict scores,
-                                                                 float *restrict acc, const int D, const int bf16) {
+                                                                 float *restrict acc, const int D, const int kv) {
     const int G = a->H / a->KVH, BS = a->BS, L = a->seq_lens[b];
-    const int nkv = kh1 - kh0, nh = nkv * G;
+    const int nkv = kh1 - kh0, nh = nkv * G, bf16 = kv >= KV_BF16;
     const int64_t row = (int64_t)a->KVH * D; /* elements per cached token */
     const int32_t *bt = a->block_table + (int64_t)b * a->bt_stride;
     const int nblocks = (L + BS - 1) / BS;
-    const f32x8 zero = {0};
-    /* bf16 caches: 16 cached values are widened with one shift and one mask (even and odd
-     * elements, see load16_bf16_split) instead of two widening loads, so each 16-lane chunk of
-     * the queries is split alike here, and the outputs are accumulated split and put back in
+    /* bf16 caches: 16 cached values (AVX-512: 32) are widened with one shift and one mask (even
+     * and odd elements, see load16_bf16_split) instead of two widening loads, so each chunk of the
+     * queries is split alike here, and the outputs are accumulated split and put back in
      * order at the end. 64 requests x ~400 tokens x 30 layers: 22.4 -> 17.3 ms (26 -> 34 GB/s),
      * batch 1: 0.71 -> 0.52 ms (round 7, BENCHMARKS.md). */
-    float qsplit[bf16 ? nh * D : 1];
-    if (bf16)
-        for (int i = 0; i < nh * D; i += 16) split16(q + i, qsplit + i);
+    float qsplit[kv == KV_BF16 ? nh * D : 1];
+    if (kv == KV_BF16)
+        for (int i = 0; i < nh * D; i += SPLIT_CHUNK) split_chunk(q + i, qsplit + i);
+    /* KV_BF16_DOT: the queries as the bf16 values they are (io_bf16: exact) */
+    uint16_t qb[kv == KV_BF16_DOT ? nh * D : 1];
+    if (kv == KV_BF16_DOT)
+        for (int i = 0; i < nh * D; i++) qb[i] = f32_to_bf16(q[i]);
+    const float *qs = kv == KV_BF16 ? qsplit : q;
 
     /* Pass 1: scores[h, t] = scale * q_h . k_t, a group of 8 cached tokens (8 contiguous rows)
      * at a time, every query head of the group before the next. */
@@ -222,47 +486,18 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
             const Prefetch pf = prefetch_plan(a, a->k_cache, bt, L, blk * BS + t0, kh0, nkv * D, row, bf16);
             for (int h = 0; h < nh; h++) {
                 prefetch_part(&pf, h, nh);
-                const float *restrict qh = (bf16 ? qsplit : q) + (int64_t)h * D;
                 const int64_t kbase = base + (int64_t)t0 * row + (int64_t)(h / G) * D;
-                f32x8 s[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
-                if (bf16) {
-                    for (int c = 0; c < D; c += 16) {
-                        const f32x8 qe = load8(qh + c), qo = load8(qh + c + 8);
-                        for (int t = 0; t < 8; t++) {
-                            f32x8 ke, ko;
-                            load16_bf16_split((const uint16_t *)a->k_cache + kbase + t * row + c, &ke, &ko);
-                            s[t] += qe * ke;
-                            s[t] += qo * ko;
-                        }
-                    }
-                } else {
-                    for (int c = 0; c < D; c += 8) {
-                        const f32x8 qc = load8(qh + c);
-                        for (int t = 0; t < 8; t++) s[t] += qc * load8((const float *)a->k_cache + kbase + t * row + c);
-                    }
-                }
-                const f32x8 r = sum8x8(s) * a->scale;
+                const uint16_t *qbh = kv == KV_BF16_DOT ? qb + (int64_t)h * D : qb;
+                const f32x8 r = dots8(a->k_cache, kbase, row, qs + (int64_t)h * D, qbh, D, kv) * a->scale;
                 memcpy(scores + (int64_t)h * L + (int64_t)blk * BS + t0, &r, sizeof r);
             }
         }
         for (; t0 < n; t0++) {
             for (int h = 0; h < nh; h++) {
-                const float *restrict qh = (bf16 ? qsplit : q) + (int64_t)h * D;
                 const int64_t kbase = base + (int64_t)t0 * row + (int64_t)(h / G) * D;
-                f32x8 s1 = zero;
-                if (bf16) {
-                    for (int c = 0; c < D; c += 16) {
-                        f32x8 ke, ko;
-                        load16_bf16_split((const uint16_t *)a->k_cache + kbase + c, &ke, &ko);
-                        s1 += load8(qh + c) * ke;
-                        s1 += load8(qh + c + 8) * ko;
-                    }
-                } else {
-                    for (int c = 0; c < D; c += 8) s1 += load8(qh + c) * load8((const float *)a->k_cache + kbase + c);
-                }
-                float dot = 0.f;
-                for (int i = 0; i < 8; i++) dot += s1[i];
-                scores[(int64_t)h * L + (int64_t)blk * BS + t0] = dot * a->scale;
+                const uint16_t *qbh = kv == KV_BF16_DOT ? qb + (int64_t)h * D : qb;
+                scores[(int64_t)h * L + (int64_t)blk * BS + t0] =
+                    dot1(a->k_cache, kbase, qs + (int64_t)h * D, qbh, D, kv) * a->scale;
             }
         }
     }
@@ -282,71 +517,67 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
             for (int h = 0; h < nh; h++) {
                 prefetch_part(&pf, h, nh);
                 const float *restrict ph = scores + (int64_t)h * L + (int64_t)blk * BS + t0;
-                for (int d0 = 0; d0 < D; d0 += 64) {
-                    const int64_t vbase = base + (int64_t)t0 * row + (int64_t)(h / G) * D + d0;
-                    float *restrict ah = acc + (int64_t)h * D + d0;
-                    if (bf16) {
-                        /* the even (e) and odd (o) lanes of the four 16-lane chunks, named one by
-                         * one: as an array GCC stored them back to the stack every token */
-                        f32x8 e0 = load8(ah), o0 = load8(ah + 8), e1 = load8(ah + 16), o1 = load8(ah + 24);
-                        f32x8 e2 = load8(ah + 32), o2 = load8(ah + 40), e3 = load8(ah + 48), o3 = load8(ah + 56);
-                        const uint16_t *restrict vrow = (const uint16_t *)a->v_cache + vbase;
-                        for (int t = 0; t < nt; t++, vrow += row) {
-                            const f32x8 p = broadcast8(ph + t);
-                            f32x8 ve, vo;
-                            load16_bf16_split(vrow, &ve, &vo);
-                            e0 += p * ve;
-                            o0 += p * vo;
-                            load16_bf16_split(vrow + 16, &ve, &vo);
-                            e1 += p * ve;
-                            o1 += p * vo;
-                            load16_bf16_split(vrow + 32, &ve, &vo);
-                            e2 += p * ve;
-                            o2 += p * vo;
-                            load16_bf16_split(vrow + 48, &ve, &vo);
-                            e3 += p * ve;
-                            o3 += p * vo;
-                        }
-                        store8(ah, e0);
-                        store8(ah + 8, o0);
-                        store8(ah + 16, e1);
-                        store8(ah + 24, o1);
-                        store8(ah + 32, e2);
-                        store8(ah + 40, o2);
-                        store8(ah + 48, e3);
-                        store8(ah + 56, o3);
-                        continue;
-                    }
-                    f32x8 o[8];
-                    memcpy(o, ah, sizeof o);
-                    for (int t = 0; t < nt; t++) {
-                        const f32x8 p = broadcast8(ph + t);
-                        for (int c = 0; c < 8; c++) o[c] += p * load8((const float *)a->v_cache + vbase + t * row + 8 * c);
-                    }
-                    memcpy(ah, o, sizeof o);
-                }
+                for (int d0 = 0; d0 < D; d0 += 64)
+                    accumulate64(a->v_cache, base + (int64_t)t0 * row + (int64_t)(h / G) * D + d0, row, ph, nt,
+                                 acc + (int64_t)h * D + d0, kv);
             }
         }
     }
 
     for (int h = 0; h < nh; h++) {
         if (bf16) /* back from even | odd halves to element order */
-            for (int c = 0; c < D; c += 16) interleave16(acc + (int64_t)h * D + c);
+            for (int c = 0; c < D; c += SPLIT_CHUNK) interleave_chunk(acc + (int64_t)h * D + c);
         for (int d = 0; d < D; d++) acc[(int64_t)h * D + d] *= inv_sum[h];
     }
 }
 
 typedef void (*AttendFn)(const Args *, int, int, int, const float *, float *, float *, float *);
 
+/* How attend_blocked consumes the cache for a unit of nkv KV heads. AVX-512 builds against the
+ * AVX2 build, the kernel alone (round 8: Zen 5, 2 threads, 30 layers; 64 requests x ~400 tokens
+ * over shuffled blocks, and batch 1 x 400 tokens, whose units are single KV heads read from L3):
+ * - bf16 caches, 16 lanes: 32 cached values widened by one shift and one mask, and with bf16
+ *   queries (io_bf16) no widening of K at all: vdpbf16ps (dot32_bf16); the V pass stays fp32.
+ *   64 requests 17.6-17.8 -> 14.8-15.0 ms (33 -> 40 GB/s; widening K instead: 15.4-15.6, fp32
+ *   queries 15.2-15.6); batch 1 0.43 -> 0.34 ms (fp32 queries 0.36).
+ * - fp32 caches: with many requests the kernel is memory bound and the 8-lane passes (compiled
+ *   at x86-64-v4) ran 6% faster than 16 lanes (23.5 against 25.0 ms); 64 requests 24.3-25.5 ->
+ *   23.3-23.9 ms. Units of one KV head (a few requests) are bound by the arithmetic: 16 lanes,
+ *   batch 1 0.53 -> 0.41 ms. */
+static inline int kv_kind(const Args *a, int nkv) {
+#ifdef __AVX512BF16__
+    if (a->is_bf16 && a->io_bf16) return KV_BF16_DOT;
+#endif
+    if (a->is_bf16) return KV_BF16;
+#ifdef __AVX512F__
+    if (nkv == 1) return KV_F32_X16;
+#endif
+    (void)nkv;
+    return KV_F32;
+}
+
+/* attend_blocked's copy for head size D and the unit's kind (kv_kind). */
+static inline __attribute__((always_inline)) void attend_kind(const Args *a, int b, int kh0, int kh1, const float *q,
+                                                              float *s, float *acc, const int D) {
+    switch (kv_kind(a, kh1 - kh0)) {
+#ifdef __AVX512BF16__
+    case KV_BF16_DOT: attend_blocked(a, b, kh0, kh1, q, s, acc, D, KV_BF16_DOT); break;
+#endif
+#ifdef __AVX512F__
+    case KV_F32_X16: attend_blocked(a, b, kh0, kh1, q, s, acc, D, KV_F32_X16); break;
+#endif
+    case KV_BF16: attend_blocked(a, b, kh0, kh1, q, s, acc, D, KV_BF16); break;
+    default: attend_blocked(a, b, kh0, kh1, q, s, acc, D, KV_F32);
+    }
+}
+
 static void attend_d64(const Args *a, int b, int kh0, int kh1, const float *q, float *s, float *acc, float *tmp) {
     (void)tmp;
-    if (a->is_bf16) attend_blocked(a, b, kh0, kh1, q, s, acc, 64, 1);
-    else attend_blocked(a, b, kh0, kh1, q, s, acc, 64, 0);
+    attend_kind(a, b, kh0, kh1, q, s, acc, 64);
 }
 static void attend_d128(const Args *a, int b, int kh0, int kh1, const float *q, float *s, float *acc, float *tmp) {
     (void)tmp;
-    if (a->is_bf16) attend_blocked(a, b, kh0, kh1, q, s, acc, 128, 1);
-    else attend_blocked(a, b, kh0, kh1, q, s, acc, 128, 0);
+    attend_kind(a, b, kh0, kh1, q, s, acc, 128);
 }
 static void attend_any(const Args *a, int b, int kh0, int kh1, const float *q, float *s, float *acc, float *tmp) {
     attend_impl(a, b, kh0, kh1, q, s, acc, tmp, a->D);
