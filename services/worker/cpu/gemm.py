@@ -1,0 +1,74 @@
+"""fp32 linear layers on our own AVX-512 GEMM (`gemm.c`), for CPU workers: weights packed once into
+column blocks that stream from memory; faster than oneDNN's prepacked fp32 GEMMs at every batch
+size measured, most at decode sizes (see gemm.c). Where the CPU has no AVX-512, or the library
+cannot be built, `PanelGemm.load()` returns None and the layers keep oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from services.worker.cpu import cbuild
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("gemm.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int
+BLOCK = 32  # output columns per packed block (gemm.c's NB)
+HIGHEST_ISA = "avx512"
+_loaded: dict[str | None, PanelGemm | None] = {}
+
+
+class PanelGemm:
+    """y = x W^T + b in fp32 with W packed by `pack` (out_features a multiple of BLOCK)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.gemm_available.restype = _I
+        lib.gemm_pack.argtypes = [_P, _P, _I, _I]
+        lib.gemm_pack.restype = None
+        lib.gemm.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        lib.gemm.restype = None
+        self.lib = lib
+
+    @classmethod
+    def load(cls, level: str | None = None) -> PanelGemm | None:
+        """The shared instance built at `level` (None: the best this CPU runs, up to avx512), or None
+        where this CPU has no AVX-512 or nothing could be built (logged once)."""
+        if level not in _loaded:
+            gemm: PanelGemm | None = None
+            try:
+                gemm = cls(cbuild.build(_SOURCE, highest=HIGHEST_ISA, level=level))
+                if not gemm.lib.gemm_available():
+                    gemm = None
+            except (RuntimeError, OSError) as e:
+                logger.warning("AVX-512 GEMM unavailable (%s); fp32 linear layers use oneDNN", e)
+            _loaded[level] = gemm
+        return _loaded[level]
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] fp32 → the packed copy (same size; gemm.c's layout)."""
+        assert self.supports(weight)
+        weight = weight.detach().contiguous()
+        packed = torch.empty_like(weight)
+        self.lib.gemm_pack(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1])
+        return packed
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] fp32 → [..., N]."""
+        n, k = packed.shape
+        rows = x.reshape(-1, k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+        if rows.shape[0]:
+            self.lib.gemm(rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                          rows.shape[0], k, n, torch.get_num_threads())
+        return out.view(*x.shape[:-1], n)
