@@ -262,6 +262,15 @@ static inline f32x16 round16_bf16(f32x16 v) {
     return (f32x16)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
 }
 
+static inline f32x16 load16_bf16(const uint16_t *p) {
+    return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+
+/* 32 -> 16 bit lanes in one instruction (vpmovdw), where AVX2 needed a pack across halves */
+static inline void store16_bf16(uint16_t *p, f32x16 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)(bf16_round_bits16(v) >> 16)));
+}
+
 /* load16_bf16_split and store16_bf16_split, 32 values: even and odd elements as two vectors */
 static inline void load32_bf16_split(const uint16_t *p, f32x16 *even, f32x16 *odd) {
     const u32x16 raw = (u32x16)_mm512_loadu_si512(p);

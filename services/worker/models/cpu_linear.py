@@ -10,9 +10,10 @@ project's 2-core AVX-512 EPYC (single thread, SmolLM2's shapes), the same idea a
 The reordered copy replaces the layer's weight (the model keeps one copy of the weights);
 the tied LM head gets its own reordered copy beside the embedding table it shares.
 
-fp32 weights on AVX-512 CPUs are packed for our own GEMM instead (`cpu/gemm.c`: column blocks
-that stream from memory; 1.4-1.9x oneDNN at 16-64 rows with each layer's own weights, level from
-512 rows on), where the output size is a multiple of its 32-column blocks.
+On AVX-512 CPUs fp32 weights (and bf16 ones where the CPU has AVX512_BF16) are packed for our
+own GEMM instead (`cpu/gemm.c`: column blocks that stream from memory; 1.3-1.9x oneDNN at 16-64
+rows with each layer's own weights, level on prefill-sized batches), where the output size is a
+multiple of its 32-column blocks.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ def available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout, or in gemm.c's (fp32, AVX-512)."""
+    """y = x W^T + b with W held in oneDNN's blocked layout, or in gemm.c's (AVX-512)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.gemm = PanelGemm.load() if PanelGemm.supports(weight) else None
+        gemm = PanelGemm.load()
+        self.gemm = gemm if gemm is not None and gemm.supports(weight) else None
         with torch.no_grad():
             if self.gemm is not None:
                 self.packed = self.gemm.pack(weight)
