@@ -74,3 +74,11 @@ def test_packed_linear_takes_it_where_it_applies() -> None:
         assert layer(torch.empty(0, 40, dtype=dtype)).shape == (0, 2 * BLOCK)
         assert PackedLinear(torch.randn(BLOCK + 8, 40).to(dtype), None).gemm is None
     assert PackedLinear(torch.randn(2 * BLOCK, 41).bfloat16(), None).gemm is None  # bf16 needs pairs of k
+
+
+def test_bf16_stays_on_onednn_where_the_cpu_has_amx() -> None:
+    """oneDNN's bf16 GEMMs use AMX tiles where the CPU has them; ours only where it does not."""
+    from services.worker.cpu.gemm import keeps_onednn_for_bf16
+
+    assert keeps_onednn_for_bf16({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    assert not keeps_onednn_for_bf16({"avx512f", "avx512_bf16"})

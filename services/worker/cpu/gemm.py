@@ -2,7 +2,7 @@
 column blocks that stream from memory; fp32, and bf16 where the CPU has AVX512_BF16. Faster than
 oneDNN's prepacked GEMMs at decode sizes and level with them on prefill-sized batches (see
 gemm.c). Where the CPU has no AVX-512, or the library cannot be built, `PanelGemm.load()`
-returns None and the layers keep oneDNN (as bf16 layers do without AVX512_BF16).
+returns None and the layers keep oneDNN (as bf16 layers do without AVX512_BF16, and with AMX).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.config import cpu_flags
 from services.worker.cpu import cbuild
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,13 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 BLOCK = 32  # output columns per packed block (gemm.c's NB)
 HIGHEST_ISA = "avx512_bf16"
 _loaded: dict[str | None, PanelGemm | None] = {}
+
+
+def keeps_onednn_for_bf16(flags: set[str] | None = None) -> bool:
+    """CPUs with AMX (Intel Sapphire Rapids and later): oneDNN's bf16 GEMMs run on the AMX tiles,
+    several times vdpbf16ps's rate on prefill-sized batches, so bf16 layers stay on oneDNN there
+    (not measured on such a machine: the conservative choice)."""
+    return "amx_bf16" in (cpu_flags() if flags is None else flags)
 
 
 class PanelGemm:
@@ -37,7 +45,7 @@ class PanelGemm:
         lib.gemm.restype = None
         self.lib = lib
         self.dtypes = tuple(dtype for dtype, bf16 in ((torch.float32, 0), (torch.bfloat16, 1))
-                            if lib.gemm_available(bf16))
+                            if lib.gemm_available(bf16) and not (bf16 and keeps_onednn_for_bf16()))
 
     @classmethod
     def load(cls, level: str | None = None) -> PanelGemm | None:

@@ -10,10 +10,10 @@ project's 2-core AVX-512 EPYC (single thread, SmolLM2's shapes), the same idea a
 The reordered copy replaces the layer's weight (the model keeps one copy of the weights);
 the tied LM head gets its own reordered copy beside the embedding table it shares.
 
-On AVX-512 CPUs fp32 weights (and bf16 ones where the CPU has AVX512_BF16) are packed for our
-own GEMM instead (`cpu/gemm.c`: column blocks that stream from memory; 1.3-1.9x oneDNN at 16-64
-rows with each layer's own weights, level on prefill-sized batches), where the output size is a
-multiple of its 32-column blocks.
+On AVX-512 CPUs fp32 weights (and bf16 ones where the CPU has AVX512_BF16 but no AMX) are
+packed for our own GEMM instead (`cpu/gemm.c`: column blocks that stream from memory; 1.3-1.9x
+oneDNN at 16-64 rows with each layer's own weights, level on prefill-sized batches), where the
+output size is a multiple of its 32-column blocks.
 """
 
 from __future__ import annotations
