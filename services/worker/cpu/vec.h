@@ -104,14 +104,26 @@ static inline float lane_sum8(f32x8 v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
-/* Each lane's fp32 bits rounded to bf16 (nearest even, NaN stays a quiet NaN, as f32_to_bf16),
- * the bf16 in the upper 16 bits of the lane (the lower 16 are garbage). */
-static inline u32x8 bf16_round_bits(f32x8 v) {
-    const u32x8 bits = (u32x8)v;
-    /* a signed compare (AVX2 has no unsigned one): both sides are below 2^31 */
-    const u32x8 is_nan = (u32x8)((i32x8)(bits & 0x7fffffffu) > 0x7f800000);
-    return ((bits + 0x7fffu + ((bits >> 16) & 1u)) & ~is_nan) | ((bits | 0x00400000u) & is_nan);
-}
+/* bf16 rounding in fp32 lanes, one body for each vector width (F, U, I: the float, uint32 and
+ * int32 vectors of as many lanes):
+ * - ROUND_BITS(v): each lane's fp32 bits rounded to bf16 (nearest even, NaN stays a quiet NaN, as
+ *   f32_to_bf16), the bf16 in the upper 16 bits of the lane (the lower 16 are garbage);
+ * - ROUND(v): v rounded to bf16 precision, staying in fp32 lanes: no narrowing and widening back.
+ *   NaN stays NaN: every NaN there comes from bf16 inputs, whose quiet bit is in the upper half
+ *   the rounding keeps. */
+#define DEFINE_BF16_ROUNDING(ROUND_BITS, ROUND, F, U, I)                                              \
+    static inline U ROUND_BITS(F v) {                                                                 \
+        const U bits = (U)v;                                                                          \
+        /* a signed compare (AVX2 has no unsigned one): both sides are below 2^31 */                  \
+        const U is_nan = (U)((I)(bits & 0x7fffffffu) > 0x7f800000);                                   \
+        return ((bits + 0x7fffu + ((bits >> 16) & 1u)) & ~is_nan) | ((bits | 0x00400000u) & is_nan);  \
+    }                                                                                                 \
+    static inline F ROUND(F v) {                                                                      \
+        const U bits = (U)v;                                                                          \
+        return (F)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);                             \
+    }
+
+DEFINE_BF16_ROUNDING(bf16_round_bits, round8_bf16, f32x8, u32x8, i32x8)
 
 static inline u16x8 to_bf16x8(f32x8 v) {
     const u32x8 h = bf16_round_bits(v) >> 16; /* each lane < 2^16 */
@@ -145,14 +157,6 @@ static inline void load16_bf16_split(const uint16_t *p, f32x8 *even, f32x8 *odd)
 static inline void store16_bf16_split(uint16_t *p, f32x8 even, f32x8 odd) {
     const u32x8 both = (bf16_round_bits(odd) & 0xffff0000u) | (bf16_round_bits(even) >> 16);
     memcpy(p, &both, sizeof both);
-}
-
-/* v rounded to bf16 precision (nearest even), staying in fp32 lanes: no narrowing and widening
- * back. NaN stays NaN: every NaN here comes from bf16 inputs, whose quiet bit is in the upper
- * half the rounding keeps. */
-static inline f32x8 round8_bf16(f32x8 v) {
-    const u32x8 bits = (u32x8)v;
-    return (f32x8)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
 }
 
 /* a * b + c with one rounding where the CPU has FMA (x86-64-v3 has), whatever the build's
@@ -250,17 +254,7 @@ DEFINE_EXP(exp16, f32x16, i32x16, min16, max16, fma16)
 static inline f32x16 load16(const float *p) { return (f32x16)_mm512_loadu_ps(p); }
 static inline void store16(float *p, f32x16 v) { _mm512_storeu_ps(p, (__m512)v); }
 
-/* bf16_round_bits and round8_bf16, 16 lanes */
-static inline u32x16 bf16_round_bits16(f32x16 v) {
-    const u32x16 bits = (u32x16)v;
-    const u32x16 is_nan = (u32x16)((i32x16)(bits & 0x7fffffffu) > 0x7f800000);
-    return ((bits + 0x7fffu + ((bits >> 16) & 1u)) & ~is_nan) | ((bits | 0x00400000u) & is_nan);
-}
-
-static inline f32x16 round16_bf16(f32x16 v) {
-    const u32x16 bits = (u32x16)v;
-    return (f32x16)((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
-}
+DEFINE_BF16_ROUNDING(bf16_round_bits16, round16_bf16, f32x16, u32x16, i32x16)
 
 static inline f32x16 load16_bf16(const uint16_t *p) {
     return (f32x16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
