@@ -336,8 +336,9 @@ static inline __attribute__((always_inline)) void prefill_unit(const Args *a, co
     const int last_pos = ctx + q0 + nq - 1; /* the tile's last query sees keys [0, last_pos] */
     for (int j0 = 0; j0 <= last_pos; j0 += KT) {
         const int nk = last_pos + 1 - j0 < KT ? last_pos + 1 - j0 : KT;
-        /* keys transposed [D, KT] (8 keys x 8 dims at a time, in registers) and values [KT, D],
-         * fp32; missing keys zero (masked below) */
+        /* keys transposed [D, KT] (8 keys x 8 dims at a time, in registers; with bf16 dot
+         * products bf16 pairs [D / 2, KT]) and values [KT, D] fp32; missing keys zero (masked
+         * below) */
         for (int t0 = 0; t0 < KT; t0 += 8) {
             int64_t at[8];
             for (int t = 0; t < 8; t++) {
