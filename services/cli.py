@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from services.engine_args import add_engine_args, engine_kwargs
@@ -52,10 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sigterm_as_ctrl_c(signum: int, frame) -> None:
+    """SIGTERM does whatever Ctrl-C does at that moment (asyncio.run cancels its main task on the
+    first, raises KeyboardInterrupt on the second; ignored once a command is already stopping)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+
+
+def install_stop_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM both stop a command the way Ctrl-C does in a terminal,
+    whatever this process inherited: a background job of a non-interactive shell (CI runners,
+    `nohup`, `make -j`) starts with SIGINT ignored, and Python then installs no
+    KeyboardInterrupt of its own. `serve` and the gateway put their own handlers on top."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+
+
 def main(argv: list[str] | None = None) -> int:
+    install_stop_signals()
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no "Got goaway" chatter when a peer restarts
     args = build_parser().parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:  # stopped before the command had its own handling in place
+        return 130
 
 
 if __name__ == "__main__":

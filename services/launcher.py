@@ -248,6 +248,7 @@ def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # SIGINT raises KeyboardInterrupt (services.cli)
     model = args.model or default_model_path()
     try:
         check_model_dir(model)
@@ -280,7 +281,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The API key reaches the gateway alone, also through its environment.
     gateway_env = dict(os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else None
     services: list[ServiceProcess] = []
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         print(_topology(args, redis_port), flush=True)
         for name, command, healthy in _serve_commands(args, model, worker_ports, scheduler_ports, redis_port):
