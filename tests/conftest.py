@@ -5,12 +5,18 @@
   fp32 checkpoints (2 layers, hidden 64, GQA 4q/2kv heads, head_dim 16) with the SmolLM2 tokenizer beside them.
 - ``redis_server``: a throwaway redis-server on a free loopback port; yields ``redis://127.0.0.1:PORT``.
 - ``free_port()``: a plain helper (``from conftest import free_port``).
+
+The suite watches its own processes (tests/suite_processes.py): it reports its peak memory at
+the end and fails past MYVLLM_TEST_MEMORY_BUDGET_GB (default 8); it fails if any process it
+started outlives the run (naming it, then killing it); and SIGTERM of pytest stops every
+process of the run before pytest exits.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -18,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import suite_processes
 
 # Never reach for a model hub from the test suite.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +33,65 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton reads this once, at its first import: without a GPU its kernels run in the interpreter.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Before any test starts a process: every child of this run carries the tag.
+suite_processes.mark_this_run()
+MEMORY_BUDGET_BYTES = int(float(os.environ.get("MYVLLM_TEST_MEMORY_BUDGET_GB", "8")) * (1 << 30))
+_memory = suite_processes.MemorySampler()
+
+
+def _stop_on_sigterm(signum: int, frame) -> None:
+    """pytest has no SIGTERM handler of its own: stop every process of the run, then exit as
+    killed by SIGTERM (fixture teardowns are skipped; the processes they own are gone)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    left = suite_processes.stop_processes(suite_processes.suite_processes, grace_s=5)
+    print(f"\npytest got SIGTERM: stopped the run's processes ({len(left)} needed SIGKILL)", flush=True)
+    os._exit(128 + signal.SIGTERM)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    # SIGINT as Python's default whatever pytest inherited (a background job of a non-interactive
+    # shell starts with it ignored), so Ctrl-C still ends the run and its fixtures' teardowns.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _memory.start()
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    _memory.current_test = nodeid
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After every fixture's teardown: nothing the run started may still be alive."""
+    _memory.stop()
+    deadline = time.monotonic() + 10  # processes told to stop a moment ago may still be exiting
+    while suite_processes.suite_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = [suite_processes.describe(pid) for pid in suite_processes.suite_processes()]
+    if survivors:
+        suite_processes.stop_processes(suite_processes.suite_processes)
+        session.config.stash[_SURVIVORS] = survivors
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _memory.peak.pss_bytes > MEMORY_BUDGET_BYTES and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_SURVIVORS = pytest.StashKey[list[str]]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    peak = _memory.peak
+    gib = 1 << 30
+    verdict = "over" if peak.pss_bytes > MEMORY_BUDGET_BYTES else "within"
+    terminalreporter.write_line(
+        f"suite memory peak: {peak.pss_bytes / gib:.2f} GiB PSS ({peak.rss_bytes / gib:.2f} GiB RSS summed) over "
+        f"{peak.num_processes} processes during {peak.test}; {verdict} the budget of {MEMORY_BUDGET_BYTES / gib:g} GiB",
+        red=verdict == "over", bold=True)
+    heaviest = sorted(_memory.peak_by_test.items(), key=lambda item: -item[1])[:5]
+    terminalreporter.write_line("heaviest tests: " + ", ".join(f"{test} {pss / gib:.2f} GiB" for test, pss in heaviest))
+    for line in config.stash.get(_SURVIVORS, []):
+        terminalreporter.write_line(f"FAILED: a process of the run outlived it (killed now): {line}", red=True)
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"

@@ -1,5 +1,11 @@
 """Start the real mesh for tests: `Mesh` (`myvllm serve`: worker, scheduler, gateway as
-processes) or one `Replica` (worker + scheduler processes) of a data-parallel deployment."""
+processes) or one `Replica` (worker + scheduler processes) of a data-parallel deployment.
+
+`serve` is started the way a background job of a non-interactive shell starts it (SIGINT
+ignored, its own process group), so that no test depends on what pytest inherited and every
+stop shows that Ctrl-C still stops it. Whatever path a stop takes, every process the mesh
+started (found by its owner tag, wherever it went) is gone when `stop` returns.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import suite_processes
 from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +36,17 @@ class Mesh:
                *(["--scheduler-port", str(self.scheduler_port)] if one_replica else []), *(extra_args or [])]
         if "--dtype" not in cmd:
             cmd += ["--dtype", "float32"]  # outputs are compared with fp32 references, on any CPU
+        self.owner, proc_env = suite_processes.owner_env(dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+        self.leftovers: list[str] = []  # processes still alive after serve exited (killed by stop)
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
+                                     env=proc_env, start_new_session=True, preexec_fn=_ignore_sigint)
+        try:
+            self._wait_for_banner()
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_for_banner(self) -> None:
         self.banner: list[str] = []
         # Everything serve and its services print, read on by a thread once the banner is in
         # (an unread pipe would fill and block them).
@@ -63,9 +79,30 @@ class Mesh:
         return values
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
+        """Ctrl-C to serve; its exit code (-9: it had to be killed). Every process of the mesh is
+        gone afterwards; the ones that outlived serve are named in `leftovers`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
         try:
-            return self.proc.wait(timeout=30)
+            code = self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
+            code = -9
+        deadline = time.monotonic() + 10  # services told to stop may still be exiting
+        while suite_processes.owned_processes(self.owner) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.leftovers = [suite_processes.describe(pid) for pid in suite_processes.owned_processes(self.owner)]
+        self.kill()
+        return code
+
+    def kill(self) -> None:
+        """Stop every process of the mesh (serve's group, then whatever carries its owner tag)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        suite_processes.stop_processes(lambda: suite_processes.owned_processes(self.owner))
+        self.proc.wait()
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

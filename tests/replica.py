@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import suite_processes
 from conftest import free_port
 
 from services.common.auth import TOKEN_ENV
@@ -39,18 +40,22 @@ class Replica:
         self.worker_port, self.scheduler_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.scheduler_port}"
         self.worker_address = f"127.0.0.1:{self.worker_port}"
-        self.env = dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_NUM_THREADS="1")
+        self.owner, self.env = suite_processes.owner_env(dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_NUM_THREADS="1"))
         self.env.pop(TOKEN_ENV, None)
         if token:
             self.env[TOKEN_ENV] = token
         self.log_dir = Path(tempfile.mkdtemp(prefix="myvllm-replica-"))
         self.worker_starts = 0
-        self.worker = self.start_worker()
         self._scheduler_args = [
             "scheduler", "--host", "127.0.0.1", "--port", str(self.scheduler_port), "--workers", self.worker_address,
             *(["--redis", redis_url] if redis_url else []), *scheduler_args(max_num_seqs, *extra_scheduler_args)]
         self.scheduler_starts = 0
-        self.scheduler = self.start_scheduler()
+        try:
+            self.worker = self.start_worker()
+            self.scheduler = self.start_scheduler()
+        except BaseException:
+            self.stop()
+            raise
 
     def start_scheduler(self) -> subprocess.Popen:
         """Start the scheduler on this replica's scheduler port (again, after a kill); its log
@@ -63,7 +68,9 @@ class Replica:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it open
         try:
-            return subprocess.Popen([*CLI, *args], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            # Its own process group: a signal meant for one process never reaches the others.
+            return subprocess.Popen([*CLI, *args], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         finally:
             log.close()
 
@@ -113,14 +120,10 @@ class Replica:
             self.worker.wait(timeout=10)
 
     def stop(self) -> None:
-        for proc in (self.scheduler, self.worker):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-                proc.terminate()
-        for proc in (self.scheduler, self.worker):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        """SIGTERM every process of this replica (SIGCONT first: a stopped process cannot act on
+        it), SIGKILL what is left after 15 s; safe to call twice."""
+        suite_processes.stop_processes(lambda: suite_processes.owned_processes(self.owner), grace_s=15)
+        for proc in (getattr(self, "scheduler", None), getattr(self, "worker", None)):
+            if proc is not None:
                 proc.wait()
         shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -46,17 +46,25 @@ class Deployment:
         self.redis_port = free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}"
         self.redis = start_redis(self.redis_port)
-        self.replicas = [Replica(model_dir, self.redis_url, MAX_NUM_SEQS) for _ in range(2)]
-        for replica in self.replicas:
-            replica.wait_ready()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.gateway_log = tempfile.TemporaryFile()
-        self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
-             "--redis", self.redis_url, "--model", model_dir, "--migration-wait", "60", "--shutdown-timeout", "20"],
-            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=self.gateway_log, stderr=self.gateway_log)
-        self.wait_routed()
+        self.replicas: list[Replica] = []
+        self.gateway: subprocess.Popen | None = None
+        try:  # a set-up that fails half-way stops what it had started
+            for _ in range(2):
+                self.replicas.append(Replica(model_dir, self.redis_url, MAX_NUM_SEQS))
+            for replica in self.replicas:
+                replica.wait_ready()
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.gateway_log = tempfile.TemporaryFile()
+            self.gateway = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--redis", self.redis_url, "--model", model_dir, "--migration-wait", "60", "--shutdown-timeout",
+                 "20"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=self.gateway_log,
+                stderr=self.gateway_log)
+            self.wait_routed()
+        except BaseException:
+            self.stop()
+            raise
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -105,7 +113,7 @@ class Deployment:
         return self.gateway_log.read().decode(errors="replace")[-3000:]
 
     def stop(self) -> None:
-        if self.gateway.poll() is None:
+        if self.gateway is not None and self.gateway.poll() is None:
             stop_process(self.gateway)
         for replica in self.replicas:
             replica.stop()
