@@ -2,6 +2,12 @@
 
 Pure ASGI (not BaseHTTPMiddleware) so that streaming responses and the
 `http.disconnect` message the routes watch for pass through untouched.
+
+A client sends its whole body before it reads the answer. Closing the connection on a body
+still arriving makes the kernel answer the unread bytes with a reset, which can reach the
+client before the 413 does ("peer closed connection" instead of the error). So the rest of
+an oversized body is read and thrown away first, up to `DISCARD_LIMIT_BYTES`; only past that
+is the connection closed on a body still coming.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.errors import OpenAIError, error_response
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# How much of an oversized body is read past the limit (and dropped) before answering 413.
+DISCARD_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 class BodySizeLimitMiddleware:
@@ -20,12 +28,14 @@ class BodySizeLimitMiddleware:
         self.app = app
         self.max_body_bytes = max_body_bytes
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, size: str, more_body: bool) -> None:
+        if more_body:
+            await _discard_body(receive, DISCARD_LIMIT_BYTES)
         error = OpenAIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                             f"Request body too large: {size} bytes exceeds the limit of {self.max_body_bytes} bytes",
                             code="request_too_large")
         response = error_response(error)
-        response.headers["connection"] = "close"  # the rest of the body is never read
+        response.headers["connection"] = "close"
         await response(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -34,7 +44,7 @@ class BodySizeLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._reject(scope, receive, send, declared.decode())
+            await self._reject(scope, receive, send, declared.decode(), more_body=True)
             return
         # Chunked (or mis-declared) bodies: read while counting, then replay to the app.
         body = bytearray()
@@ -44,7 +54,8 @@ class BodySizeLimitMiddleware:
                 return  # the client left before sending its body
             body += message.get("body", b"")
             if len(body) > self.max_body_bytes:
-                await self._reject(scope, receive, send, f"at least {len(body)}")
+                await self._reject(scope, receive, send, f"at least {len(body)}",
+                                   more_body=message.get("more_body", False))
                 return
             if not message.get("more_body", False):
                 break
@@ -59,3 +70,15 @@ class BodySizeLimitMiddleware:
             return await receive()  # after the body: only http.disconnect is left to come
 
         await self.app(scope, replay_body, send)
+
+
+async def _discard_body(receive: Receive, limit_bytes: int) -> None:
+    """Read the request body to its end (or to `limit_bytes`, or the client leaving), dropping it."""
+    read = 0
+    while read <= limit_bytes:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
