@@ -12,26 +12,43 @@ MAX_MESSAGE_BYTES = 256 << 20
 # a different failure: the scheduler's --engine-timeout covers that.
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
-_COMMON_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-# Servers must accept the clients' pings, or they answer them with GOAWAY (too_many_pings).
-SERVER_OPTIONS = _COMMON_OPTIONS + [
-    ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-]
-CHANNEL_OPTIONS = _COMMON_OPTIONS + [
-    # A restarted peer should be found again within about a second, not after gRPC's
-    # default exponential backoff (which grows to two minutes).
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+
+
+def server_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, object]]:
+    """A server's options. It must accept its clients' keepalive pings even on an idle
+    connection, or after two pings too early it answers GOAWAY (ENHANCE_YOUR_CALM,
+    "too_many_pings") and every stream on the connection breaks. gRPC's own default for the
+    shortest ping interval without data is five minutes."""
+    return _common_options(keepalive_time_ms) + [
+        ("grpc.so_reuseport", 0),  # a taken port must fail loudly, not be shared
+        # (grpc.h: GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS)
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 2),
+    ]
+
+
+def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, object]]:
+    return _common_options(keepalive_time_ms) + [
+        # A restarted peer should be found again within about a second, not after gRPC's
+        # default exponential backoff (which grows to two minutes).
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+def _common_options(keepalive_time_ms: int) -> list[tuple[str, object]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+SERVER_OPTIONS = server_options()
+CHANNEL_OPTIONS = channel_options()
 # Deadline of a unary call between services (Health, GetLoad, KV sizing). LoadModel and
 # InitKVCache read weights / allocate tensors and get their own, longer deadline.
 UNARY_TIMEOUT_S = 10.0
