@@ -23,6 +23,7 @@ from services.worker.attention.base import AttentionMetadata, forward_context, g
 from services.worker.cpu.malloc_tuning import keep_freed_memory
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch
+from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.loader import load_model, resolve_dtype
 from services.worker.parallel import (
@@ -184,9 +185,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         for layer in layers:
-            # zeros: never-written slots are masked out, but 0 * NaN garbage would still be NaN.
-            layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
-                                         dtype=self.dtype, device=self.device)
+            layer.kv_cache = zeroed_kv_cache((2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim),
+                                             self.dtype, self.device)
         if self.proposer is not None:
             self.proposer.init_kv_cache(num_blocks, block_size)
         self.reset_batch()

@@ -22,6 +22,7 @@ import torch
 
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context
+from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.loader import load_model
 from services.worker.sampler import build_sampling_metadata
 from services.worker.spec_decode.proposer import SpecProposer
@@ -54,8 +55,8 @@ class DraftModelProposer(SpecProposer):
         for layer in self.model.attention_layers():
             layer.kv_cache = None
         for layer in self.model.attention_layers():
-            layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
-                                         dtype=self.runner.dtype, device=self.runner.device)
+            layer.kv_cache = zeroed_kv_cache((2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim),
+                                             self.runner.dtype, self.runner.device)
         self.probs.clear()
 
     # ------------------------------------------------------------------ per step
