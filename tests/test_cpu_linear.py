@@ -12,10 +12,21 @@ from services.worker import opaque_ops
 from services.worker.models import cpu_linear
 from services.worker.models.cpu_linear import PackedLinear, pack_linears
 
+BF16_PACKABLE = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX-512 or AVX-NE-CONVERT CPUs
+
 
 def test_available_for_the_pinned_torch() -> None:
-    assert cpu_linear.available(torch.float32) and cpu_linear.available(torch.bfloat16)
+    assert cpu_linear.available(torch.float32)
+    assert cpu_linear.available(torch.bfloat16) == BF16_PACKABLE  # oneDNN refuses bf16 on AVX2-only CPUs
     assert not cpu_linear.available(torch.float16)
+
+
+def test_bf16_layers_stay_plain_where_onednn_cannot_pack_them(tiny_llama_dir: str) -> None:
+    from services.worker.models.loader import load_model
+
+    model, _ = load_model(tiny_llama_dir, torch.bfloat16, torch.device("cpu"), progress=False)
+    assert model.pack_for_cpu() == BF16_PACKABLE
+    assert any(isinstance(m, nn.Linear) for m in model.modules()) != BF16_PACKABLE
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -24,6 +35,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    if not cpu_linear.available(dtype):
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU (AVX2 only)")
     gen = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     x = torch.randn(rows, 96, generator=gen).to(dtype)

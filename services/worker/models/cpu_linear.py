@@ -32,9 +32,13 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can prepack weights of `dtype` in this torch build."""
-    return dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether oneDNN can prepack weights of `dtype` in this torch build, on this CPU: its bf16
+    path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses to reorder on an AVX2-only
+    CPU (there bf16 layers stay plain torch ones)."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available() or not hasattr(
+            torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
