@@ -331,7 +331,7 @@ def test_migration_gives_up_with_an_sse_error_or_a_503(smollm2_dir: str) -> None
             time.sleep(0.2)
             scheduler.stop()
             assert_error(pending.result(), 503, code="migration_failed", error_type="service_unavailable_error",
-                         message_has=("no replica answered",))
+                         message_has=("no replica was ready",))
         scheduler.start()
         response = httpx.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10)
         assert response.status_code == 200, response.text

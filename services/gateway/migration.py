@@ -39,7 +39,8 @@ class MigrationPolicy:
 
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # re-submissions per engine request (0 = never migrate)
     wait_s: float = DEFAULT_MIGRATION_WAIT_S      # longest wait for some replica to answer again
-    poll_interval_s: float = 0.25                 # between rounds of health checks while waiting
+    poll_interval_s: float = 0.25                 # first pause between rounds of health checks while waiting
+    max_poll_interval_s: float = 2.0              # the pause doubles up to this
 
 
 class MigrationFailed(RuntimeError):
@@ -156,8 +157,12 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
 
 async def _find_replica(router: ReplicaRouter, request: ResumableRequest, failed_on: set[str], deadline: float,
                         policy: MigrationPolicy, failure: Exception) -> Replica | None:
-    """A replica that answers its health check: one that has not failed this request first,
-    else one that did (it may be back). None if the request is aborted meanwhile."""
+    """A replica that is ready: its scheduler answers and says so in Health (one whose worker
+    is gone, or which is still setting its worker up again, says not ready). One that has not
+    failed this request first, else one that did: in the default one-replica deployment the
+    request waits, polling with backoff, for its own replica to come back. None if the request
+    is aborted meanwhile."""
+    pause = policy.poll_interval_s
     while not request.aborted:
         for replica in router.ranked(avoid=failed_on):
             try:
@@ -165,13 +170,16 @@ async def _find_replica(router: ReplicaRouter, request: ResumableRequest, failed
             except SchedulerUnavailable as e:
                 router.mark_down(replica, e)
                 continue
+            if not await replica.client.health():
+                continue  # alive, not serving yet (worker restarting): try it again next round
             router.note_sent(replica)
             return replica
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise MigrationFailed(
-                f"request {request.request_id} lost its engine replica ({failure}) and no replica answered "
+                f"request {request.request_id} lost its engine replica ({failure}) and no replica was ready "
                 f"within --migration-wait {policy.wait_s:g}s") from failure
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(request._aborted.wait(), min(policy.poll_interval_s, remaining))
+            await asyncio.wait_for(request._aborted.wait(), min(pause, remaining))
+        pause = min(pause * 2, policy.max_poll_interval_s)
     return None
