@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from services.common.sampling_params import SamplingParams
@@ -13,8 +15,9 @@ CAPITAL_Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, dtype="float32", seed=0)
+def llm(smollm2_dir: str) -> Iterator[LLM]:
+    with LLM(smollm2_dir, dtype="float32", seed=0) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

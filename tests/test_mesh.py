@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -23,8 +24,9 @@ def mesh():
 
 
 @pytest.fixture(scope="module")
-def offline(smollm2_dir):
-    return LLM(smollm2_dir, dtype="float32")
+def offline(smollm2_dir) -> Iterator[LLM]:
+    with LLM(smollm2_dir, dtype="float32") as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

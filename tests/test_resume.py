@@ -5,6 +5,7 @@ alike, penalties and max_tokens counting the resumed tokens) and streams back on
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,8 +17,9 @@ PROMPT = "Write a short poem about the sea:"
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, dtype="float32", seed=0, max_num_seqs=8, max_model_len=512)
+def llm(smollm2_dir: str) -> Iterator[LLM]:
+    with LLM(smollm2_dir, dtype="float32", seed=0, max_num_seqs=8, max_model_len=512) as llm:
+        yield llm
 
 
 def _generate(llm: LLM, request_id: str, params: SamplingParams, resumed: list[int] = ()) -> tuple[list[int], str]:

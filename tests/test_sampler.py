@@ -11,6 +11,7 @@ go (top_k candidates, top_p prefilter and its fallback, full sort, plain tempera
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -360,8 +361,9 @@ def test_draws_follow_the_kept_distribution(way: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, dtype="float32", seed=0)
+def llm(smollm2_dir: str) -> Iterator[LLM]:
+    with LLM(smollm2_dir, dtype="float32", seed=0) as llm:
+        yield llm
 
 
 def _ids(llm: LLM, prompt, sp: SamplingParams) -> list[int]:

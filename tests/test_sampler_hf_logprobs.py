@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hf_reference import hf_logprobs
@@ -13,8 +15,9 @@ K = 5
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, seed=0, dtype="float32")
+def llm(smollm2_dir: str) -> Iterator[LLM]:
+    with LLM(smollm2_dir, seed=0, dtype="float32") as llm:
+        yield llm
 
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -35,8 +36,9 @@ num ::= [1-9] [0-9]?
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, dtype="float32", seed=0)  # outputs are compared across runs: fp32
+def llm(smollm2_dir: str) -> Iterator[LLM]:
+    with LLM(smollm2_dir, dtype="float32", seed=0) as llm:  # outputs are compared across runs: fp32
+        yield llm
 
 
 def _chat(llm: LLM, contents: list[str], params: list[SamplingParams]) -> list:

@@ -86,6 +86,12 @@ class LLM:
         if getattr(self, "engine", None) is not None:
             self.engine.structured_output.close()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ public API
 
     def get_tokenizer(self):
