@@ -34,6 +34,7 @@ def test_async_scheduling_matches_sync_greedy(smollm2_dir, config):
         if config == "preemption":
             assert stats["num_preemptions"] > 0
         assert all(len(ids) == 24 for ids in results[async_scheduling])
+        llm.close()
     assert results[True] == results[False]
 
 
@@ -44,3 +45,4 @@ def test_async_scheduling_stops_on_eos_and_max_tokens(smollm2_dir):
     assert out.finish_reason == "stop" and "Paris" in out.text
     out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
+    llm.close()

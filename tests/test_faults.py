@@ -271,6 +271,7 @@ def test_n_seeded_choices_distinct_reproducible_and_as_offline(deployment: Deplo
     llm = LLM(smollm2_dir, dtype="float32", seed=0, max_num_seqs=4, max_model_len=256)
     (offline,) = llm.generate(prompt, SamplingParams(n=3, seed=42, temperature=1.0, max_tokens=8, ignore_eos=True),
                               use_tqdm=False)
+    llm.close()
     assert [c.text for c in offline.outputs] == served
 
 

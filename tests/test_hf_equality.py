@@ -19,7 +19,6 @@ SmolLM2 is ~100x the tiny models' cost on CPU, so most of its prompts are short 
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
@@ -142,8 +141,7 @@ def test_greedy_matches_hf(request: pytest.FixtureRequest, hf_cache: dict, model
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         stats = llm.stats()
     finally:
-        del llm
-        gc.collect()
+        llm.close()
 
     assert [o.prompt_token_ids for o in outputs] == prompts
     mismatches = _diff([list(o.outputs[0].token_ids) for o in outputs], expected, prompts)

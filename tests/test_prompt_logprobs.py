@@ -54,6 +54,7 @@ def test_prompt_logprobs_match_hf(smollm2_dir: str, prompts: list[list[int]], en
         assert llm.stats()["num_preemptions"] > 0
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    llm.close()
 
 
 def test_prompt_logprobs_with_n_and_without(smollm2_dir: str) -> None:
@@ -67,6 +68,7 @@ def test_prompt_logprobs_with_n_and_without(smollm2_dir: str) -> None:
     ids = asked.prompt_token_ids
     _check_against_hf(smollm2_dir, ids, asked.prompt_logprobs, 0)
     assert all(len(entry) == 1 for entry in asked.prompt_logprobs[1:])  # k = 0: just the prompt token
+    llm.close()
 
 
 def test_prompt_logprobs_out_of_range_is_refused() -> None:

@@ -88,4 +88,5 @@ def test_preempted_seeded_requests_continue_their_random_streams(llm: LLM, smoll
                 num_gpu_blocks_override=12)  # 15 blocks wanted
     together = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert small.stats()["num_preemptions"] > 0
+    small.close()
     assert together == roomy

@@ -6,10 +6,12 @@ and the service mesh run exactly the same code.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
 from services.common.proto import myvllm_pb2 as pb
+from services.worker.cpu.malloc_tuning import release_freed_memory
 from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("myvllm.worker")
@@ -83,7 +85,12 @@ class Worker:
             self.runner.reset_batch()
 
     def close(self) -> None:
-        """Nothing to release in-process (ParallelWorkers stops its rank processes here)."""
+        """Drop the model and its KV cache, and hand the freed memory back to the OS (an offline
+        `LLM` closed in a long-lived process; ParallelWorkers stops its rank processes here)."""
+        self.runner = None
+        self.info = None
+        gc.collect()  # the model's modules refer to each other: free them now, not at some later pass
+        release_freed_memory()
 
     def _loaded(self) -> ModelRunner:
         if self.runner is None:

@@ -63,3 +63,13 @@ def keep_freed_memory() -> bool:
         logger.info("mallopt refused a malloc threshold: activations may be re-faulted every step")
     _applied = ok
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Return the free pages of every malloc arena to the OS (glibc's malloc_trim): the raised
+    trim threshold above otherwise keeps up to a GiB of freed memory in a process that has
+    dropped a model. False where the C library has no malloc_trim."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    except (OSError, AttributeError, TypeError):
+        return False
