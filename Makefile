@@ -61,7 +61,7 @@ $(MODEL_DIR)/model.safetensors: | $(STAMP_INSTALL) $(STAMP_SMOLLM2)
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=20 tests
 
 up: setup
 	$(VENV)/bin/myvllm serve

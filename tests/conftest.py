@@ -64,6 +64,10 @@ def pytest_runtest_logstart(nodeid: str, location) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """After every fixture's teardown: nothing the run started may still be alive."""
     _memory.stop()
+    # multiprocessing's resource tracker (started for the spawned ranks) lives as long as pytest does.
+    from multiprocessing import resource_tracker
+
+    resource_tracker._resource_tracker._stop()
     deadline = time.monotonic() + 10  # processes told to stop a moment ago may still be exiting
     while suite_processes.suite_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
