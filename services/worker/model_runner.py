@@ -38,6 +38,7 @@ from services.worker.parallel import (
 from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
 from services.worker.spec_decode.proposer import SpecProposer, make_proposer
 from services.worker.spec_decode.verifier import verify_drafts
+from services.worker.step_validation import validate_step
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(attention_backend, self.device)
         self.input_batch: InputBatch | None = None
         self.block_size = 0
+        self.num_kv_blocks = 0
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
         # A step that waits for its grammar bitmask: (its output so far, logits, sampling rows).
         self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
@@ -179,6 +181,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate [2, num_blocks, block_size, kv_heads, head_dim] per layer and bind it."""
         self.block_size = block_size
+        self.num_kv_blocks = num_blocks
         layers = self.model.attention_layers()
         for layer in layers:  # a re-initialisation: free the old cache before the new one exists
             layer.kv_cache = None
@@ -324,6 +327,7 @@ class ModelRunner:
         constrained rows' bitmask needs the previous step's tokens) stops before sampling and
         returns None; the next message, `grammar_bitmask_only` with the same step id, brings
         the bitmask and gets the step's output."""
+        validate_step(so, self.input_batch, self.num_kv_blocks, self.vocab_size)  # before anything is applied
         if so.grammar_bitmask_only:
             pending, self._pending = self._pending, None
             if pending is None or pending[0].step_id != so.step_id:

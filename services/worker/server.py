@@ -24,6 +24,7 @@ from services.common import grpc_utils
 from services.common.auth import server_interceptors
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
+from services.worker.step_validation import InvalidStep
 from services.worker.worker import Worker
 
 logger = logging.getLogger("myvllm.worker")
@@ -112,6 +113,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 out = await self._run(self.worker.execute, so)
                 if out is not None:  # None: the step waits for its grammar bitmask (the next message)
                     yield out
+            except InvalidStep as e:  # nothing applied; the sender is at fault (the scheduler: an engine fault)
+                logger.error("step %d refused: %s", so.step_id, e)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:  # report, keep serving: the scheduler fails the affected requests
                 logger.error("step %d failed: %s", so.step_id, traceback.format_exc())
                 await self._run(self.worker.reset_batch)
