@@ -371,7 +371,8 @@ def add_subcommands(sub) -> None:
     s.set_defaults(func=_cmd_scheduler)
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
-    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: loopback only; 0.0.0.0 for every interface, with --api-key)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--scheduler", default=None,
                    help="scheduler address host:port; several (comma-separated) = data-parallel replicas")

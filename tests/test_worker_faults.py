@@ -133,6 +133,10 @@ def test_load_model_of_another_path_and_an_oversized_kv_cache_are_refused(replic
                      pb.LoadModelRequest(model=replica.model_dir + "/.", max_num_seqs=8), TOKEN)
     assert info.model == replica.model_dir
     assert len(re.findall(r"loaded .* attention backend", replica.log(f"worker-{replica.worker_starts}"))) == 1
+    with pytest.raises(grpc.RpcError) as info:  # sizes the batch arrays: bounded whoever asks
+        _raw_call(replica.worker_address, pb_grpc.WorkerStub, "LoadModel",
+                  pb.LoadModelRequest(max_num_seqs=2**31 - 1), TOKEN)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "LoadModel.max_num_seqs" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         _raw_call(replica.worker_address, pb_grpc.WorkerStub, "InitKVCache",
                   pb.InitKVCacheRequest(num_blocks=1 << 30, block_size=16), TOKEN)

@@ -95,6 +95,12 @@ def resolve_dtype_name(dtype: str, device_type: str, flags: Iterable[str] | None
     return dtype
 
 
+# Upper bounds a worker accepts in LoadModel whoever sends it (the persistent batch and the
+# sampler's per-row state are sized by them before any request arrives).
+MAX_NUM_SEQS_LIMIT = 16384
+MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
+
+
 @dataclass
 class EngineConfig:
     """Everything one engine replica (scheduler + its worker) is built from."""
@@ -138,8 +144,11 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS_LIMIT}], got {self.max_num_seqs}")
+        if not 1 <= self.max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS_LIMIT:
+            raise ValueError(f"max_num_batched_tokens must be in [1, {MAX_NUM_BATCHED_TOKENS_LIMIT}], "
+                             f"got {self.max_num_batched_tokens}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:

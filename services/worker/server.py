@@ -22,6 +22,7 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.auth import server_interceptors
+from services.common.config import MAX_NUM_BATCHED_TOKENS_LIMIT, MAX_NUM_SEQS_LIMIT
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.worker.step_validation import InvalidStep
@@ -76,6 +77,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"this worker may not load draft model {draft} (start it with --speculative-config "
                                 "naming that model, or with --allowed-model-root above it)")
+        for name, limit in (("max_num_seqs", MAX_NUM_SEQS_LIMIT),
+                            ("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS_LIMIT)):
+            if not 0 <= getattr(merged, name) <= limit:  # 0: the worker's default
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"LoadModel.{name} must be in [0, {limit}], got {getattr(merged, name)}")
         try:
             return await self._run(self.worker.load_model, merged)
         except (FileNotFoundError, ValueError, NotImplementedError, KeyError) as e:
