@@ -47,6 +47,9 @@ def test_every_compose_combination_is_valid_compose() -> None:
         assert result.returncode == 0, f"{[f.name for f in files]}: {result.stderr}"
     base = json.loads(_config(COMPOSE).stdout)["services"]
     assert {"redis", "worker-1", "scheduler-1", "worker-2", "scheduler-2", "gateway"} == set(base)
+    # Only the gateway is published, and on the host's loopback unless told otherwise.
+    assert [name for name, svc in base.items() if svc.get("ports")] == ["gateway"]
+    assert [(p["host_ip"], p["target"]) for p in base["gateway"]["ports"]] == [("127.0.0.1", 8000)]
     assert not any("deploy" in svc for svc in base.values())  # runs on a host without GPUs
     gpu = json.loads(_config(COMPOSE, GPU).stdout)["services"]
     for worker in ("worker-1", "worker-2"):
