@@ -123,6 +123,18 @@ def test_n_128_is_fine(url: str) -> None:
     assert response.status_code == 200 and len(response.json()["choices"]) == 128
 
 
+def test_prompts_times_n_is_bounded_before_any_prompt_is_tokenized(url: str) -> None:
+    """One HTTP request may become at most --max-choices-per-request (256) engine requests."""
+    body = {**COMPLETION, "prompt": ["hi"] * 3, "n": 100, "max_tokens": 1}
+    error = assert_error(httpx.post(f"{url}/v1/completions", json=body, timeout=10), 400, param="prompt")
+    assert "3 prompts x n=100 = 300 completions; at most 256" in error["message"]
+    body = {**COMPLETION, "prompt": [[5]] * 100_000, "max_tokens": 1}  # not 100,000 token checks first
+    assert_error(httpx.post(f"{url}/v1/completions", json=body, timeout=10), 400, param="prompt")
+    body = {**COMPLETION, "prompt": ["hi"] * 2, "n": 128, "max_tokens": 1}  # exactly 256: fine
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 256
+
+
 def test_n_seeded_choices_get_the_offline_llms_seeds(smollm2_dir: str) -> None:
     """seed, seed+1, ... per choice (`sampling_for_choice`, shared with the offline LLM)."""
     fake = FakeScheduler()

@@ -69,7 +69,8 @@ def create_app(
             tokenizer.chat_template = load_chat_template(options.chat_template)
         router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s,
                                internal_token=options.internal_token, routing=options.routing)
-        ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration, options.tools)
+        ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration, options.tools,
+                             options.max_choices_per_request)
         app.state.ctx = ctx
         router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())

@@ -8,7 +8,7 @@ import logging
 import os
 from http import HTTPStatus
 
-from services.gateway.errors import OpenAIError
+from services.gateway.errors import OpenAIError, invalid_request
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy
 from services.gateway.protocol import ModelCard
@@ -27,10 +27,11 @@ class GatewayContext:
 
     def __init__(self, router: ReplicaRouter, tokenizer: GatewayTokenizer, model_path: str,
                  served_model_name: str | None = None, migration: MigrationPolicy | None = None,
-                 tools: ToolSettings | None = None) -> None:
+                 tools: ToolSettings | None = None, max_choices_per_request: int | None = None) -> None:
         self.router = router
         self.tools = tools or ToolSettings()
         self.migration = migration or MigrationPolicy()
+        self.max_choices_per_request = max_choices_per_request
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
@@ -46,6 +47,13 @@ class GatewayContext:
                 raise SchedulerUnavailable("the scheduler has not reported max_model_len yet")
             self._max_model_len = stats.max_model_len
         return self._max_model_len
+
+    def check_num_choices(self, num_prompts: int, n: int) -> None:
+        """A 400 when one HTTP request would become more engine requests than allowed."""
+        limit = self.max_choices_per_request
+        if limit is not None and num_prompts * n > limit:
+            raise invalid_request(f"{num_prompts} prompts x n={n} = {num_prompts * n} completions; at most {limit} "
+                                  "per request (--max-choices-per-request)", param="prompt" if num_prompts > 1 else "n")
 
     @property
     def known_max_model_len(self) -> int | None:

@@ -14,6 +14,7 @@ from services.gateway.tools import ToolSettings
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
+DEFAULT_MAX_CHOICES_PER_REQUEST = 256
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # Flags (argparse dests) that carry secrets: a launcher passes them through the environment,
 # never on the (world-readable) command line.
@@ -28,6 +29,8 @@ class GatewayOptions:
     # Generation requests served at once; up to max_queued_requests more wait, the rest get 429.
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    # Engine requests one HTTP request may become (prompts x n): admission counts HTTP requests.
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
     # On SIGTERM: how long in-flight requests may take to finish before the gateway exits.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     # Clients must send `Authorization: Bearer <api_key>` on /v1/* (None: open).
@@ -44,6 +47,8 @@ class GatewayOptions:
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
+        if self.max_choices_per_request < 1:
+            raise ValueError(f"--max-choices-per-request must be at least 1, got {self.max_choices_per_request}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must not be negative, got {self.max_queued_requests}")
         if self.migration.max_migrations < 0 or self.migration.wait_s < 0:
@@ -70,6 +75,8 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="generation requests served at once")
     parser.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
                         help="requests waiting for a slot; beyond that: 429 with Retry-After")
+    parser.add_argument("--max-choices-per-request", type=int, default=defaults.max_choices_per_request,
+                        help="engine requests one HTTP request may make (prompts x n); beyond that: 400")
     parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s,
                         help="on SIGTERM, seconds in-flight requests get to finish (new ones get 503)")
     parser.add_argument("--api-key", default=env_default("MYVLLM_API_KEY"),
@@ -101,7 +108,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     return GatewayOptions(
         migration=MigrationPolicy(max_migrations=args.max_migrations, wait_s=args.migration_wait),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
-        shutdown_timeout_s=args.shutdown_timeout, api_key=args.api_key, internal_token=args.internal_token,
+        max_choices_per_request=args.max_choices_per_request, shutdown_timeout_s=args.shutdown_timeout,
+        api_key=args.api_key, internal_token=args.internal_token,
         tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template,
         routing=RoutingConfig(args.routing, args.routing_prefill_weight, args.routing_load_weight,
                               args.routing_kv_weight, args.routing_max_imbalance))

@@ -66,15 +66,23 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
             raise invalid_request(f"Token id {token_id} is out of vocabulary (size {vocab_size})", param=param)
 
 
+def _prompt_items(prompt: PromptInput) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def num_prompts(prompt: PromptInput) -> int:
+    """How many prompts a completions request carries (before any is tokenized)."""
+    return len(_prompt_items(prompt))
+
+
 def completion_prompts(tokenizer: GatewayTokenizer, prompt: PromptInput,
                        add_special_tokens: bool = True) -> list[EnginePrompt]:
     """One `EnginePrompt` per prompt in a completions request."""
-    if isinstance(prompt, str):
-        items: list[str | list[int]] = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        items = [prompt]  # type: ignore[list-item]
-    else:
-        items = list(prompt)  # type: ignore[arg-type]
+    items = _prompt_items(prompt)
     if not items:
         raise invalid_request("prompt must not be empty", param="prompt")
     prompts = []

@@ -17,7 +17,7 @@ from services.gateway.errors import as_openai_error, invalid_request, unsupporte
 from services.gateway.generation import PromptSampling, fan_out, start_routed
 from services.gateway.logprobs import CompletionLogprobsBuilder, vllm_prompt_logprobs
 from services.gateway.output_processor import ChoiceDelta
-from services.gateway.prompts import EnginePrompt, completion_prompts
+from services.gateway.prompts import EnginePrompt, completion_prompts, num_prompts
 from services.gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -44,6 +44,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     # echo + logprobs (OpenAI) needs the prompt's logprobs too; so does vLLM's prompt_logprobs.
     wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
     engine_prompt_logprobs = max(wanted) if wanted else None
+    ctx.check_num_choices(num_prompts(request.prompt), request.n)  # before tokenizing any of them
     structured_outputs = await asyncio.to_thread(request_structured_outputs, request)  # parsing: off the loop
     prompts = completion_prompts(ctx.tokenizer, request.prompt)
     max_model_len = await ctx.max_model_len()
