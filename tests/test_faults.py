@@ -246,8 +246,15 @@ def test_redis_killed_routing_goes_on_and_recovers(deployment: Deployment, no_fa
     assert all(s > 0 for s in served), f"routing lost a replica without Redis: steps per replica {served}"
 
     deployment.redis = start_redis(deployment.redis_port)  # Redis returns, empty
+
+    def complete(i: int) -> str:
+        try:
+            return _complete(client, STREAM_PROMPTS[i])
+        except openai.APIError as e:  # what the gateway saw, for a failure under load
+            raise AssertionError(f"{e!r}\ngateway log:\n{deployment.gateway_tail()}") from e
+
     with ThreadPoolExecutor(4) as pool:  # at once: before the schedulers have published again
-        texts = list(pool.map(lambda i: _complete(client, STREAM_PROMPTS[i]), range(4)))
+        texts = list(pool.map(complete, range(4)))
     assert texts == no_fault_texts[:4]
     deployment.wait_routed()  # the schedulers publish again and the gateway routes by it
     assert _complete(client, STREAM_PROMPTS[0]) == no_fault_texts[0]

@@ -278,3 +278,34 @@ def test_sync_client_reports_unreachable_scheduler() -> None:
         assert not client.health()
         with pytest.raises(SchedulerUnavailable):
             list(client.generate([1], SamplingParams(max_tokens=3)))
+
+
+def test_closing_a_stream_whose_reader_never_ran_still_ends_its_requests() -> None:
+    """A client dropped (e.g. by the gateway's router) right after its stream opened: the reader
+    task is cancelled before it ever ran, so its `finally` never runs; close() itself must still
+    end every request waiting on the stream, or they would wait forever."""
+    from services.sdk.client import _GenerateStream, _StreamBroken
+
+    class Call:
+        def cancel(self) -> None:
+            pass
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(3600)
+
+    class Stub:
+        def Generate(self, requests, **kwargs) -> Call:  # noqa: N802
+            return Call()
+
+    async def scenario() -> object:
+        stream = _GenerateStream(Stub())
+        queue: asyncio.Queue = asyncio.Queue()
+        stream.waiting["r"] = queue
+        await stream.close("dropped")  # no await before it: the reader task has not started
+        return await asyncio.wait_for(queue.get(), 1)
+
+    item = asyncio.run(scenario())
+    assert isinstance(item, _StreamBroken) and item.reason == "dropped"

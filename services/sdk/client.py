@@ -107,12 +107,16 @@ class _GenerateStream:
         except asyncio.CancelledError:
             pass  # close() cancelled us; its reason is already set
         finally:
-            self.closed = True
-            broken = _StreamBroken(reason or self._close_reason)
-            for queue in self.waiting.values():
-                queue.put_nowait(broken)
-            self.waiting.clear()
-            self._outgoing.put_nowait(None)
+            self._fail_waiting(reason or self._close_reason)
+
+    def _fail_waiting(self, reason: str) -> None:
+        """Mark the stream closed and end every request still waiting on it (idempotent)."""
+        self.closed = True
+        broken = _StreamBroken(reason)
+        for queue in self.waiting.values():
+            queue.put_nowait(broken)
+        self.waiting.clear()
+        self._outgoing.put_nowait(None)
 
     async def close(self, reason: str) -> None:
         self._close_reason = reason
@@ -123,6 +127,8 @@ class _GenerateStream:
             await self._reader
         except asyncio.CancelledError:
             pass
+        # A reader cancelled before it ever ran never reached its `finally`: its waiters would wait forever.
+        self._fail_waiting(reason)
 
 
 def _ids_list(request_ids: str | Iterable[str]) -> list[str]:
