@@ -37,7 +37,9 @@ def owner_env(env: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
     return owner, {**(os.environ if env is None else env), OWNER_ENV: owner}
 
 
-def _processes_with(needle: bytes) -> list[int]:
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Every live process but this one whose environment has `name=value`."""
+    needle = f"{name}={value}".encode()
     me = os.getpid()
     found = []
     for entry in os.listdir("/proc"):
@@ -56,11 +58,11 @@ def _processes_with(needle: bytes) -> list[int]:
 def suite_processes() -> list[int]:
     """Every live process (zombies excepted: they have no environment) started by this test run."""
     run = os.environ.get(RUN_ENV)
-    return _processes_with(f"{RUN_ENV}={run}".encode()) if run else []
+    return processes_with_env(RUN_ENV, run) if run else []
 
 
 def owned_processes(owner: str) -> list[int]:
-    return _processes_with(f"{OWNER_ENV}={owner}".encode())
+    return processes_with_env(OWNER_ENV, owner)
 
 
 def describe(pid: int) -> str:

@@ -13,22 +13,14 @@ import time
 import uuid
 from pathlib import Path
 
+import suite_processes
+
 TESTS = Path(__file__).resolve().parent
 MARK = "MYVLLM_SIGTERM_PROBE"
 
 
 def _marked(value: str) -> list[int]:
-    needle = f"{MARK}={value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
+    return suite_processes.processes_with_env(MARK, value)
 
 
 def test_sigterm_of_pytest_stops_every_process_of_its_run() -> None:

@@ -52,9 +52,9 @@ CHANNEL_OPTIONS = channel_options()
 # Deadline of a unary call between services (Health, GetLoad, KV sizing). LoadModel and
 # InitKVCache read weights / allocate tensors and get their own, longer deadline.
 UNARY_TIMEOUT_S = 10.0
+SETUP_TIMEOUT_S = 300.0
 # A stopping service lets calls in flight end for this long before it cancels them.
 SHUTDOWN_GRACE_S = 1.0
-SETUP_TIMEOUT_S = 300.0
 
 
 class StartupError(RuntimeError):
