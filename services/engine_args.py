@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.config import DEFAULT_ENGINE_TIMEOUT_S
+from services.common.config import DEFAULT_ENGINE_TIMEOUT_S, DEFAULT_MAX_WAITING_REQUESTS
 
 MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
               "pipeline_parallel_size", "compile_model")
@@ -72,10 +72,14 @@ def add_speculative_arg(p: argparse.ArgumentParser) -> None:
                         'while N requests run (default 0 = never)')
 
 
-def add_engine_timeout_arg(p: argparse.ArgumentParser) -> None:
+def add_scheduler_service_args(p: argparse.ArgumentParser) -> None:
+    """The scheduler service's own flags (how it guards itself), not the engine's configuration."""
     p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
                    help="seconds the scheduler waits for the worker's answer to a step before it treats the "
                         f"worker as dead (default {DEFAULT_ENGINE_TIMEOUT_S:g})")
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests the scheduler queues waiting for a batch slot; more are refused with "
+                        f"RESOURCE_EXHAUSTED, a 429 at the gateway (default {DEFAULT_MAX_WAITING_REQUESTS})")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -27,9 +27,9 @@ from services.common.grpc_utils import StartupError
 from services.common.spec_config import SpeculativeConfig
 from services.engine_args import (
     add_engine_args,
-    add_engine_timeout_arg,
     add_model_args,
     add_pipeline_parallel_arg,
+    add_scheduler_service_args,
     add_scheduling_args,
     add_speculative_arg,
     engine_kwargs,
@@ -95,7 +95,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     return _run_async(serve_scheduler(args.host, args.port, config, workers, redis_url=args.redis,
                                       engine_id=args.engine_id, advertise_address=args.advertise_address,
-                                      token=token_from_env(args.internal_token), engine_timeout=args.engine_timeout))
+                                      token=token_from_env(args.internal_token), engine_timeout=args.engine_timeout,
+                                      max_waiting_requests=args.max_waiting_requests))
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -222,7 +223,7 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
         scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
                           "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
             + (["--redis", redis_url, "--engine-id", f"replica-{replica}"] if redis_url else []) \
-            + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_engine_timeout_arg) \
+            + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_scheduler_service_args) \
             + _forwarded_flags(args, add_pipeline_parallel_arg)
         services.append((f"scheduler{suffix}", scheduler,
                          functools.partial(_grpc_healthy, f"127.0.0.1:{scheduler_port}", "scheduler")))
@@ -365,7 +366,7 @@ def add_subcommands(sub) -> None:
                    help="host:port gateways should dial, published in redis (default: host:port, with a wildcard "
                         "host replaced by this machine's hostname)")
     _add_internal_token_arg(s)
-    add_engine_timeout_arg(s)
+    add_scheduler_service_args(s)
     add_scheduling_args(s)
     add_pipeline_parallel_arg(s)
     s.set_defaults(func=_cmd_scheduler)
@@ -396,7 +397,7 @@ def add_subcommands(sub) -> None:
                                                  "when --data-parallel-size > 1)")
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--startup-timeout", type=float, default=300.0)
-    add_engine_timeout_arg(v)
+    add_scheduler_service_args(v)
     add_gateway_options(v)
     add_engine_args(v)
     v.set_defaults(func=_cmd_serve)

@@ -361,6 +361,14 @@ def test_engine_fault_is_migrated_and_else_a_500(smollm2_dir: str) -> None:
             response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
             error_type = "server_error" if status == 500 else "service_unavailable_error"
             assert_error(response, status, code=code, error_type=error_type, message_has=("no worker",))
+    # A full waiting queue is backpressure: a 429 at once, with migration on, and not re-submitted.
+    full = FakeScheduler(reject=lambda request: "the scheduler's waiting queue is full",
+                         reject_kind=pb.RESOURCE_EXHAUSTED)
+    with FakeSchedulerServer(full) as busy, BackgroundGateway(busy.address, smollm2_dir) as gw:
+        response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
+        assert_error(response, 429, code="engine_queue_full", error_type="rate_limit_error",
+                     message_has=("waiting queue is full",))
+        assert len(full.requests) == 1
 
 
 def _streamed_text(sse: str) -> str:

@@ -3,7 +3,8 @@
 `myvllm serve` restarting a killed worker while applying every flag it was given.
 
 One replica (worker + scheduler publishing to a real redis-server, internal token set,
---engine-timeout 3) is shared by the tests of this module; each leaves it healthy.
+--engine-timeout 3, a waiting queue of 4) is shared by the tests of this module; each leaves
+it healthy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from services.sdk.client import Client, RequestRejected, SchedulerUnavailable
 
 TOKEN = "test-internal-token"
 ENGINE_TIMEOUT_S = 3.0
+MAX_NUM_SEQS = 8  # replica.scheduler_args' default
+MAX_WAITING_REQUESTS = 4
 # Four full blocks of 16 tokens plus a tail: what the prefix cache holds after one run.
 PROMPT = [1] + list(range(3000, 3070))
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -39,7 +42,8 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 @pytest.fixture(scope="module")
 def replica(smollm2_dir: str, redis_server: str):
     r = Replica(smollm2_dir, redis_server, token=TOKEN,
-                extra_scheduler_args=("--engine-timeout", str(ENGINE_TIMEOUT_S)))
+                extra_scheduler_args=("--engine-timeout", str(ENGINE_TIMEOUT_S),
+                                      "--max-waiting-requests", str(MAX_WAITING_REQUESTS)))
     r.redis = redis.Redis.from_url(redis_server)
     try:
         r.wait_healthy()
@@ -68,14 +72,16 @@ def _wait_for(condition, what: str, timeout_s: float = 20) -> None:
         time.sleep(0.1)
 
 
-def _start_long_requests(client: Client, n: int) -> tuple[list[threading.Event], list, ThreadPoolExecutor]:
-    """n long requests on threads; each event is set once its request produced a token.
-    The futures return the exception that ended each request (None if it finished)."""
+def _start_long_requests(client: Client, n: int, prefix: str = "long", sampling: SamplingParams = LONG
+                         ) -> tuple[list[threading.Event], list, ThreadPoolExecutor]:
+    """n long requests on threads (ids prefix-0 .. prefix-(n-1)); each event is set once its
+    request produced a token. The futures return the exception that ended each request (None
+    if it finished or was aborted)."""
     started = [threading.Event() for _ in range(n)]
 
     def run(i: int) -> BaseException | None:
         try:
-            for _ in client.generate([1, 2, 3 + i], LONG):
+            for _ in client.generate([1, 2, 3 + i], sampling, request_id=f"{prefix}-{i}"):
                 started[i].set()
         except (RequestRejected, SchedulerUnavailable) as e:
             started[i].set()
@@ -153,6 +159,49 @@ def test_bad_requests_end_with_invalid_request(replica: Replica) -> None:
             with pytest.raises(RequestRejected, match=re.escape(message)) as info:
                 list(client.generate(prompt, sp))
             assert info.value.error_kind == pb.INVALID_REQUEST and not info.value.is_engine_failure
+
+
+def test_a_full_waiting_queue_refuses_with_resource_exhausted(replica: Replica) -> None:
+    """--max-waiting-requests bounds what a raw gRPC client can pile up: with the batch full and
+    the queue full, one more request ends at once with RESOURCE_EXHAUSTED (backpressure, not an
+    engine failure: a gateway answers 429 and does not migrate it)."""
+    # A full batch fits the KV cache (no preemption moves requests between the queues) and runs
+    # long enough that none finishes while the test looks.
+    sampling = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    seen: list[tuple[int, int]] = []  # (running, waiting), for a failure
+
+    def wait_until(running: int, waiting: int, futures: list) -> None:
+        deadline = time.monotonic() + 60
+        while not seen or seen[-1] != (running, waiting):
+            assert time.monotonic() < deadline, (f"never {running} running and {waiting} waiting: {seen[-10:]}; "
+                                                 f"ended: {[f.result() for f in futures if f.done()]}")
+            stats = replica.stats()
+            seen.append((stats.num_running, stats.num_waiting))
+            time.sleep(0.05)
+
+    with replica.client() as client:
+        # In rounds of at most the cap: requests that arrive together all wait until a step takes
+        # them, so a bigger burst would already meet the cap.
+        rounds = [("batch-a", MAX_NUM_SEQS // 2), ("batch-b", MAX_NUM_SEQS // 2), ("queued", MAX_WAITING_REQUESTS)]
+        expected = [(MAX_NUM_SEQS // 2, 0), (MAX_NUM_SEQS, 0), (MAX_NUM_SEQS, MAX_WAITING_REQUESTS)]
+        futures, pools = [], []
+        try:
+            for (prefix, n), (running, waiting) in zip(rounds, expected, strict=True):
+                _, started, pool = _start_long_requests(client, n, prefix=prefix, sampling=sampling)
+                futures += started
+                pools.append(pool)
+                wait_until(running, waiting, futures)
+            with pytest.raises(RequestRejected, match="--max-waiting-requests") as info:
+                _greedy(client)
+            assert info.value.error_kind == pb.RESOURCE_EXHAUSTED and not info.value.is_engine_failure
+        finally:
+            client.abort([f"{prefix}-{i}" for prefix, n in rounds for i in range(n)])
+            results = [f.result(timeout=60) for f in futures]
+            for pool in pools:
+                pool.shutdown()
+        assert results == [None] * (MAX_NUM_SEQS + MAX_WAITING_REQUESTS)  # aborted, not failed
+        _wait_for(lambda: (s := replica.stats()).num_running == 0 and s.num_waiting == 0, "the aborts")
+        assert _greedy(client)[0]  # and it serves again
 
 
 def test_allowed_model_root_admits_only_directories_below_it(tmp_path) -> None:

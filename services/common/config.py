@@ -31,6 +31,11 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 # How long a scheduler waits for its worker's answer to one step before it declares the
 # worker dead (`--engine-timeout`): far above any step's compute time, far below "forever".
 DEFAULT_ENGINE_TIMEOUT_S = 30.0
+# Requests a scheduler holds waiting for a batch slot (`--max-waiting-requests`); one more is
+# refused with RESOURCE_EXHAUSTED (a 429 at the gateway) instead of growing the queue without
+# bound: a gRPC client has no gateway admission in front of it. Eight times the gateway's
+# default concurrency, so one gateway at its defaults (n = 1) never meets it.
+DEFAULT_MAX_WAITING_REQUESTS = 8192
 
 
 def default_model_path() -> str:

@@ -66,6 +66,9 @@ def engine_error(error: RequestRejected) -> OpenAIError:
     a request the engine failed is ours (500), one no replica could take is a 503."""
     if error.error_kind == pb.INVALID_REQUEST:
         return invalid_request(error.message, code="rejected_by_engine")
+    if error.error_kind == pb.RESOURCE_EXHAUSTED:  # backpressure: the client retries later, we don't pile on
+        return OpenAIError(HTTPStatus.TOO_MANY_REQUESTS, f"The engine is overloaded: {error.message}",
+                           type="rate_limit_error", code="engine_queue_full")
     if error.error_kind == pb.UNAVAILABLE:
         return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine cannot take the request: {error.message}",
                            type="service_unavailable_error", code="engine_unavailable")

@@ -9,7 +9,8 @@ again, to another replica or to the same one once it answers again, with those t
 preempted request and streams back only what comes after them. The text pipeline above
 (detokenizer, stop strings) just keeps receiving token ids, so the client sees one stream.
 
-A rejection that is the client's own fault (INVALID_REQUEST) is never retried. Migration
+A rejection that is the client's own fault (INVALID_REQUEST) is never retried, nor is a full
+waiting queue (RESOURCE_EXHAUSTED: the client gets a 429 and backs off). Migration
 is bounded by `MigrationPolicy`: at most `max_migrations` re-submissions per request and at
 most `wait_s` seconds waiting for a replica to answer; then `MigrationFailed` says why.
 """

@@ -23,7 +23,7 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.auth import server_interceptors
-from services.common.config import EngineConfig
+from services.common.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from services.common.grpc_utils import StartupError
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
@@ -53,8 +53,10 @@ IDLE_PROBE_S = 2.0
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, config: EngineConfig, worker: WorkerGroup, load_reporter: LoadReporter | None = None) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerGroup, load_reporter: LoadReporter | None = None,
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
         self.config = config
+        self.max_waiting_requests = max_waiting_requests
         self.worker = worker
         self.core: EngineCore | None = None
         self.owners: dict[str, _ClientStream] = {}
@@ -214,6 +216,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             error, kind = f"replica unavailable: {self.worker_down}", pb.UNAVAILABLE
         elif req.request_id in self.owners or not req.request_id:
             error = f"request id {req.request_id!r} is empty or already in use"
+        elif self.core.scheduler.num_waiting >= self.max_waiting_requests:
+            error, kind = (f"the scheduler's waiting queue is full ({self.max_waiting_requests} requests, "
+                           "--max-waiting-requests); retry later"), pb.RESOURCE_EXHAUSTED
         else:
             try:
                 self.core.add_request(req)
@@ -310,11 +315,14 @@ def advertised_address(host: str, port: int) -> str:
 async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_addresses: list[str],
                           redis_url: str | None = None, engine_id: str | None = None,
                           connect_timeout: float = 120.0, advertise_address: str | None = None,
-                          token: str | None = None, engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S) -> None:
+                          token: str | None = None, engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S,
+                          max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
     if not worker_addresses:
         raise StartupError("scheduler: give at least one worker address (several = tensor/pipeline-parallel ranks)")
     if engine_timeout <= 0:
         raise StartupError(f"scheduler: --engine-timeout must be positive, got {engine_timeout}")
+    if max_waiting_requests < 1:
+        raise StartupError(f"scheduler: --max-waiting-requests must be positive, got {max_waiting_requests}")
     address = advertise_address or advertised_address(host, port)
     # Several workers are one engine's ranks (tensor parallel x pipeline stages), stage-major; they
     # rendezvous at a store this scheduler hosts, on the host they reach it by.
@@ -326,7 +334,7 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
         raise StartupError(f"scheduler: {e}") from None
     await worker.connect(connect_timeout)
     reporter = LoadReporter(redis_url, engine_id or address, address) if redis_url else None
-    servicer = SchedulerServicer(config, worker, reporter)
+    servicer = SchedulerServicer(config, worker, reporter, max_waiting_requests)
     server = grpc_utils.server(server_interceptors(token))
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
     grpc_utils.bind_or_fail(server, host, port, "scheduler")

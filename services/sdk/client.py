@@ -44,7 +44,8 @@ class RequestRejected(RuntimeError):
     """The scheduler refused or failed a request (`RequestOutput.error` was set).
 
     `error_kind` says whose fault it was (`pb.ErrorKind`): INVALID_REQUEST is the client's;
-    ENGINE_FAULT and UNAVAILABLE are the engine's (a gateway migrates such a request).
+    ENGINE_FAULT and UNAVAILABLE are the engine's (a gateway migrates such a request);
+    RESOURCE_EXHAUSTED is backpressure (a full waiting queue: retry later, not elsewhere at once).
     """
 
     def __init__(self, request_id: str, message: str, error_kind: int = pb.ERROR_KIND_UNSPECIFIED) -> None:
@@ -56,7 +57,7 @@ class RequestRejected(RuntimeError):
     @property
     def is_engine_failure(self) -> bool:
         """Not the client's mistake (an old peer that sets no kind counts as an engine fault)."""
-        return self.error_kind != pb.INVALID_REQUEST
+        return self.error_kind not in (pb.INVALID_REQUEST, pb.RESOURCE_EXHAUSTED)
 
 
 class _StreamBroken:
