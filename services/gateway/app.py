@@ -21,7 +21,7 @@ from services.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMid
 from services.gateway.context import GatewayContext
 from services.gateway.errors import OpenAIError, install_error_handlers, invalid_request, scheduler_unavailable
 from services.gateway.options import GatewayOptions
-from services.gateway.prompts import chat_prompt, check_token_ids
+from services.gateway.prompts import PromptBound, chat_prompt, check_token_ids
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -70,7 +70,7 @@ def create_app(
         router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s,
                                internal_token=options.internal_token, routing=options.routing)
         ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration, options.tools,
-                             options.max_choices_per_request)
+                             options.max_choices_per_request, options.limits, options.tokenizer_pool_size)
         app.state.ctx = ctx
         router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())
@@ -79,6 +79,7 @@ def create_app(
         finally:
             warmup.cancel()
             await router.close()
+            ctx.close()
 
     app = FastAPI(title="my-vllm gateway", lifespan=lifespan)
     app.state.admission = admission
@@ -128,23 +129,38 @@ def create_app(
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         ctx = _ctx(request)
         ctx.check_model(body.model)
-        if body.messages is not None:
-            tokens = chat_prompt(ctx.tokenizer, body.messages, body.add_generation_prompt,
-                                 body.continue_final_message, body.chat_template_kwargs).token_ids
-        elif body.prompt is not None:
-            tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
+        if body.messages is None and body.prompt is None:
             raise invalid_request("Either prompt or messages is required", param="prompt")
-        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=await ctx.max_model_len())
+        if body.messages is not None:
+            ctx.limits.check_messages(body.messages)
+        max_model_len = await ctx.max_model_len()
+        bound = ctx.prompt_bound(max_model_len)
+        if body.messages is not None:
+            tokens = (await ctx.in_tokenizer_pool(chat_prompt, ctx.tokenizer, body.messages, body.add_generation_prompt,
+                                                  body.continue_final_message, body.chat_template_kwargs,
+                                                  bound=bound)).token_ids
+        else:
+            tokens = await ctx.in_tokenizer_pool(_tokenize_text, ctx.tokenizer, body.prompt, body.add_special_tokens,
+                                                 bound)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         ctx = _ctx(request)
         ctx.check_model(body.model)
-        check_token_ids(body.tokens, ctx.tokenizer.vocab_size, "tokens")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return DetokenizeResponse(prompt=await ctx.in_tokenizer_pool(_detokenize, ctx.tokenizer, body.tokens))
 
     return app
+
+
+def _tokenize_text(tokenizer: GatewayTokenizer, text: str, add_special_tokens: bool, bound: PromptBound) -> list[int]:
+    bound.check_text(text, "prompt")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _detokenize(tokenizer: GatewayTokenizer, tokens: list[int]) -> str:
+    check_token_ids(tokens, tokenizer.vocab_size, "tokens")
+    return tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def split_addresses(addresses: str | Sequence[str]) -> list[str]:

@@ -1,16 +1,24 @@
-"""What every route needs: the replica router (scheduler clients), the tokenizer, metrics,
-model names, and the engine's max_model_len (fetched from a scheduler once one is reachable)."""
+"""What every route needs: the replica router (scheduler clients), the tokenizer and the
+thread pool that renders and tokenizes prompts, metrics, model names, the request limits, and
+the engine's max_model_len (fetched from a scheduler once one is reachable)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
+from typing import ParamSpec, TypeVar
 
 from services.gateway.errors import OpenAIError, invalid_request
+from services.gateway.limits import RequestLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy
+from services.gateway.options import DEFAULT_TOKENIZER_POOL_SIZE
+from services.gateway.prompts import PromptBound
 from services.gateway.protocol import ModelCard
 from services.gateway.router import ReplicaRouter
 from services.gateway.tokenizer import GatewayTokenizer
@@ -21,18 +29,27 @@ logger = logging.getLogger(__name__)
 
 STATS_RETRY_INTERVAL_S = 1.0
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class GatewayContext:
     """Shared state of one gateway process (one per FastAPI app)."""
 
     def __init__(self, router: ReplicaRouter, tokenizer: GatewayTokenizer, model_path: str,
                  served_model_name: str | None = None, migration: MigrationPolicy | None = None,
-                 tools: ToolSettings | None = None, max_choices_per_request: int | None = None) -> None:
+                 tools: ToolSettings | None = None, max_choices_per_request: int | None = None,
+                 limits: RequestLimits | None = None,
+                 tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE) -> None:
         self.router = router
         self.tools = tools or ToolSettings()
         self.migration = migration or MigrationPolicy()
         self.max_choices_per_request = max_choices_per_request
+        self.limits = limits or RequestLimits()
         self.tokenizer = tokenizer
+        # Chat templates and tokenizing run here, not on the event loop: one long prompt must not
+        # stall every other stream. HF fast tokenizers release the GIL while they encode.
+        self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="myvllm-tokenizer")
         self.model_path = model_path
         self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
         self.metrics = GatewayMetrics(self.served_model_name)
@@ -47,6 +64,19 @@ class GatewayContext:
                 raise SchedulerUnavailable("the scheduler has not reported max_model_len yet")
             self._max_model_len = stats.max_model_len
         return self._max_model_len
+
+    async def in_tokenizer_pool(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`fn(*args, **kwargs)` in the tokenizer pool; what it raises (e.g. a 400) is raised here."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, functools.partial(fn, *args, **kwargs))
+
+    def prompt_bound(self, max_model_len: int) -> PromptBound:
+        """What a prompt may be before it is tokenized (--max-prompt-chars-per-token)."""
+        return PromptBound(max_model_len, self.limits.max_prompt_chars_per_token)
+
+    def close(self) -> None:
+        """Stop the tokenizer pool (work not yet started is dropped)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def check_num_choices(self, num_prompts: int, n: int) -> None:
         """A 400 when one HTTP request would become more engine requests than allowed."""

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from services.gateway.limits import RequestLimits
 from services.gateway.migration import MigrationPolicy
 from services.gateway.routing import RoutingConfig, RoutingPolicy
 from services.gateway.tokenizer import load_chat_template
@@ -15,6 +16,9 @@ from services.gateway.tools import ToolSettings
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
 DEFAULT_MAX_CHOICES_PER_REQUEST = 256
+# Threads that render chat templates and tokenize prompts, off the event loop (HF fast
+# tokenizers release the GIL while encoding, so two prompts tokenize in parallel).
+DEFAULT_TOKENIZER_POOL_SIZE = 2
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # Flags (argparse dests) that carry secrets: a launcher passes them through the environment,
 # never on the (world-readable) command line.
@@ -31,6 +35,9 @@ class GatewayOptions:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     # Engine requests one HTTP request may become (prompts x n): admission counts HTTP requests.
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
+    # Stop strings, tools, messages and prompt characters per request (--max-stop-strings, ...).
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE
     # On SIGTERM: how long in-flight requests may take to finish before the gateway exits.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     # Clients must send `Authorization: Bearer <api_key>` on /v1/* (None: open).
@@ -49,6 +56,8 @@ class GatewayOptions:
             raise ValueError(f"--max-concurrent-requests must be at least 1, got {self.max_concurrent_requests}")
         if self.max_choices_per_request < 1:
             raise ValueError(f"--max-choices-per-request must be at least 1, got {self.max_choices_per_request}")
+        if self.tokenizer_pool_size < 1:
+            raise ValueError(f"--tokenizer-pool-size must be at least 1, got {self.tokenizer_pool_size}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must not be negative, got {self.max_queued_requests}")
         if self.migration.max_migrations < 0 or self.migration.wait_s < 0:
@@ -77,6 +86,22 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for a slot; beyond that: 429 with Retry-After")
     parser.add_argument("--max-choices-per-request", type=int, default=defaults.max_choices_per_request,
                         help="engine requests one HTTP request may make (prompts x n); beyond that: 400")
+    limits = defaults.limits
+    parser.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                        help="stop strings one request may give; beyond that: 400")
+    parser.add_argument("--max-stop-string-length", type=int, default=limits.max_stop_string_length,
+                        help="characters one stop string may have; beyond that: 400")
+    parser.add_argument("--max-tools", type=int, default=limits.max_tools,
+                        help="tools one chat request may offer (OpenAI's limit); beyond that: 400")
+    parser.add_argument("--max-tool-definition-bytes", type=int, default=limits.max_tool_definition_bytes,
+                        help="bytes one tool definition may take as JSON; beyond that: 400")
+    parser.add_argument("--max-messages", type=int, default=limits.max_messages,
+                        help="messages one chat request may have; beyond that: 400")
+    parser.add_argument("--max-prompt-chars-per-token", type=int, default=limits.max_prompt_chars_per_token,
+                        help="a prompt (the chat template's output, or a completions prompt) longer than this many "
+                             "characters per token of max_model_len is a 400 before it is tokenized (0 = no check)")
+    parser.add_argument("--tokenizer-pool-size", type=int, default=defaults.tokenizer_pool_size,
+                        help="threads that render chat templates and tokenize prompts, off the event loop")
     parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s,
                         help="on SIGTERM, seconds in-flight requests get to finish (new ones get 503)")
     parser.add_argument("--api-key", default=env_default("MYVLLM_API_KEY"),
@@ -109,6 +134,9 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         migration=MigrationPolicy(max_migrations=args.max_migrations, wait_s=args.migration_wait),
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         max_choices_per_request=args.max_choices_per_request, shutdown_timeout_s=args.shutdown_timeout,
+        limits=RequestLimits(args.max_stop_strings, args.max_stop_string_length, args.max_tools,
+                             args.max_tool_definition_bytes, args.max_messages, args.max_prompt_chars_per_token),
+        tokenizer_pool_size=args.tokenizer_pool_size,
         api_key=args.api_key, internal_token=args.internal_token,
         tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template,
         routing=RoutingConfig(args.routing, args.routing_prefill_weight, args.routing_load_weight,

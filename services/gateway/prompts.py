@@ -1,5 +1,9 @@
 """Request prompts -> token ids: chat messages through the chat template, and the
-four shapes a legacy-completions `prompt` can take."""
+four shapes a legacy-completions `prompt` can take.
+
+These functions render and tokenize: the routes run them in the tokenizer pool
+(`GatewayContext.in_tokenizer_pool`), never on the event loop. A prompt that cannot fit the
+model's context is refused by its `PromptBound` before it is tokenized (or decoded)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 
 from services.gateway.errors import invalid_request, unsupported
 from services.gateway.protocol import ChatMessage, PromptInput
+from services.gateway.sampling import resolve_max_tokens
 from services.gateway.tokenizer import GatewayTokenizer
 
 
@@ -16,6 +21,31 @@ from services.gateway.tokenizer import GatewayTokenizer
 class EnginePrompt:
     token_ids: list[int]
     text: str  # what `echo` shows
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """What a prompt may be before it is tokenized: at most `chars_per_token` x `max_model_len`
+    characters (`chars_per_token` 0: any number), and as token ids fewer than `max_model_len`."""
+
+    max_model_len: int
+    chars_per_token: int = 0
+
+    def check_text(self, text: str, prompt_name: str) -> None:
+        """A 400 context_length_exceeded, naming `prompt_name`, for text too long to be worth tokenizing."""
+        limit = self.chars_per_token * self.max_model_len
+        if self.chars_per_token and len(text) > limit:
+            raise invalid_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the prompt has "
+                f"{len(text)} characters, more than the {limit} ({self.chars_per_token} per token) a prompt may "
+                f"have before it is tokenized (--max-prompt-chars-per-token). Please reduce the length of the "
+                f"{prompt_name}.", param=prompt_name, code="context_length_exceeded")
+
+    def check_num_tokens(self, num_tokens: int, prompt_name: str) -> None:
+        """Token ids that fill the whole context leave no room for a completion (the later
+        check would say the same, after every id was checked and the prompt decoded)."""
+        if num_tokens >= self.max_model_len:
+            resolve_max_tokens(None, num_tokens, self.max_model_len, prompt_name)
 
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -45,8 +75,9 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
 def chat_prompt(tokenizer: GatewayTokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> EnginePrompt:
-    """Render `messages` (and the `tools` offered) with the chat template and tokenize the result."""
+                tools: list[dict[str, Any]] | None = None, bound: PromptBound | None = None) -> EnginePrompt:
+    """Render `messages` (and the `tools` offered) with the chat template and, unless the text
+    is over `bound`, tokenize the result."""
     if add_generation_prompt and continue_final_message:
         raise invalid_request("add_generation_prompt and continue_final_message cannot both be true",
                               param="continue_final_message")
@@ -56,6 +87,8 @@ def chat_prompt(tokenizer: GatewayTokenizer, messages: list[ChatMessage], add_ge
                                      chat_template_kwargs, tools)
     except Exception as e:  # jinja errors, raise_exception() in templates, missing template
         raise invalid_request(f"Could not apply the chat template: {e}", param="messages") from None
+    if bound is not None:
+        bound.check_text(text, "messages")
     # The template already placed BOS and other special tokens.
     return EnginePrompt(tokenizer.encode(text, add_special_tokens=False), text)
 
@@ -79,12 +112,18 @@ def num_prompts(prompt: PromptInput) -> int:
     return len(_prompt_items(prompt))
 
 
-def completion_prompts(tokenizer: GatewayTokenizer, prompt: PromptInput,
-                       add_special_tokens: bool = True) -> list[EnginePrompt]:
-    """One `EnginePrompt` per prompt in a completions request."""
+def completion_prompts(tokenizer: GatewayTokenizer, prompt: PromptInput, add_special_tokens: bool = True,
+                       bound: PromptBound | None = None) -> list[EnginePrompt]:
+    """One `EnginePrompt` per prompt in a completions request (none tokenized if any is over `bound`)."""
     items = _prompt_items(prompt)
     if not items:
         raise invalid_request("prompt must not be empty", param="prompt")
+    if bound is not None:
+        for item in items:
+            if isinstance(item, str):
+                bound.check_text(item, "prompt")
+            else:
+                bound.check_num_tokens(len(item), "prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):

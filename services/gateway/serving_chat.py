@@ -11,14 +11,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from services.common.sampling_params import MAX_LOGPROBS
+from services.common.proto import myvllm_pb2 as pb
+from services.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
 from services.gateway.generation import PromptSampling, fan_out, start_routed
 from services.gateway.logprobs import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.output_processor import ChoiceDelta
-from services.gateway.prompts import chat_prompt
+from services.gateway.prompts import EnginePrompt, chat_prompt
 from services.gateway.protocol import (
     AssistantMessage,
     ChatChoiceLogprobs,
@@ -58,16 +59,15 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
         raise unsupported(field)
     num_top = _num_top_logprobs(request)
     check_prompt_logprobs_not_streamed(request)
+    ctx.limits.check_messages(request.messages)
+    ctx.limits.check_tools(request.tools)
+    ctx.limits.check_stop(request.stop)
     # Parsing a schema can take a while (xgrammar): off the event loop.
     tools, structured_outputs = await asyncio.to_thread(_constraints, request, ctx.tools)
-    prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
-                         request.continue_final_message, request.chat_template_kwargs,
-                         tools.tools if tools is not None else None)
-    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), await ctx.max_model_len(), "messages")
-    params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, num_top,
-                                             structured_outputs=structured_outputs,
-                                             skip_special_tokens=tools.skip_special_tokens if tools else None)
+    max_model_len = await ctx.max_model_len()
+    # The chat template, tokenizing and the bad words' tokens: in the tokenizer pool.
+    prompt, (params, sampling) = await ctx.in_tokenizer_pool(
+        _prompt_and_sampling, ctx, request, tools, structured_outputs, num_top, max_model_len)
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = fan_out(request_id, [PromptSampling(prompt.token_ids, params, sampling)], ctx.tokenizer,
@@ -77,6 +77,19 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     if request.stream:
         return sse_response(writer.stream(deltas, params.n))
     return json_response(await writer.collect(deltas, params.n))
+
+
+def _prompt_and_sampling(ctx: GatewayContext, request: ChatCompletionRequest, tools: ToolPlan | None,
+                         structured_outputs: StructuredOutputsParams | None, num_top: int | None,
+                         max_model_len: int) -> tuple[EnginePrompt, tuple[SamplingParams, pb.SamplingParams]]:
+    prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
+                         request.continue_final_message, request.chat_template_kwargs,
+                         tools.tools if tools is not None else None, bound=ctx.prompt_bound(max_model_len))
+    requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), max_model_len, "messages")
+    return prompt, build_sampling_params(request, ctx.tokenizer, max_tokens, num_top,
+                                         structured_outputs=structured_outputs,
+                                         skip_special_tokens=tools.skip_special_tokens if tools else None)
 
 
 def _constraints(request: ChatCompletionRequest,

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from starlette.requests import Request
 
 from services.common.sampling_params import MAX_LOGPROBS
+from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
 from services.gateway.generation import PromptSampling, fan_out, start_routed
@@ -45,17 +46,12 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     wanted = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
     engine_prompt_logprobs = max(wanted) if wanted else None
     ctx.check_num_choices(num_prompts(request.prompt), request.n)  # before tokenizing any of them
+    ctx.limits.check_stop(request.stop)
     structured_outputs = await asyncio.to_thread(request_structured_outputs, request)  # parsing: off the loop
-    prompts = completion_prompts(ctx.tokenizer, request.prompt)
     max_model_len = await ctx.max_model_len()
-    sampled = []
-    for prompt in prompts:
-        # max_tokens defaults to 16; null lets each prompt use whatever context it leaves.
-        max_tokens = resolve_max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
-        params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs,
-                                                 prompt_logprobs=engine_prompt_logprobs,
-                                                 structured_outputs=structured_outputs)
-        sampled.append(PromptSampling(prompt.token_ids, params, sampling))
+    # Tokenizing (and decoding token-id prompts for echo, and the bad words' tokens): in the tokenizer pool.
+    prompts, sampled = await ctx.in_tokenizer_pool(_prompts_and_sampling, ctx, request, structured_outputs,
+                                                   engine_prompt_logprobs, max_model_len)
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     choices = fan_out(request_id, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
@@ -64,6 +60,21 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     if request.stream:
         return sse_response(writer.stream(deltas))
     return json_response(await writer.collect(deltas))
+
+
+def _prompts_and_sampling(ctx: GatewayContext, request: CompletionRequest,
+                          structured_outputs: StructuredOutputsParams | None, engine_prompt_logprobs: int | None,
+                          max_model_len: int) -> tuple[list[EnginePrompt], list[PromptSampling]]:
+    prompts = completion_prompts(ctx.tokenizer, request.prompt, bound=ctx.prompt_bound(max_model_len))
+    sampled = []
+    for prompt in prompts:
+        # max_tokens defaults to 16; null lets each prompt use whatever context it leaves.
+        max_tokens = resolve_max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
+        params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs,
+                                                 prompt_logprobs=engine_prompt_logprobs,
+                                                 structured_outputs=structured_outputs)
+        sampled.append(PromptSampling(prompt.token_ids, params, sampling))
+    return prompts, sampled
 
 
 class _CompletionWriter:
