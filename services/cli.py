@@ -65,9 +65,13 @@ def install_stop_signals() -> None:
     """Ctrl-C (SIGINT) and SIGTERM both stop a command the way Ctrl-C does in a terminal,
     whatever this process inherited: a background job of a non-interactive shell (CI runners,
     `nohup`, `make -j`) starts with SIGINT ignored, and Python then installs no
-    KeyboardInterrupt of its own. `serve` and the gateway put their own handlers on top."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+    KeyboardInterrupt of its own. `serve` and the gateway put their own handlers on top.
+
+    Only inherited dispositions (default or ignored) are replaced: a program that calls `main()`
+    in-process with handlers of its own (a test runner that cleans up on SIGTERM) keeps them."""
+    for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _sigterm_as_ctrl_c)):
+        if signal.getsignal(signum) in (signal.SIG_DFL, signal.SIG_IGN, None):
+            signal.signal(signum, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,12 +49,27 @@ def _stop_on_sigterm(signum: int, frame) -> None:
     os._exit(128 + signal.SIGTERM)
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     # SIGINT as Python's default whatever pytest inherited (a background job of a non-interactive
     # shell starts with it ignored), so Ctrl-C still ends the run and its fixtures' teardowns.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _install_signal_handlers()
     _memory.start()
+
+
+@pytest.fixture(autouse=True)
+def _suite_signal_handlers() -> Iterator[None]:
+    """Put the suite's handlers back after every test: one that runs a service in-process (an
+    asyncio loop's signal handlers are reset to the default when it closes) must not leave
+    pytest to die of a SIGTERM without stopping the run's processes."""
+    yield
+    if signal.getsignal(signal.SIGTERM) is not _stop_on_sigterm or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        _install_signal_handlers()
 
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:

@@ -1,14 +1,34 @@
 """Run by tests/test_suite_cleanup.py as a pytest run of its own (not collected by the suite: its
-name does not start with test_): starts real processes the way the suite's tests do, says
-READY, and waits to be sent SIGTERM halfway through."""
+name does not start with test_): first does what in-process tests of the suite do to signal
+handlers, then starts real processes the way the suite's tests do, says READY, and waits to be
+sent SIGTERM halfway through."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import subprocess
 import sys
 import time
 
+import pytest
 from mesh import Mesh
+
+from services import cli
+
+
+def test_commands_run_in_process_first() -> None:
+    """As test_bench does: `main()` in pytest's own process (it must keep pytest's handlers),
+    then an asyncio loop with a SIGTERM handler, which resets SIGTERM to the default when it
+    closes (the suite's autouse fixture puts pytest's handler back after this test)."""
+    suite_handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert signal.getsignal(signal.SIGTERM) is suite_handler
+    loop = asyncio.new_event_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: None)
+    loop.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_hold_processes_until_sigterm(smollm2_dir: str) -> None:
