@@ -33,6 +33,10 @@ from services.common.config import cpu_flags as read_cpu_flags
 # libgomp.so.1), so the dynamic loader binds the kernels to that same runtime and thread pool.
 # (An earlier pthreads version fought torch's spinning workers and lost 20% on two cores.)
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# Extra compiler flags for every kernel, after the kernel's own (space-separated; part of the
+# cache key). For checking builds: tests/test_kernels_asan.py sets
+# "-fsanitize=address -fno-omit-frame-pointer" and runs the kernel tests with libasan preloaded.
+EXTRA_CFLAGS_ENV = "MYVLLM_KERNEL_CFLAGS"
 
 # The CPU flags each x86-64 micro-architecture level needs (as /proc/cpuinfo spells them).
 _X86_64_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
@@ -112,7 +116,8 @@ def build(source: Path, extra_flags: list[str] | None = None, version: str | Non
     """Compile `source` (once per source, compiler and flags) and load it, built for `level` or
     for the best level this CPU can run up to `highest` (see the module's docstring)."""
     cc = find_compiler()
-    flags = [*BASE_FLAGS, *isa_flags(highest=highest, level=level), f"-I{INCLUDE_DIR}", *(extra_flags or [])]
+    flags = [*BASE_FLAGS, *isa_flags(highest=highest, level=level), f"-I{INCLUDE_DIR}", *(extra_flags or []),
+             *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
     target = cache_dir() / f"{source.stem}_{build_key(source, cc, flags, version)}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
