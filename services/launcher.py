@@ -4,7 +4,9 @@
 waits until each is healthy, prints where the API is, restarts any service that exits
 (services/supervisor.py), and stops them all on Ctrl-C. Its services share a random
 internal token (generated per run, unless $MYVLLM_INTERNAL_TOKEN is set) and bind the
-loopback interface, except the gateway (`--host`).
+loopback interface, except the gateway (`--host`). With several replicas it starts a
+redis-server with a random password (given to it on stdin, to the scheduler and gateway in
+$MYVLLM_REDIS_URL: neither shows in `ps`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
+from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.common.spec_config import SpeculativeConfig
 from services.engine_args import (
     add_engine_args,
@@ -93,7 +96,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(f"scheduler: {e}")
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
-    return _run_async(serve_scheduler(args.host, args.port, config, workers, redis_url=args.redis,
+    return _run_async(serve_scheduler(args.host, args.port, config, workers, redis_url=redis_url_from_env(args.redis),
                                       engine_id=args.engine_id, advertise_address=args.advertise_address,
                                       token=token_from_env(args.internal_token), engine_timeout=args.engine_timeout,
                                       max_waiting_requests=args.max_waiting_requests))
@@ -106,10 +109,11 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     model = args.model or default_model_path()
     try:
         check_model_dir(model)
-        if not args.scheduler and not args.redis:
+        redis_url = redis_url_from_env(args.redis)
+        if not args.scheduler and not redis_url:
             return _fail("gateway: give --scheduler addresses, --redis to discover them, or both")
         serve_gateway(args.host, args.port, args.scheduler or "", model, served_model_name=args.served_model_name,
-                      redis_url=args.redis, options=gateway_options(args))
+                      redis_url=redis_url, options=gateway_options(args))
     except (StartupError, FileNotFoundError, OSError, ValueError) as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -191,27 +195,41 @@ def _forwarded_flags(args: argparse.Namespace, add_args, exclude: tuple[str, ...
     return flags
 
 
-def _redis_healthy(port: int) -> bool:
+def _redis_healthy(url: str) -> bool:
     import redis
 
     try:
-        return bool(redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1.0).ping())
+        with redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0) as client:
+            return bool(client.ping())
     except redis.exceptions.RedisError:
         return False
 
 
+def _embedded_redis_url(port: int, password: str | None) -> str:
+    return f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
+
+
+def _redis_config(password: str) -> bytes:
+    """What the embedded redis-server reads on stdin (`redis-server -`): its password, which
+    then shows neither in `ps` nor in a file."""
+    return f"requirepass {password}\n".encode()
+
+
 def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[list[int]],
-                    scheduler_ports: list[int], redis_port: int | None) -> list[tuple]:
+                    scheduler_ports: list[int], redis_port: int | None, redis_url: str | None = None) -> list[tuple]:
     """(name, command, health check) of each service, in start order: an embedded redis when
-    there are several replicas, then each replica's worker ranks and scheduler, then the gateway."""
+    there are several replicas, then each replica's worker ranks and scheduler, then the gateway.
+    `redis_url` (credentials and all) is the one scheduler and gateway get in $MYVLLM_REDIS_URL
+    (default: `--redis`, else the embedded redis-server's): no command carries it."""
     py = [sys.executable, "-m", "services.cli"]
     services: list[tuple] = []
-    redis_url = args.redis
     if redis_port is not None:
-        services.append(("redis", [shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
+        redis_url = redis_url or _embedded_redis_url(redis_port, None)
+        # `-` first: the rest of its configuration (the password) comes on stdin.
+        services.append(("redis", [shutil.which("redis-server") or "redis-server", "-", "--port", str(redis_port),
                                    "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                         lambda: _redis_healthy(redis_port)))
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+                         functools.partial(_redis_healthy, redis_url)))
+    redis_url = redis_url or args.redis
     worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved default model
     for replica, (ranks, scheduler_port) in enumerate(zip(worker_ports, scheduler_ports, strict=True)):
         suffix = f"-{replica}" if len(scheduler_ports) > 1 else ""
@@ -222,14 +240,13 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
             services.append((name, command, functools.partial(_grpc_healthy, f"127.0.0.1:{port}", "worker")))
         scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
                           "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
-            + (["--redis", redis_url, "--engine-id", f"replica-{replica}"] if redis_url else []) \
+            + (["--engine-id", f"replica-{replica}"] if redis_url else []) \
             + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_scheduler_service_args) \
             + _forwarded_flags(args, add_pipeline_parallel_arg)
         services.append((f"scheduler{suffix}", scheduler,
                          functools.partial(_grpc_healthy, f"127.0.0.1:{scheduler_port}", "scheduler")))
     gateway = py + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler",
                     ",".join(f"127.0.0.1:{p}" for p in scheduler_ports), "--model", model] \
-        + (["--redis", redis_url] if redis_url else []) \
         + (["--served-model-name", args.served_model_name] if args.served_model_name else []) \
         + _forwarded_flags(args, add_gateway_options, exclude=CREDENTIAL_OPTIONS)  # those go by environment
     services.append(("gateway", gateway, lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health")))
@@ -244,7 +261,7 @@ def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
     if redis_port is not None:
         parts.append(f"redis on 127.0.0.1:{redis_port}")
     elif args.redis:
-        parts.append(f"redis at {args.redis}")
+        parts.append(f"redis at {redact_redis_url(args.redis)}")
     return "topology: " + ", ".join(parts) + ", 1 gateway"
 
 
@@ -266,6 +283,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1 and (args.worker_port or args.scheduler_port):
         return _fail("--worker-port / --scheduler-port name one replica's ports; leave them out with "
                      "--data-parallel-size > 1")
+    args.redis = redis_url_from_env(args.redis)  # --redis, else $MYVLLM_REDIS_URL
     if args.data_parallel_size > 1 and not args.redis and shutil.which("redis-server") is None:
         return _fail("--data-parallel-size > 1 starts a redis-server (none on PATH; `make setup` installs it) "
                      "unless --redis URL names one")
@@ -279,13 +297,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # One secret per run, shared by the three services (and this process's health checks)
     # through the environment, so it never shows in `ps`.
     os.environ[TOKEN_ENV] = args.internal_token or token_from_env() or secrets.token_urlsafe(32)
+    # The embedded redis-server wants a password, new each run, which reaches it on stdin and
+    # the scheduler and gateway (alone) in $MYVLLM_REDIS_URL, like any --redis URL.
+    redis_password = secrets.token_urlsafe(32) if redis_port is not None else None
+    redis_url = _embedded_redis_url(redis_port, redis_password) if redis_port is not None else args.redis
+    os.environ.pop(REDIS_URL_ENV, None)
+    redis_env = dict(os.environ, **{REDIS_URL_ENV: redis_url}) if redis_url else None
     # The API key reaches the gateway alone, also through its environment.
-    gateway_env = dict(os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else None
+    gateway_env = dict(redis_env or os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else redis_env
     services: list[ServiceProcess] = []
     try:
         print(_topology(args, redis_port), flush=True)
-        for name, command, healthy in _serve_commands(args, model, worker_ports, scheduler_ports, redis_port):
-            services.append(ServiceProcess(name, command, env=gateway_env if name == "gateway" else None))
+        for name, command, healthy in _serve_commands(args, model, worker_ports, scheduler_ports, redis_port,
+                                                      redis_url):
+            env = gateway_env if name == "gateway" else redis_env if name.startswith("scheduler") else None
+            services.append(ServiceProcess(name, command, env=env,
+                                           stdin_data=_redis_config(redis_password) if name == "redis" else None))
             services[-1].start()
             _wait_healthy(services, healthy, name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
@@ -360,7 +387,10 @@ def add_subcommands(sub) -> None:
     s.add_argument("--workers", required=True,
                    help="worker address host:port; several (comma-separated, in rank order: the tensor-parallel "
                         "ranks of stage 0, then of stage 1, ...) = one engine's ranks")
-    s.add_argument("--redis", default=None, help="redis URL to publish this replica's load to (DP routing)")
+    s.add_argument("--redis", default=None,
+                   help=f"redis URL to publish this replica's load to (DP routing; default: ${REDIS_URL_ENV}); "
+                        "credentials as redis-py takes them: redis://:PASSWORD@host:port/0 (the env var keeps "
+                        "them out of `ps`)")
     s.add_argument("--engine-id", default=None, help="this replica's name in redis (default: its address)")
     s.add_argument("--advertise-address", default=None,
                    help="host:port gateways should dial, published in redis (default: host:port, with a wildcard "
@@ -378,7 +408,8 @@ def add_subcommands(sub) -> None:
     g.add_argument("--scheduler", default=None,
                    help="scheduler address host:port; several (comma-separated) = data-parallel replicas")
     g.add_argument("--redis", default=None,
-                   help="redis URL: also route to every replica that publishes its load there (DP)")
+                   help=f"redis URL: also route to every replica that publishes its load there (DP; default: "
+                        f"${REDIS_URL_ENV}; may carry credentials, redis://:PASSWORD@host:port/0)")
     g.add_argument("--model", default=None, help="model directory (for the tokenizer and chat template)")
     g.add_argument("--served-model-name", default=None)
     add_gateway_options(g)
@@ -393,8 +424,9 @@ def add_subcommands(sub) -> None:
     v.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas (each a scheduler and its worker ranks); with more than one, serve starts "
                         "a redis-server for their load (or uses --redis) and the gateway routes between them")
-    v.add_argument("--redis", default=None, help="redis URL for the replicas' load (default: an embedded redis-server "
-                                                 "when --data-parallel-size > 1)")
+    v.add_argument("--redis", default=None, help=f"redis URL for the replicas' load (default: ${REDIS_URL_ENV}, else "
+                                                 "an embedded redis-server with a random password when "
+                                                 "--data-parallel-size > 1)")
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--startup-timeout", type=float, default=300.0)
     add_scheduler_service_args(v)

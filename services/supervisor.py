@@ -41,10 +41,12 @@ def log(message: str) -> None:
 class ServiceProcess:
     """One service's command and its current process."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, command: list[str], env: dict[str, str] | None = None,
+                 stdin_data: bytes | None = None) -> None:
         self.name = name
         self.command = command
         self.env = env
+        self.stdin_data = stdin_data  # written to its stdin at every start (e.g. a secret config)
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
         self.backoff_s = INITIAL_BACKOFF_S
@@ -55,7 +57,14 @@ class ServiceProcess:
         # Its own session: Ctrl-C in the terminal reaches serve only, which stops the
         # services in order; and a signal to one service never hits the others.
         self.proc = subprocess.Popen(self.command, start_new_session=True, env=self.env,
+                                     stdin=subprocess.PIPE if self.stdin_data is not None else None,
                                      preexec_fn=_die_with_parent(os.getpid()))
+        if self.stdin_data is not None:
+            try:
+                self.proc.stdin.write(self.stdin_data)
+                self.proc.stdin.close()
+            except BrokenPipeError:  # it exited at once: supervise() reports and restarts it
+                pass
         self.started_at = time.monotonic()
         log(f"started {self.name} (pid {self.proc.pid})")
 

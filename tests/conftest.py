@@ -4,6 +4,7 @@
 - ``tiny_model_dir(arch)`` / ``tiny_llama_dir`` / ``tiny_qwen2_dir`` / ``tiny_qwen3_dir``: random-weight
   fp32 checkpoints (2 layers, hidden 64, GQA 4q/2kv heads, head_dim 16) with the SmolLM2 tokenizer beside them.
 - ``redis_server``: a throwaway redis-server on a free loopback port; yields ``redis://127.0.0.1:PORT``.
+  ``start_redis(port, password)`` starts one that wants a password.
 - ``free_port()``: a plain helper (``from conftest import free_port``).
 
 The suite watches its own processes (tests/suite_processes.py): it reports its peak memory at
@@ -249,8 +250,9 @@ def tiny_qwen3_dir(tiny_model_dir: Callable[[str], str]) -> str:
 # --------------------------------------------------------------------------- redis
 
 
-def start_redis(port: int) -> subprocess.Popen:
-    """A throwaway redis-server on 127.0.0.1:`port`, answering PING when this returns."""
+def start_redis(port: int, password: str | None = None) -> subprocess.Popen:
+    """A throwaway redis-server on 127.0.0.1:`port`, answering PING when this returns; with
+    `password`, it wants it (`requirepass`, given on stdin as `myvllm serve` does)."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail(
@@ -259,16 +261,21 @@ def start_redis(port: int) -> subprocess.Popen:
     import redis
 
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no"],
+        [exe, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--daemonize", "no"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")
+    proc.stdin.close()
+    url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}"
     deadline = time.monotonic() + 15
     while True:
         if proc.poll() is not None:
             pytest.fail(f"redis-server exited early with code {proc.returncode} (port {port})", pytrace=False)
         try:
-            client = redis.Redis.from_url(f"redis://127.0.0.1:{port}", socket_connect_timeout=0.5)
+            client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
             if client.ping():
                 client.close()
                 return proc

@@ -17,6 +17,7 @@ from conftest import free_port
 
 from services.common.auth import TOKEN_ENV
 from services.common.proto import myvllm_pb2 as pb
+from services.common.redis_registry import REDIS_URL_ENV
 from services.sdk.client import Client
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +43,7 @@ class Replica:
         self.worker_address = f"127.0.0.1:{self.worker_port}"
         self.owner, self.env = suite_processes.owner_env(dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_NUM_THREADS="1"))
         self.env.pop(TOKEN_ENV, None)
+        self.env.pop(REDIS_URL_ENV, None)  # --redis alone says where it publishes
         if token:
             self.env[TOKEN_ENV] = token
         self.log_dir = Path(tempfile.mkdtemp(prefix="myvllm-replica-"))

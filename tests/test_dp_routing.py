@@ -2,21 +2,29 @@
 
 Unit tests of `ReplicaRouter.pick` (scores, bursts between load updates, replicas going
 down), then the real thing: two engine replicas (worker + scheduler processes) publishing
-their load to a real redis-server, a gateway that only knows Redis, the official openai
-client; requests spread over both replicas, and when one replica dies the other serves.
+their signed load to a real redis-server that wants a password, a gateway that only knows
+Redis, the official openai client; requests spread over both replicas, and when one replica
+dies the other serves. Entries forged in Redis meanwhile (unsigned, or a real replica's MAC
+on another address) point at a listener of the test's: the gateway never connects to it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import free_port
+from conftest import free_port, start_redis, stop_process
 from replica import Replica
 
+from services.gateway.options import GatewayOptions
 from services.gateway.router import REDIS_MAX_AGE_S, REFRESH_INTERVAL_S, ReplicaRouter
 from services.gateway.server import BackgroundGateway
 from services.sdk.client import SchedulerUnavailable
@@ -69,7 +77,7 @@ def test_a_replica_missing_from_redis_is_kept_for_a_grace_period(monkeypatch: py
     address = f"127.0.0.1:{free_port()}"  # nobody listens: direct polls fail
     published: dict[str, dict] = {"e1": {"address": address, "num_waiting": 0, "num_running": 1, "ts": time.time()}}
 
-    async def fake_read(client: object, max_age_s: float = 10.0) -> dict[str, dict]:
+    async def fake_read(client: object, max_age_s: float = 10.0, **_: object) -> dict[str, dict]:
         return dict(published)
 
     monkeypatch.setattr(load_reporter, "read_engine_loads", fake_read)
@@ -99,24 +107,113 @@ def test_router_needs_a_replica_or_redis() -> None:
 # ---------------------------------------------------------------------- two real replicas
 
 
-def test_gateway_routes_over_replicas_found_in_redis(smollm2_dir: str, redis_server: str) -> None:
-    import openai
+TOKEN = "dp-routing-internal-token"
+REDIS_PASSWORD = "dp-routing-redis-password"
 
-    replicas = [Replica(smollm2_dir, redis_server) for _ in range(2)]
+
+class Listener:
+    """A plain TCP listener on loopback that counts the connections it is offered."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+class Forger:
+    """What someone who can write to Redis but holds no token would try, kept fresh every
+    0.3 s: an unsigned entry, and the newest real replica's entry (MAC and all) re-addressed,
+    both pointing at `target`; and an entry that is not even JSON."""
+
+    def __init__(self, redis_url: str, target: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(redis_url)
+        self.target = target
+        self._stop = threading.Event()
+        self.forge()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def forge(self) -> None:
+        from services.scheduler.load_reporter import ENGINES_KEY
+
+        entries = {k.decode(): json.loads(v) for k, v in self.client.hgetall(ENGINES_KEY).items()
+                   if k.decode().startswith("127.0.0.1:")}  # the real replicas (engine id = address)
+        forged = {"forged-unsigned": {"address": self.target, "num_waiting": 0, "num_running": 0,
+                                      "kv_cache_usage": 0.0, "ts": time.time()},
+                  "forged-garbage": "not json {"}
+        if entries:
+            newest = max(entries.values(), key=lambda e: e["ts"])
+            forged["forged-replayed-mac"] = {**newest, "address": self.target}
+        self.client.hset(ENGINES_KEY, mapping={k: v if isinstance(v, str) else json.dumps(v)
+                                               for k, v in forged.items()})
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            with contextlib.suppress(Exception):
+                self.forge()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.client.close()
+
+
+def test_gateway_routes_over_signed_replicas_found_in_redis_and_never_dials_a_forged_one(
+        smollm2_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    import openai
+    import redis
+
+    port = free_port()
+    redis_proc = start_redis(port, REDIS_PASSWORD)
+    redis_url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0"
+    with pytest.raises(redis.exceptions.AuthenticationError):  # no password, no Redis
+        redis.Redis(host="127.0.0.1", port=port).hgetall("myvllm:engines")
+    listener = Listener()
+    replicas: list[Replica] = []
+    forger = None
+    caplog.set_level(logging.WARNING, logger="services.gateway.router")
     try:
+        for _ in range(2):
+            replicas.append(Replica(smollm2_dir, redis_url, token=TOKEN))
         for replica in replicas:
             replica.wait_ready()
+        forger = Forger(redis_url, listener.address)
         # The gateway is told only where Redis is.
-        with BackgroundGateway("", smollm2_dir, redis_url=redis_server) as gateway:
+        options = GatewayOptions(internal_token=TOKEN)
+        with BackgroundGateway("", smollm2_dir, redis_url=redis_url, options=options) as gateway:
+            router = gateway.app.state.ctx.router
             client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0, timeout=120)
             deadline = time.monotonic() + 30
             while True:  # both replicas discovered (the router reads Redis every 0.25 s)
-                known = asyncio.run(_published_addresses(redis_server))
-                if known == {r.address for r in replicas}:
+                known = asyncio.run(_published_addresses(redis_url, TOKEN))
+                if known == {r.address for r in replicas} and set(router.replicas) == known:
                     break
                 assert time.monotonic() < deadline, f"replicas never published their load: {known}"
                 time.sleep(0.25)
-            time.sleep(4 * REFRESH_INTERVAL_S)  # and the gateway's router has read them
+            forger.forge()  # the re-addressed MAC is now a real replica's fresh one
+            time.sleep(4 * REFRESH_INTERVAL_S)  # and the gateway's router has read it
 
             def ask(i: int) -> str:
                 reply = client.chat.completions.create(
@@ -135,18 +232,29 @@ def test_gateway_routes_over_replicas_found_in_redis(smollm2_dir: str, redis_ser
             replicas[0].stop()
             for i in range(4):
                 assert ask(i) == answers[0]
+
+            # The forged entries were there all along, fresh, and never became replicas.
+            assert listener.address not in router.replicas
+            refused = [r.getMessage() for r in caplog.records if "ignoring redis entry" in r.getMessage()]
+            for engine_id in ("forged-unsigned", "forged-replayed-mac", "forged-garbage"):
+                assert sum(f"'{engine_id}'" in m for m in refused) == 1, refused  # once, not every refresh
+        assert listener.connections == 0, "the gateway dialled a forged replica"
     finally:
+        if forger is not None:
+            forger.close()
         for replica in replicas:
             replica.stop()
+        listener.close()
+        stop_process(redis_proc)
 
 
-async def _published_addresses(redis_url: str) -> set[str]:
+async def _published_addresses(redis_url: str, token: str | None = None) -> set[str]:
     import redis.asyncio as aioredis
 
     from services.scheduler.load_reporter import read_engine_loads
 
     client = aioredis.from_url(redis_url)
     try:
-        return {entry["address"] for entry in (await read_engine_loads(client)).values()}
+        return {entry["address"] for entry in (await read_engine_loads(client, token=token)).values()}
     finally:
         await client.aclose()

@@ -8,17 +8,20 @@ both replicas (the gateway's per-replica counter), and every replica frees every
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from hf_reference import hf_greedy
 from mesh import Mesh
 
+from services.common.redis_registry import REDIS_URL_ENV
 from services.common.sampling_params import SamplingParams
 from services.scheduler.load_reporter import ENGINES_KEY
 from services.sdk.llm import LLM
@@ -99,6 +102,15 @@ def _children(parent_pid: int) -> dict[int, list[str]]:
     return found
 
 
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return {}
+    return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+
+
 def _wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -110,7 +122,7 @@ def test_a_killed_rank_fails_over_and_its_replica_comes_back(cluster: Mesh, tiny
     """kill -9 of one worker rank (the last stage's second TP rank) of replica 1: the replica
     leaves redis, requests are answered right by the other one meanwhile; serve restarts the
     rank, the scheduler sets all four ranks up again as a new process group, the replica
-    rejoins and answers right again."""
+    rejoins and answers right again. (And serve's redis refuses a client without its password.)"""
     import redis
 
     want_text = [o.outputs[0].text for o in LLM(tiny_qwen2_dir, dtype="float32", max_model_len=512,
@@ -118,9 +130,21 @@ def test_a_killed_rank_fails_over_and_its_replica_comes_back(cluster: Mesh, tiny
         [{"prompt_token_ids": p} for p in PROMPTS],
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
     port = int(re.search(r"redis on 127\.0\.0\.1:(\d+)", "".join(cluster.banner)).group(1))
-    engines = redis.Redis(host="127.0.0.1", port=port)
-    assert engines.hget(ENGINES_KEY, "replica-1") is not None
     services = _children(cluster.proc.pid)
+    # serve's redis-server wants the password serve made for it, which only its schedulers and
+    # gateway know (their environment): not in any command line, not in serve's output.
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=port).hget(ENGINES_KEY, "replica-1")
+    url = {pid: _environ(pid).get(REDIS_URL_ENV) for pid, cmd in services.items() if "scheduler" in cmd}
+    assert len(url) == 2 and len(set(url.values())) == 1, url
+    url = next(iter(url.values()))
+    password = urlsplit(url).password
+    assert password and len(password) >= 32 and urlsplit(url).port == port
+    assert not any(password in arg for cmd in services.values() for arg in cmd)
+    assert password not in "".join(cluster.output)
+    assert not any(REDIS_URL_ENV in _environ(pid) for pid, cmd in services.items() if "worker" in cmd)
+    engines = redis.Redis.from_url(url)
+    assert "mac" in json.loads(engines.hget(ENGINES_KEY, "replica-1"))  # signed with serve's internal token
     scheduler = next(cmd for cmd in services.values() if "scheduler" in cmd and "replica-1" in cmd)
     last_rank_port = scheduler[scheduler.index("--workers") + 1].split(",")[-1].rpartition(":")[2]
     victim = next(pid for pid, cmd in services.items() if "worker" in cmd and cmd[cmd.index("--port") + 1]

@@ -28,6 +28,21 @@ def test_an_exiting_service_is_restarted_with_a_growing_backoff_and_a_log_line(m
     stop_all([service], grace_s=5)
 
 
+def test_a_service_reads_its_stdin_data_at_every_start(monkeypatch, capsys) -> None:
+    """How serve's redis-server gets its password: on stdin, again at each restart."""
+    monkeypatch.setattr(supervisor, "INITIAL_BACKOFF_S", 0.05)
+    reader = "import sys; sys.exit(7 if sys.stdin.read() == 'requirepass x\\n' else 3)"
+    service = ServiceProcess("reader", [sys.executable, "-c", reader], stdin_data=b"requirepass x\n")
+    service.start()
+    deadline = time.monotonic() + 30
+    while service.restarts < 1 or service.exit_code is None:
+        assert time.monotonic() < deadline, "never restarted"
+        service.supervise()
+        time.sleep(0.01)
+    assert capsys.readouterr().err.count("exited with code 7") >= 1 and service.exit_code == 7
+    stop_all([service], grace_s=5)
+
+
 def test_stop_all_ends_a_running_service(capsys) -> None:
     service = ServiceProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
     service.start()
@@ -87,13 +102,21 @@ def test_serve_starts_data_and_tensor_parallel_topologies() -> None:
                      "scheduler-1", "gateway"]
     commands = {name: cmd for name, cmd, _ in services}
     assert commands["scheduler-1"][commands["scheduler-1"].index("--workers") + 1] == "127.0.0.1:21,127.0.0.1:22"
-    assert commands["scheduler-0"][commands["scheduler-0"].index("--redis") + 1] == "redis://127.0.0.1:6379/0"
+    # The Redis URL (with the password serve makes) goes by environment, never on a command line;
+    # the password reaches redis-server on stdin (`-`).
+    secret_url = "redis://:pw-not-in-argv@127.0.0.1:6379/0"
+    with_secret = {name: cmd for name, cmd, _ in _serve_commands(args, "/m", [[11, 12], [21, 22]], [10, 20], 6379,
+                                                                   secret_url)}
+    assert not any("pw-not-in-argv" in arg for cmd in with_secret.values() for arg in cmd)
+    assert commands["redis"][1] == "-"
+    assert "--redis" not in commands["scheduler-0"]
+    assert commands["scheduler-0"][commands["scheduler-0"].index("--engine-id") + 1] == "replica-0"
     worker = commands["worker-0-rank1"]
     assert worker[worker.index("--tensor-parallel-size") + 1] == "2"
     assert "--pipeline-parallel-size" not in commands["scheduler-0"]  # one stage: the default
     gateway = commands["gateway"]
     assert gateway[gateway.index("--scheduler") + 1] == "127.0.0.1:10,127.0.0.1:20"
-    assert gateway[gateway.index("--redis") + 1] == "redis://127.0.0.1:6379/0"
+    assert "--redis" not in gateway
     for name in names[1:]:  # every myvllm command parses with its service's own CLI
         build_parser().parse_args(commands[name][commands[name].index("services.cli") + 1:])
 

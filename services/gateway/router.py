@@ -5,7 +5,9 @@ with `--redis`, every replica whose scheduler publishes its load to Redis (hash
 `myvllm:engines`, written by `services/scheduler/load_reporter.py`). A replica whose
 entry goes stale (its scheduler stopped publishing) is polled directly for a few seconds,
 then dropped from routing. While Redis itself is unreachable, routing goes on with the
-replicas last seen there, polled directly.
+replicas last seen there, polled directly. With an internal token, only entries whose MAC
+checks out count (services/common/redis_registry.py): any other entry is never dialled, so
+the token never reaches it, and is logged once.
 
 Which healthy replica a request goes to is the routing policy's choice (`--routing`,
 services/gateway/routing.py): by load, vLLM's DP load-balancing score `4 * waiting +
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 WAITING_WEIGHT = 4           # vLLM's DP load balancer: score = 4 * waiting + running
 REFRESH_INTERVAL_S = 0.25
 REDIS_MAX_AGE_S = 5.0        # schedulers refresh their entry about once a second
+MAX_REJECTED_LOGGED = 1024   # refused Redis entries logged by (engine id, address), once each
 
 
 @dataclass
@@ -82,6 +85,8 @@ class ReplicaRouter:
         self.routing = routing or RoutingConfig()
         self._following = False  # KV event subscriptions run (started, cache-aware, several replicas)
         self._client_kwargs = {"token": internal_token} if internal_token else {}
+        self._token = internal_token or None  # Redis entries must be signed with it
+        self._rejected: set[tuple[str, str | None]] = set()  # refused Redis entries already logged
         self.refresh_interval_s = refresh_interval_s
         self.replicas: dict[str, Replica] = {}
         # Engine requests routed to each replica since start (for /metrics): never reset, so a
@@ -210,7 +215,8 @@ class ReplicaRouter:
             from services.scheduler.load_reporter import read_engine_loads
 
             try:
-                loads = await read_engine_loads(self._redis, max_age_s=REDIS_MAX_AGE_S)
+                loads = await read_engine_loads(self._redis, max_age_s=REDIS_MAX_AGE_S, token=self._token,
+                                                on_reject=self._log_rejected)
             except Exception as e:
                 logger.warning("cannot read replica loads from redis: %s", e)
                 loads = None
@@ -232,6 +238,18 @@ class ReplicaRouter:
                     await self._drop(address)
         polled = [r for r in self.replicas.values() if r.address not in published]
         await asyncio.gather(*(self._poll(r) for r in polled))
+
+    def _log_rejected(self, engine_id: str, address: str | None, reason: str) -> None:
+        """A Redis entry that is not routed to: logged once per (engine id, address), not at
+        every refresh."""
+        key = (engine_id, address)
+        if key in self._rejected or len(self._rejected) > MAX_REJECTED_LOGGED:
+            return
+        self._rejected.add(key)
+        if len(self._rejected) > MAX_REJECTED_LOGGED:
+            logger.warning("more than %d refused redis entries: no more are logged", MAX_REJECTED_LOGGED)
+            return
+        logger.warning("ignoring redis entry %.100r (address %.300r): %s; never routed to", engine_id, address, reason)
 
     async def _poll(self, replica: Replica) -> None:
         try:

@@ -151,20 +151,22 @@ class BackgroundGateway:
 def main(argv: list[str] | None = None) -> int:
     """`python -m services.gateway.server --scheduler HOST:PORT --model DIR`."""
     from services.common.config import default_model_path
+    from services.common.redis_registry import redis_url_from_env
 
     parser = argparse.ArgumentParser(description="my-vllm OpenAI-compatible gateway")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--scheduler", default="127.0.0.1:50051",
                         help="scheduler gRPC address; several (comma-separated) = data-parallel replicas")
-    parser.add_argument("--redis", default=None, help="redis URL: also route to replicas publishing there")
+    parser.add_argument("--redis", default=None,
+                        help="redis URL: also route to replicas publishing there (default: $MYVLLM_REDIS_URL)")
     parser.add_argument("--model", default=default_model_path(), help="HF model directory (tokenizer)")
     parser.add_argument("--served-model-name", default=None)
     add_gateway_options(parser)
     args = parser.parse_args(argv)
     try:
         serve_gateway(args.host, args.port, args.scheduler, args.model, args.served_model_name,
-                      redis_url=args.redis, options=gateway_options(args))
+                      redis_url=redis_url_from_env(args.redis), options=gateway_options(args))
     except (StartupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

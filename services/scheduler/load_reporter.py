@@ -1,7 +1,9 @@
 """Publishes this engine replica's load to Redis for the gateways' DP routing.
 
 Redis hash `myvllm:engines`: field = engine id, value = JSON {address, num_waiting,
-num_running, kv_cache_usage, ts}. Writes are throttled and never awaited by the engine
+num_running, kv_cache_usage, ts, mac}, `mac` signing the rest with the internal token when
+there is one (services/common/redis_registry.py: gateways with a token route only to entries
+whose MAC checks out). Writes are throttled and never awaited by the engine
 loop: a slow or absent Redis must not slow down a step. A change is published at once,
 unless the last write was under `min_interval_s` ago or is still on the wire: then the
 latest load goes out as soon as that allows (a trailing write), so no change waits for
@@ -16,10 +18,12 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from services.common.proto import myvllm_pb2 as pb
+from services.common.redis_registry import BadEntry, parse_entry, sign_entry, verify_entry
 
 ENGINES_KEY = "myvllm:engines"
 logger = logging.getLogger("myvllm.scheduler")
@@ -30,10 +34,12 @@ def _load_key(load: pb.Load) -> tuple[int, int, float]:
 
 
 class LoadReporter:
-    def __init__(self, redis_url: str, engine_id: str, address: str, min_interval_s: float = 0.1) -> None:
+    def __init__(self, redis_url: str, engine_id: str, address: str, min_interval_s: float = 0.1,
+                 token: str | None = None) -> None:
         self.client = aioredis.from_url(redis_url)
         self.engine_id = engine_id
         self.address = address
+        self.token = token  # signs every entry (None: unsigned)
         self.min_interval_s = min_interval_s
         self._last_sent = 0.0
         self._last_load: tuple | None = None
@@ -69,8 +75,9 @@ class LoadReporter:
             self.report(load)  # (re-checks pause, interval and the write on the wire)
 
     async def _send(self, key: tuple[int, int, float]) -> None:
-        value = json.dumps({"address": self.address, "num_waiting": key[0], "num_running": key[1],
-                            "kv_cache_usage": key[2], "ts": time.time()})
+        entry = {"address": self.address, "num_waiting": key[0], "num_running": key[1],
+                 "kv_cache_usage": key[2], "ts": time.time()}
+        value = json.dumps(sign_entry(entry, self.engine_id, self.token))
         try:
             await self.client.hset(ENGINES_KEY, self.engine_id, value)
         except Exception as e:  # Redis down: routing degrades, serving goes on
@@ -105,13 +112,26 @@ class LoadReporter:
         self._then(lambda: self._send(_load_key(load)))
 
 
-async def read_engine_loads(client: aioredis.Redis, max_age_s: float = 10.0) -> dict[str, dict]:
-    """Fresh load entries of every replica, by engine id."""
+async def read_engine_loads(client: aioredis.Redis, max_age_s: float = 10.0, token: str | None = None,
+                            on_reject: Callable[[str, str | None, str], None] | None = None) -> dict[str, dict]:
+    """Fresh load entries of every replica, by engine id: the well-formed ones whose `ts` is
+    within `max_age_s` and, when `token` is given, whose MAC checks out. Every other entry but a
+    stale one is left out with `on_reject(engine id, address or None, why)`."""
     entries = await client.hgetall(ENGINES_KEY)
     now = time.time()
     loads = {}
-    for engine_id, raw in entries.items():
-        value = json.loads(raw)
-        if now - value.get("ts", 0) <= max_age_s:
-            loads[engine_id.decode() if isinstance(engine_id, bytes) else engine_id] = value
+    for field, raw in entries.items():
+        engine_id = field.decode(errors="replace") if isinstance(field, bytes) else field
+        address = None
+        try:
+            value = parse_entry(raw)
+            address = value["address"]
+            if now - value["ts"] > max_age_s:
+                continue  # stale: its scheduler stopped publishing (or a leftover of an earlier run)
+            verify_entry(value, engine_id, token)
+        except BadEntry as e:
+            if on_reject is not None:
+                on_reject(engine_id, address, str(e))
+            continue
+        loads[engine_id] = value
     return loads

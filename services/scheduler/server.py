@@ -333,7 +333,7 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     except ValueError as e:
         raise StartupError(f"scheduler: {e}") from None
     await worker.connect(connect_timeout)
-    reporter = LoadReporter(redis_url, engine_id or address, address) if redis_url else None
+    reporter = LoadReporter(redis_url, engine_id or address, address, token=token) if redis_url else None
     servicer = SchedulerServicer(config, worker, reporter, max_waiting_requests)
     server = grpc_utils.server(server_interceptors(token))
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)

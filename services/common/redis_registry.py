@@ -1,0 +1,138 @@
+"""The replicas' registry in Redis: where it is, and which of its entries a gateway may trust.
+
+Every scheduler started with a Redis URL writes one entry to the hash `myvllm:engines`
+(field: its engine id; value: JSON {address, num_waiting, num_running, kv_cache_usage, ts,
+mac}); every gateway reading that hash routes requests to the addresses it finds there and
+presents them the internal token. Redis is therefore no trust root of its own:
+
+- **Entries are signed.** With an internal token (`--internal-token` / $MYVLLM_INTERNAL_TOKEN),
+  a scheduler adds `mac`: HMAC-SHA256, keyed by a key derived from the token, over its engine
+  id and every other field of the entry (canonical JSON). A gateway with a token takes only
+  entries whose MAC checks out (compared in constant time): whoever can write to Redis without
+  holding the token can neither add a replica, move one to another address, alter its load,
+  nor reuse one entry's MAC for another. Such an entry is never dialled, so the token never
+  reaches it.
+- **Without a token nothing is signed**: entries carry no `mac`, and a gateway without a token
+  takes them as before (it has no secret to leak, and nothing to check with). A gateway *with*
+  a token refuses unsigned entries: its schedulers need the same token.
+- **What a MAC cannot stop**: a signed entry copied back verbatim while it is still fresh (its
+  `ts` within the gateway's max age, 5 s) names a genuine replica's address, nothing else.
+- **Redis wants a password.** `myvllm serve` starts its redis-server with a random one per
+  run; the URL carrying it (`redis://:PASSWORD@host:port/0`, any form redis-py accepts) reaches
+  the scheduler and gateway through $MYVLLM_REDIS_URL, which `--redis` overrides, so it need
+  not show on a command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+from urllib.parse import urlsplit, urlunsplit
+
+REDIS_URL_ENV = "MYVLLM_REDIS_URL"
+MAC_FIELD = "mac"
+_KEY_LABEL = b"myvllm:engines entry MAC v1"
+
+
+def redis_url_from_env(url: str | None = None) -> str | None:
+    """An explicit URL wins; else $MYVLLM_REDIS_URL; empty means none."""
+    if url is None:
+        url = os.environ.get(REDIS_URL_ENV)
+    return url or None
+
+
+def redact_redis_url(url: str) -> str:
+    """`url` fit for a log line: any password replaced by `***`."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:
+        return "<redis URL>"
+
+
+class BadEntry(ValueError):
+    """A registry entry that must not be routed to; the message says why."""
+
+
+def _entry_key(token: str) -> bytes:
+    # A key of its own, derived from the token: a MAC is never the token used for anything else.
+    return hmac.new(token.encode(), _KEY_LABEL, hashlib.sha256).digest()
+
+
+def _signed_bytes(engine_id: str, entry: dict) -> bytes:
+    fields = {k: v for k, v in entry.items() if k != MAC_FIELD}
+    return json.dumps([engine_id, fields], sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+def entry_mac(token: str, engine_id: str, entry: dict) -> str:
+    """The MAC of `entry` (every field but `mac`) published under `engine_id`, hex."""
+    return hmac.new(_entry_key(token), _signed_bytes(engine_id, entry), hashlib.sha256).hexdigest()
+
+
+def sign_entry(entry: dict, engine_id: str, token: str | None) -> dict:
+    """`entry` as its scheduler publishes it: with its MAC when there is a token, else unsigned."""
+    fields = {k: v for k, v in entry.items() if k != MAC_FIELD}
+    if token:
+        fields[MAC_FIELD] = entry_mac(token, engine_id, fields)
+    return fields
+
+
+def verify_entry(entry: dict, engine_id: str, token: str | None) -> None:
+    """Raises `BadEntry` unless `entry` may be routed to by a gateway holding `token`: with a
+    token, its MAC must match (constant-time); without one, any entry passes."""
+    if not token:
+        return
+    mac = entry.get(MAC_FIELD)
+    if mac is None:
+        raise BadEntry("unsigned (no MAC) while this gateway has an internal token: "
+                       "its scheduler needs the same --internal-token")
+    if not isinstance(mac, str) or not mac.isascii():
+        raise BadEntry("malformed MAC")
+    try:
+        want = entry_mac(token, engine_id, entry)
+    except (TypeError, ValueError):
+        raise BadEntry("fields that cannot be signed") from None
+    if not hmac.compare_digest(want, mac):
+        raise BadEntry("MAC does not match (forged, altered, or signed with another token)")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_entry(raw: bytes | str) -> dict:
+    """One registry value as a dict with the fields a gateway reads, type-checked; raises
+    `BadEntry` for anything else (so one bad entry never stops the others being read)."""
+    try:
+        entry = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadEntry("not JSON") from None
+    if not isinstance(entry, dict):
+        raise BadEntry("not a JSON object")
+    address = entry.get("address")
+    if not isinstance(address, str) or not address or len(address) > 255 or not address.isprintable() \
+            or any(c.isspace() for c in address):
+        raise BadEntry("no usable address")
+    if not _count(entry.get("num_waiting")) or not _count(entry.get("num_running")):
+        raise BadEntry("num_waiting / num_running are not counts")
+    if not _number(entry.get("ts")):
+        raise BadEntry("no timestamp")
+    usage = entry.get("kv_cache_usage", 0.0)
+    if not _number(usage) or not 0.0 <= usage <= 1.0:
+        raise BadEntry("kv_cache_usage is not a fraction")
+    return entry
