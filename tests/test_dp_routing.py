@@ -77,7 +77,11 @@ def test_a_replica_missing_from_redis_is_kept_for_a_grace_period(monkeypatch: py
     address = f"127.0.0.1:{free_port()}"  # nobody listens: direct polls fail
     published: dict[str, dict] = {"e1": {"address": address, "num_waiting": 0, "num_running": 1, "ts": time.time()}}
 
+    redis_down = False
+
     async def fake_read(client: object, max_age_s: float = 10.0, **_: object) -> dict[str, dict]:
+        if redis_down:
+            raise ConnectionError("Redis is gone")
         return dict(published)
 
     monkeypatch.setattr(load_reporter, "read_engine_loads", fake_read)
@@ -90,6 +94,22 @@ def test_a_replica_missing_from_redis_is_kept_for_a_grace_period(monkeypatch: py
             published.clear()  # Redis restarted empty
             await router.refresh()
             assert list(router.replicas) == [address]  # kept (and polled directly meanwhile)
+            router.replicas[address].last_published -= REDIS_MAX_AGE_S + 1
+            await router.refresh()
+            assert router.replicas == {}
+            # Redis down for longer than the grace period, then back empty: the first good read
+            # restarts the grace instead of dropping every replica at once.
+            published["e1"] = {"address": address, "num_waiting": 0, "num_running": 1, "ts": time.time()}
+            await router.refresh()
+            assert list(router.replicas) == [address]
+            nonlocal redis_down
+            redis_down = True
+            await router.refresh()
+            router.replicas[address].last_published -= REDIS_MAX_AGE_S + 1
+            redis_down = False
+            published.clear()
+            await router.refresh()
+            assert list(router.replicas) == [address]
             router.replicas[address].last_published -= REDIS_MAX_AGE_S + 1
             await router.refresh()
             assert router.replicas == {}

@@ -87,6 +87,8 @@ class ReplicaRouter:
         self._client_kwargs = {"token": internal_token} if internal_token else {}
         self._token = internal_token or None  # Redis entries must be signed with it
         self._rejected: set[tuple[str, str | None]] = set()  # refused Redis entries already logged
+        # The last Redis read failed: the next good one restarts every replica's grace period.
+        self._redis_was_down = False
         self.refresh_interval_s = refresh_interval_s
         self.replicas: dict[str, Replica] = {}
         # Engine requests routed to each replica since start (for /metrics): never reset, so a
@@ -220,8 +222,15 @@ class ReplicaRouter:
             except Exception as e:
                 logger.warning("cannot read replica loads from redis: %s", e)
                 loads = None
+                self._redis_was_down = True
             if loads is not None:
                 now = time.monotonic()
+                if self._redis_was_down:
+                    # Nobody could publish while Redis was away: an empty read right after it comes
+                    # back says nothing yet, and must not drop every replica (and break their streams).
+                    self._redis_was_down = False
+                    for replica in self.replicas.values():
+                        replica.last_published = now
                 for entry in loads.values():
                     address = entry["address"]
                     replica = self.replicas.get(address) or self._add(address, static=False)
