@@ -31,6 +31,14 @@ DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 # How long a scheduler waits for its worker's answer to one step before it declares the
 # worker dead (`--engine-timeout`): far above any step's compute time, far below "forever".
 DEFAULT_ENGINE_TIMEOUT_S = 30.0
+# CPU seconds one structured-output grammar may take to compile (`--structured-outputs-compile-timeout`):
+# real schemas compile in milliseconds; a pathological one (huge repetition bounds) can take
+# minutes and is stopped, its request ended with a 400.
+DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S = 10.0
+# The limit counts the compile's CPU time (it runs at low priority: on a busy machine it waits
+# for a core, and a schema must not fail for the load); a starved compile is also stopped after
+# this many times the limit of wall-clock time.
+STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR = 10
 
 
 def default_model_path() -> str:
@@ -133,6 +141,9 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...} or
     # {"method": "draft_model", "model": dir, "num_speculative_tokens": k}. None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Seconds a constrained request's grammar may take to compile (a helper process runs the
+    # compile and kills it past this); the request then ends with a 400.
+    structured_outputs_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -142,6 +153,9 @@ class EngineConfig:
             self._check_speculation()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError("structured_outputs_compile_timeout (--structured-outputs-compile-timeout) must be "
+                             f"positive, got {self.structured_outputs_compile_timeout}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS_LIMIT:

@@ -81,7 +81,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel rank processes, if any (they also die with this process), and
-        the grammar compile thread."""
+        the grammar compiler (its helper process and threads)."""
         self.worker.close()
         if getattr(self, "engine", None) is not None:
             self.engine.structured_output.close()
