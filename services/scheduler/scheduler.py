@@ -343,7 +343,7 @@ class Scheduler:
         """Grammars that requests wait for: waiting requests' compiles, and the rows of those
         the last step left out."""
         compiling = [r.grammar for r in self.waiting if r.grammar is not None and r.grammar.is_compiling]
-        return compiling + [g for g in self._row_waiters if g.pending is not None]
+        return compiling + self._row_waiters
 
     def take_failed_outputs(self) -> list[pb.RequestOutput]:
         failed, self.failed_outputs = self.failed_outputs, []
