@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.config import DEFAULT_ENGINE_TIMEOUT_S, DEFAULT_MAX_WAITING_REQUESTS
+from services.common.config import (
+    DEFAULT_ENGINE_TIMEOUT_S,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S,
+    STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR,
+)
 
 MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
               "pipeline_parallel_size", "compile_model")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
-                   "speculative_config")
+                   "speculative_config", "structured_outputs_compile_timeout")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +64,12 @@ def add_scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="keep two steps in flight (default: on for CUDA, off on CPU)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    p.add_argument("--structured-outputs-compile-timeout", type=float,
+                   default=DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S,
+                   help="seconds of CPU time a structured-output grammar (JSON schema, regex, grammar) may take "
+                        "to compile, in a low-priority helper process that is killed past it (or past "
+                        f"{STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR}x it of wall-clock time); the request then ends "
+                        f"with a 400 (default {DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S:g})")
     add_speculative_arg(p)
 
 

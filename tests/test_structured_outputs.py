@@ -20,7 +20,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.structured_output import StructuredOutputManager
+from services.scheduler.structured_output import COMPILE_WORKERS, StructuredOutputManager
 from services.sdk import LLM, SamplingParams
 from services.worker.grammar_mask import unpack_bitmask
 
@@ -194,7 +194,8 @@ def test_request_waits_for_its_grammar_without_holding_up_the_batch(smollm2_dir:
     sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                       structured_output=manager)
     release = threading.Event()
-    manager._executor.submit(release.wait)  # the compile thread is busy: the grammar stays pending
+    for _ in range(COMPILE_WORKERS):  # every compile thread is busy: the grammar stays pending
+        manager._executor.submit(release.wait)
     constrained = Request("c", [1, 2, 3], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
     constrained.grammar = manager.grammar_for(pb.StructuredOutputs(regex="ab+"))
     free = Request("f", [4, 5, 6], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)

@@ -36,6 +36,14 @@ DEFAULT_ENGINE_TIMEOUT_S = 30.0
 # bound: a gRPC client has no gateway admission in front of it. Eight times the gateway's
 # default concurrency, so one gateway at its defaults (n = 1) never meets it.
 DEFAULT_MAX_WAITING_REQUESTS = 8192
+# CPU seconds one structured-output grammar may take to compile (`--structured-outputs-compile-timeout`):
+# real schemas compile in milliseconds; a pathological one (huge repetition bounds) can take
+# minutes and is stopped, its request ended with a 400.
+DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S = 10.0
+# The limit counts the compile's CPU time (it runs at low priority: on a busy machine it waits
+# for a core, and a schema must not fail for the load); a starved compile is also stopped after
+# this many times the limit of wall-clock time.
+STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR = 10
 
 
 def default_model_path() -> str:
@@ -138,6 +146,9 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...} or
     # {"method": "draft_model", "model": dir, "num_speculative_tokens": k}. None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Seconds a constrained request's grammar may take to compile (a helper process runs the
+    # compile and kills it past this); the request then ends with a 400.
+    structured_outputs_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -147,6 +158,9 @@ class EngineConfig:
             self._check_speculation()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError("structured_outputs_compile_timeout (--structured-outputs-compile-timeout) must be "
+                             f"positive, got {self.structured_outputs_compile_timeout}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS_LIMIT:

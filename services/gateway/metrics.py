@@ -138,6 +138,11 @@ class GatewayMetrics:
                              "structured-output grammars.", stats.grammar_compile_seconds, labels)
             lines += _single("myvllm:grammar_cache_hits_total", "counter", "Constrained requests whose grammar "
                              "was already compiled.", stats.grammar_cache_hits, labels)
+            lines += _single("myvllm:grammar_compile_timeouts_total", "counter", "Structured-output grammars that "
+                             "did not compile within --structured-outputs-compile-timeout.",
+                             stats.grammar_compile_timeouts, labels)
+            lines += _single("myvllm:grammar_row_waits_total", "counter", "Steps a constrained request sat out "
+                             "because its allowed-token row was not filled yet.", stats.grammar_row_waits, labels)
             lines += self._spec_decode(stats, labels)
         lines += _single("myvllm:scheduler_up", "gauge", "1 if the scheduler answered this scrape.",
                          int(stats is not None), labels)

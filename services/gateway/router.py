@@ -291,6 +291,8 @@ class ReplicaRouter:
             total.grammar_compiles += s.grammar_compiles
             total.grammar_compile_seconds += s.grammar_compile_seconds
             total.grammar_cache_hits += s.grammar_cache_hits
+            total.grammar_compile_timeouts += s.grammar_compile_timeouts
+            total.grammar_row_waits += s.grammar_row_waits
         if total.num_total_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
         return total

@@ -50,8 +50,9 @@ class EngineCore:
         self.model_info = model_info
         self.max_model_len = model_info.max_model_len
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
-        self.structured_output = StructuredOutputManager(config.model, model_info.vocab_size,
-                                                         model_info.eos_token_ids, config.max_num_seqs)
+        self.structured_output = StructuredOutputManager(
+            config.model, model_info.vocab_size, model_info.eos_token_ids, config.max_num_seqs,
+            compile_timeout_s=config.structured_outputs_compile_timeout)
         self.scheduler = Scheduler(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
@@ -73,7 +74,8 @@ class EngineCore:
             req.request_id, prompt, req.sampling, self.eos_token_ids, max_tokens=max_tokens,
             priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed)
         if req.sampling.HasField("structured_outputs"):
-            # Parsed and compiled in the background (the request waits for it, the batch does not).
+            # Parsed and compiled in the background, within --structured-outputs-compile-timeout (the
+            # request waits for it, the batch does not).
             request.grammar = self.structured_output.grammar_for(req.sampling.structured_outputs)
         self.scheduler.add_request(request)
 
@@ -110,11 +112,12 @@ class EngineCore:
         return self.scheduler.grammar_followup(so)
 
     def compiling_grammars(self) -> list[RequestGrammar]:
-        """Grammars that waiting requests wait for (nothing to schedule may mean: wait for these)."""
+        """Grammars whose compile or allowed-token row requests wait for (nothing to schedule may
+        mean: wait for these)."""
         return self.scheduler.compiling_grammars()
 
     def take_failed_outputs(self) -> list[pb.RequestOutput]:
-        """Requests ended outside a step (a grammar that failed to compile)."""
+        """Requests ended outside a step (a grammar that failed or timed out compiling)."""
         return self.scheduler.take_failed_outputs()
 
     def process(self, so: pb.SchedulerOutput, runner_output: pb.ModelRunnerOutput) -> list[pb.RequestOutput]:
@@ -132,7 +135,9 @@ class EngineCore:
                         max_num_batched_tokens=self.config.max_num_batched_tokens,
                         grammar_compiles=self.structured_output.num_compiles,
                         grammar_compile_seconds=self.structured_output.compile_seconds,
-                        grammar_cache_hits=self.structured_output.cache_hits, **s)
+                        grammar_cache_hits=self.structured_output.cache_hits,
+                        grammar_compile_timeouts=self.structured_output.num_compile_timeouts,
+                        grammar_row_waits=self.scheduler.num_row_waits, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

@@ -10,14 +10,17 @@ the head of the waiting queue (the prefix cache usually hands most blocks back l
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from concurrent.futures import wait
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
+from services.common.structured_outputs import StructuredOutputsError
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.spec_decode import SpecDecodeStats, lookahead_slots, max_drafts
-from services.scheduler.structured_output import RequestGrammar, StructuredOutputManager
+from services.scheduler.structured_output import STEP_FILL_WAIT_S, RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,10 @@ class Scheduler:
         # Async scheduling: steps sent before their constrained rows' matchers caught up, by step
         # id, with those rows' requests; their bitmask follows once the tokens are folded in.
         self.deferred_bitmasks: dict[int, list[Request]] = {}
+        # Constrained requests the last step left out because their row was not filled yet.
+        self._row_waiters: list[RequestGrammar] = []
+        self._fill_wait_left = STEP_FILL_WAIT_S
+        self.num_row_waits = 0
         # Speculative decoding (None: off): drafts come back from the worker with each step.
         self.speculative_config = speculative_config
         self.num_lookahead_slots = lookahead_slots(speculative_config)
@@ -182,6 +189,8 @@ class Scheduler:
         scheduled_cached: list[tuple[Request, int, list[int]]] = []
         scheduled_ids: set[str] = set()
         preempted = False
+        self._fill_wait_left = STEP_FILL_WAIT_S
+        self._row_waiters = []
 
         # 1) Running requests first: they already hold blocks.
         self._trim_drafts()
@@ -190,7 +199,7 @@ class Scheduler:
             request = self.running[idx]
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens,
                           token_budget, self.max_model_len - request.num_computed_tokens)
-            if num_new <= 0 or self._finishes_in_flight(request):
+            if num_new <= 0 or self._finishes_in_flight(request) or self._waits_for_row(request, num_new):
                 idx += 1
                 continue
             while True:
@@ -238,6 +247,10 @@ class Scheduler:
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, token_budget)
+            if request.grammar is not None and self._waits_for_row(request, num_new, num_hit_tokens):
+                self.waiting.popleft()
+                skipped.append(request)
+                continue
             lookahead = self._lookahead(request, num_hit_tokens + num_new)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead, hit_blocks)
             if new_blocks is None:
@@ -287,19 +300,50 @@ class Scheduler:
             return False
         try:
             grammar.start(request.output_token_ids)
-        except Exception as e:  # an invalid spec, a compile error, or resumed tokens off-grammar
+        except Exception as e:  # an invalid spec, a compile timeout or error, or resumed tokens off-grammar
             logger.warning("request %s: structured output grammar failed: %s", request.request_id, e)
+            # The constraint's fault (a 400), unless the compiler itself failed (the engine's).
+            kind = pb.INVALID_REQUEST if isinstance(e, ValueError) else pb.ENGINE_FAULT
+            message = str(e) if isinstance(e, StructuredOutputsError) else f"structured outputs: {e}"
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self.failed_outputs.append(pb.RequestOutput(
                 request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
-                num_prompt_tokens=request.num_prompt_tokens, error_kind=pb.INVALID_REQUEST,
-                error=f"structured outputs: {e}"))
+                num_prompt_tokens=request.num_prompt_tokens, error_kind=kind, error=message))
             return False
         return True
 
+    def _waits_for_row(self, request: Request, num_new: int, num_computed: int | None = None) -> bool:
+        """Whether a constrained `request` that would sample in this step sits it out because
+        its allowed-token row is not filled yet. Rows of grammars known to fill fast are waited
+        for, up to STEP_FILL_WAIT_S per step in all; a slow one is never waited for. With a token
+        still in flight (async scheduling) the row can only be filled once it is back, while the
+        step already runs: only a fast grammar may take that path."""
+        grammar = request.grammar
+        if grammar is None or grammar.matcher is None:
+            return False
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        if computed + num_new < request.num_tokens:
+            return False  # a prompt chunk that samples nothing
+        if request.num_output_placeholders:
+            return not grammar.fill_is_fast
+        grammar.prefetch()
+        pending = grammar.pending
+        if pending is not None and self._fill_wait_left > 0 and (grammar.fill_seconds is None or grammar.fill_is_fast):
+            start = time.perf_counter()
+            wait([pending], timeout=self._fill_wait_left)
+            self._fill_wait_left -= time.perf_counter() - start
+        if grammar.row_ready:
+            return False
+        grammar.watch_row(self.structured_output.on_ready if self.structured_output is not None else None)
+        self._row_waiters.append(grammar)
+        self.num_row_waits += 1
+        return True
+
     def compiling_grammars(self) -> list[RequestGrammar]:
-        """Grammars that waiting requests still wait for."""
-        return [r.grammar for r in self.waiting if r.grammar is not None and r.grammar.is_compiling]
+        """Grammars that requests wait for: waiting requests' compiles, and the rows of those
+        the last step left out."""
+        compiling = [r.grammar for r in self.waiting if r.grammar is not None and r.grammar.is_compiling]
+        return compiling + self._row_waiters
 
     def take_failed_outputs(self) -> list[pb.RequestOutput]:
         failed, self.failed_outputs = self.failed_outputs, []
@@ -438,6 +482,8 @@ class Scheduler:
                     break
             if status is None and i < len(drafts):
                 request.spec_token_ids = list(drafts[i].ids)
+            if status is None and request.grammar is not None:
+                request.grammar.prefetch()  # the next row, filled while the engine gets on with the step
             out = pb.RequestOutput(request_id=rid, new_token_ids=new_token_ids,
                                    num_prompt_tokens=request.num_prompt_tokens,
                                    num_cached_tokens=max(request.num_cached_tokens, 0))

@@ -96,9 +96,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self.kv_events.flush()
         self.core = EngineCore(self.config, info, num_blocks)
         self.core.scheduler.kv_cache_manager.block_pool.events = self.kv_events
-        # A request waiting only for its grammar must not wait for the idle probe.
+        # A request waiting only for its grammar (or its allowed-token row) must not wait for the idle probe.
         loop = asyncio.get_running_loop()
-        self.core.structured_output.on_compiled = lambda: loop.call_soon_threadsafe(self.work_available.set)
+        self.core.structured_output.on_ready = lambda: loop.call_soon_threadsafe(self.work_available.set)
         logger.warning("worker at %s: %s (%s on %s, attention backend %s), %d KV blocks", self.worker.address,
                        info.model, info.dtype, info.device, info.attention_backend, num_blocks)
 

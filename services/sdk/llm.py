@@ -81,7 +81,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel rank processes, if any (they also die with this process), and
-        the grammar compile thread."""
+        the grammar compiler (its helper process and threads)."""
         self.worker.close()
         if getattr(self, "engine", None) is not None:
             self.engine.structured_output.close()
@@ -230,6 +230,7 @@ class LLM:
         """
         depth = self.config.steps_in_flight
         in_flight: deque[tuple[pb.SchedulerOutput, Future | _PipelineStep | pb.ModelRunnerOutput]] = deque()
+        stalled = False
         try:
             while True:
                 try:
@@ -238,11 +239,16 @@ class LLM:
                         if not so.num_scheduled_tokens:
                             break
                         in_flight.append((so, self._submit(so)))
+                        stalled = False
                     if not in_flight:
                         grammars = self.engine.compiling_grammars()
                         if not grammars and not self.engine.scheduler.failed_outputs:
-                            raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
-                        # Nothing runs until a grammar is compiled: wait for one.
+                            if stalled:
+                                raise RuntimeError("the scheduler could not schedule any request (KV cache too "
+                                                   "small?)")
+                            stalled = True  # (a grammar may have become ready since that schedule: once more)
+                            continue
+                        # Nothing runs until a grammar is compiled (or a row filled): wait for one.
                         self.engine.structured_output.wait_for_any(grammars)
                         yield self.engine.take_failed_outputs()
                         continue
