@@ -173,3 +173,30 @@ def test_the_worker_serves_a_valid_step_after_refusals(worker: pb_grpc.WorkerStu
         _execute(worker, _step(_new(blocks=[2**31 - 1])))
     (out,) = _execute(worker, _step(_new()))
     assert not out.error and list(out.request_ids) == ["a"] and 0 <= out.sampled_token_ids[0] < VOCAB
+
+
+def test_a_refused_step_is_reported_as_a_failure_of_a_live_worker_not_as_a_dead_one() -> None:
+    """The scheduler's WorkerFault says what happened: INVALID_ARGUMENT came from a worker that is
+    still there ("failed"); UNAVAILABLE means it went away ("is gone")."""
+    import asyncio
+
+    from services.scheduler.worker_link import WorkerFault, WorkerLink
+
+    async def fault(code: grpc.StatusCode) -> str:
+        link = WorkerLink("127.0.0.1:1")
+
+        async def rpc() -> None:
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="slot_mapping[3] out of range")
+
+        try:
+            await link._within_timeout(rpc(), "answer")
+        except WorkerFault as e:
+            return str(e)
+        finally:
+            await link.channel.close()
+        raise AssertionError("no WorkerFault")
+
+    refused = asyncio.run(fault(grpc.StatusCode.INVALID_ARGUMENT))
+    assert "failed (INVALID_ARGUMENT: slot_mapping[3] out of range)" in refused and "is gone" not in refused
+    assert "is gone (UNAVAILABLE" in asyncio.run(fault(grpc.StatusCode.UNAVAILABLE))

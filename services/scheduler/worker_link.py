@@ -86,7 +86,11 @@ class WorkerLink:
             raise WorkerFault(f"worker at {self.address}: {what} within {self.engine_timeout:g}s "
                               "(--engine-timeout)") from None
         except grpc.aio.AioRpcError as e:
-            raise WorkerFault(f"worker at {self.address} is gone ({e.code().name}: {e.details()})") from None
+            # UNAVAILABLE / CANCELLED: the process or its connection went away; anything else (a
+            # step it refused as INVALID_ARGUMENT, an INTERNAL error) came from a worker still there.
+            gone = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            raise WorkerFault(f"worker at {self.address} {'is gone' if gone else 'failed'} "
+                              f"({e.code().name}: {e.details()})") from None
         except asyncio.InvalidStateError:  # writing to a call that already ended
             raise WorkerFault(f"worker at {self.address}: the Execute stream already ended") from None
 
