@@ -267,6 +267,7 @@ def start_redis(port: int, password: str | None = None) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    suite_processes.register(proc.pid)  # its environment reads empty: found by pid, not by the run's tag
     proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")
     proc.stdin.close()
     url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}"

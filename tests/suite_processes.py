@@ -6,6 +6,8 @@ process tree (a service whose `serve` was killed is re-parented to init) or star
 of their own. `OWNER_ENV` narrows that to what one helper (a `Mesh`, a `Replica`) started.
 
 - `suite_processes()` / `owned_processes(owner)`: pids, found through /proc.
+- `register(pid)`: a process whose environment cannot be read back (redis-server rewrites its
+  process title over it, so /proc/PID/environ reads empty) is tracked by pid and start time.
 - `stop_processes(pids)`: SIGTERM (and SIGCONT, for a stopped one), then SIGKILL.
 - `MemorySampler`: the suite's resident memory once a second (pytest and every process of
   the suite), its peak and the test that was running then.
@@ -55,10 +57,31 @@ def processes_with_env(name: str, value: str) -> list[int]:
     return found
 
 
+# Registered pids -> their start time (field 22 of /proc/PID/stat): a reused pid is not ours.
+_registered: dict[int, str] = {}
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == b"Z" else fields[19].decode()  # a zombie is as good as gone
+
+
+def register(pid: int) -> None:
+    """Count `pid` among the run's processes although its environment cannot be read."""
+    start = _start_time(pid)
+    if start is not None:
+        _registered[pid] = start
+
+
 def suite_processes() -> list[int]:
     """Every live process (zombies excepted: they have no environment) started by this test run."""
     run = os.environ.get(RUN_ENV)
-    return processes_with_env(RUN_ENV, run) if run else []
+    found = processes_with_env(RUN_ENV, run) if run else []
+    return found + [pid for pid, start in _registered.items() if pid not in found and _start_time(pid) == start]
 
 
 def owned_processes(owner: str) -> list[int]:

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from conftest import free_port, start_redis
 from mesh import Mesh
 
 from services import cli
@@ -38,5 +39,6 @@ def test_hold_processes_until_sigterm(smollm2_dir: str) -> None:
                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignoring', flush=True); "
                                  "time.sleep(3600)"], stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert stubborn.stdout.readline().strip() == "ignoring"  # SIGTERM can no longer end it
-    print(f"READY serve={mesh.proc.pid} stubborn={stubborn.pid}", flush=True)
+    redis = start_redis(free_port())  # its environment reads empty: the suite tracks it by pid
+    print(f"READY serve={mesh.proc.pid} stubborn={stubborn.pid} redis={redis.pid}", flush=True)
     time.sleep(600)
