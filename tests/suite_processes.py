@@ -70,6 +70,11 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] == b"Z" else fields[19].decode()  # a zombie is as good as gone
 
 
+def alive(pid: int) -> bool:
+    """`pid` runs (a zombie does not)."""
+    return _start_time(pid) is not None
+
+
 def register(pid: int) -> None:
     """Count `pid` among the run's processes although its environment cannot be read."""
     start = _start_time(pid)

@@ -23,14 +23,6 @@ def _marked(value: str) -> list[int]:
     return suite_processes.processes_with_env(MARK, value)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def test_sigterm_of_pytest_stops_every_process_of_its_run() -> None:
     mark = uuid.uuid4().hex
     env = dict(os.environ, **{MARK: mark}, PYTHONPATH=str(TESTS.parent))
@@ -56,7 +48,7 @@ def test_sigterm_of_pytest_stops_every_process_of_its_run() -> None:
         while _marked(mark) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _marked(mark) == [], "".join(output)[-3000:]
-        assert not _alive(redis_pid), "the run's redis-server outlived it"
+        assert not suite_processes.alive(redis_pid), "the run's redis-server outlived it"
         assert run.returncode == 128 + signal.SIGTERM
         assert re.search(r"stopped the run.s processes \([1-9]\d* needed SIGKILL\)", "".join(output))
     finally:
