@@ -153,9 +153,13 @@ FUZZ_EXAMPLES_PER_OPERATION = 60
 
 
 def _bound_generation(body: object) -> None:
+    # An absent or null limit means "the rest of the context" (thousands of tokens: minutes on a slow
+    # CPU, past the call's deadline), so both are bounded too; a limit of another type is left for the
+    # gateway to refuse.
     if isinstance(body, dict):
         for key in ("max_tokens", "max_completion_tokens"):
-            if isinstance(body.get(key), int) and body[key] > FUZZ_MAX_TOKENS:
+            value = body.get(key)
+            if value is None and key in body or isinstance(value, (int, float)) and value > FUZZ_MAX_TOKENS:
                 body[key] = FUZZ_MAX_TOKENS
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = FUZZ_MAX_TOKENS
