@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 from conftest import free_port
 
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 GPU, TP2 = DEPLOY / "docker-compose.gpu.yml", DEPLOY / "docker-compose.tp2.yml"
+SECRETS = {"MYVLLM_INTERNAL_TOKEN": "compose-test-token", "MYVLLM_REDIS_PASSWORD": "compose-test-redis-password"}
 
 
 
@@ -33,10 +35,10 @@ def _docker_compose() -> Path:
     return Path(compose.__file__).with_name("docker-compose")
 
 
-def _config(*files: Path, check: bool = True) -> subprocess.CompletedProcess:
+def _config(*files: Path, check: bool = True, secrets: dict[str, str] = SECRETS) -> subprocess.CompletedProcess:
     """`docker-compose config` of the files, resolved (anchors, overrides, variables) as JSON."""
     args = [str(_docker_compose()), *[a for f in files for a in ("-f", str(f))], "config", "--format", "json"]
-    env = dict(os.environ, MYVLLM_INTERNAL_TOKEN="compose-test-token")
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS} | secrets
     return subprocess.run(args, capture_output=True, text=True, env=env, check=check, timeout=60)
 
 
@@ -51,6 +53,15 @@ def test_every_compose_combination_is_valid_compose() -> None:
     assert [name for name, svc in base.items() if svc.get("ports")] == ["gateway"]
     assert [(p["host_ip"], p["target"]) for p in base["gateway"]["ports"]] == [("127.0.0.1", 8000)]
     assert not any("deploy" in svc for svc in base.values())  # runs on a host without GPUs
+    # Redis has a password, which schedulers and gateway get in their environment, never in argv.
+    assert base["redis"]["command"][-2:] == ["--requirepass", SECRETS["MYVLLM_REDIS_PASSWORD"]]
+    url = f"redis://:{SECRETS['MYVLLM_REDIS_PASSWORD']}@redis:6379/0"
+    for name in ("scheduler-1", "scheduler-2", "gateway"):
+        assert base[name]["environment"]["MYVLLM_REDIS_URL"] == url, name
+        assert not any(SECRETS["MYVLLM_REDIS_PASSWORD"] in a for a in base[name]["command"]), name
+    for missing in SECRETS:  # compose refuses to start without either secret, naming it
+        result = _config(COMPOSE, check=False, secrets={k: v for k, v in SECRETS.items() if k != missing})
+        assert result.returncode != 0 and missing in result.stderr, (missing, result.stderr)
     gpu = json.loads(_config(COMPOSE, GPU).stdout)["services"]
     for worker in ("worker-1", "worker-2"):
         assert gpu[worker]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
@@ -103,7 +114,7 @@ class _Localizer:
     def arg(self, a: str) -> str:
         a = a.replace("/models/SmolLM2-135M-Instruct", self.models_dir)
         for host in self.hosts:
-            a = re.sub(rf"(^|//|,){re.escape(host)}:(?=\d)", r"\g<1>127.0.0.1:", a)
+            a = re.sub(rf"(^|//|,|@){re.escape(host)}:(?=\d)", r"\g<1>127.0.0.1:", a)
         if a in self.ports:
             return self.ports[a]
         return re.sub(r":(\d{4,5})\b", lambda m: ":" + self.ports.get(m.group(1), m.group(1)), a)
@@ -131,10 +142,11 @@ def test_compose_services_serve_a_chat_completion(smollm2_dir):
     procs: list[subprocess.Popen] = []
     # What compose's `environment:` gives every myvllm service (the healthchecks run inside them),
     # one thread each: four engine processes share two cores.
-    env = dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_INTERNAL_TOKEN="compose-test-token", MYVLLM_NUM_THREADS="1")
+    base_env = dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_NUM_THREADS="1")
     try:
         for name in _start_order(services):
             svc = services[name]
+            env = base_env | {k: loc.arg(v) for k, v in (svc.get("environment") or {}).items()}
             procs.append(subprocess.Popen(loc.command(svc["command"]), cwd=REPO, env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
             check = loc.command(svc["healthcheck"]["test"][1:])
@@ -155,7 +167,9 @@ def test_compose_services_serve_a_chat_completion(smollm2_dir):
             client.completions.create(model=model, prompt="The capital of France is", max_tokens=4)
         # Each scheduler published its replica's load for DP routing, under the address it
         # advertises (which the gateway, also reading redis, dials).
-        r = redis.Redis(host="127.0.0.1", port=int(loc.ports["6379"]))
+        with pytest.raises(redis.AuthenticationError):  # no password, no entry
+            redis.Redis(host="127.0.0.1", port=int(loc.ports["6379"])).hgetall("myvllm:engines")
+        r = redis.Redis(host="127.0.0.1", port=int(loc.ports["6379"]), password=SECRETS["MYVLLM_REDIS_PASSWORD"])
         entries = [json.loads(v) for v in r.hgetall("myvllm:engines").values()]
         replicas = {f"127.0.0.1:{loc.ports['50051']}", f"127.0.0.1:{loc.ports['50061']}"}
         assert {e["address"] for e in entries} == replicas

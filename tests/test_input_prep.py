@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from services.common.proto import myvllm_pb2 as pb
+from services.worker import model_runner
 from services.worker.attention.torch_backend import TorchAttentionBackend
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import MemoryBudgetError, ModelRunner
 
 B = 4          # block size
 NUM_BLOCKS = 32
@@ -234,3 +235,19 @@ def test_attention_backend_matches_naive_attention(runner: ModelRunner, name: st
             assert torch.equal(kv_cache[0, blocks[pos // B], pos % B], k[start + j])
             assert torch.equal(kv_cache[1, blocks[pos // B], pos % B], v[start + j])
         start += n
+
+
+def test_max_num_seqs_is_bounded_by_the_memory_its_batch_state_needs(runner: ModelRunner, monkeypatch) -> None:
+    """max_num_seqs sizes the persistent batch and the sampler's vocab-wide penalty rows: a value
+    whose state cannot fit next to the weights is refused before anything is allocated."""
+    per_row = runner.batch_state_bytes(1)
+    assert per_row >= 4 * runner.max_model_len + 5 * runner.vocab_size
+    assert runner.batch_state_bytes(10) == 10 * per_row
+    assert runner.batch_state_bytes(1, block_size=16) < per_row  # fewer block-table entries
+    monkeypatch.setattr(model_runner, "_available_ram_bytes", lambda: 100 * per_row)
+    with pytest.raises(MemoryBudgetError, match=r"max_num_seqs=1000 needs \d+ bytes of batch state"):
+        runner.set_max_num_seqs(1000)
+    assert runner.max_num_seqs == 8  # unchanged
+    runner.set_max_num_seqs(16)  # within the budget
+    assert runner.max_num_seqs == 16
+    runner.set_max_num_seqs(8)

@@ -147,7 +147,7 @@ def test_load_model_of_another_path_and_an_oversized_kv_cache_are_refused(replic
         _raw_call(replica.worker_address, pb_grpc.WorkerStub, "InitKVCache",
                   pb.InitKVCacheRequest(num_blocks=1 << 30, block_size=16), TOKEN)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert re.search(r"needs \d+ bytes; this worker can hold at most \d+", info.value.details())
+    assert re.search(r"sequences need \d+ bytes; this worker can hold at most \d+", info.value.details())
 
 
 def test_bad_requests_end_with_invalid_request(replica: Replica) -> None:

@@ -76,6 +76,10 @@ def _available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+class MemoryBudgetError(Exception):
+    """A request would make the worker allocate more than its memory holds (RESOURCE_EXHAUSTED)."""
+
+
 class ModelRunner:
     """Owns the weights, the paged KV tensors, the persistent batch and the sampler."""
 
@@ -137,9 +141,30 @@ class ModelRunner:
         self.proposer: SpecProposer | None = make_proposer(speculative_config, self)
         self.set_max_num_seqs(max_num_seqs)
 
+    def batch_state_bytes(self, max_num_seqs: int, block_size: int = 1) -> int:
+        """Memory that max_num_seqs sizes, whatever the KV cache: the persistent batch (each row's
+        token ids up to max_model_len and its block table) and the sampler's penalty state (a
+        vocab-wide count and prompt mask per row, allocated by the first request that uses a
+        penalty). With block_size 1, the largest block table any block size can need."""
+        max_blocks = -(-self.max_model_len // block_size)
+        per_row = 4 * self.max_model_len + 4 * max_blocks + 8 * 8 + 5 * self.vocab_size
+        return max_num_seqs * per_row
+
+    def check_batch_state_fits(self, max_num_seqs: int) -> None:
+        """Refuse a max_num_seqs whose batch state could not be allocated next to the weights
+        (LoadModel's field sizes arrays: a caller must not make the worker allocate until it is
+        killed)."""
+        wanted = self.batch_state_bytes(max_num_seqs)
+        budget = self.max_kv_cache_bytes()
+        if wanted > budget:
+            raise MemoryBudgetError(
+                f"max_num_seqs={max_num_seqs} needs {wanted} bytes of batch state (max_model_len "
+                f"{self.max_model_len}, vocab {self.vocab_size}); this worker can hold at most {budget}")
+
     def set_max_num_seqs(self, max_num_seqs: int) -> None:
         """Size the persistent batch and the sampler's per-row state for this many requests
         (the scheduler's --max-num-seqs; changing it needs no reload of the weights)."""
+        self.check_batch_state_fits(max_num_seqs)
         self.max_num_seqs = max_num_seqs
         self.sampler = Sampler(max_num_reqs=max_num_seqs, vocab_size=self.vocab_size, device=self.device)
         if self.input_batch is not None:

@@ -25,6 +25,7 @@ from services.common.auth import server_interceptors
 from services.common.config import MAX_NUM_BATCHED_TOKENS_LIMIT, MAX_NUM_SEQS_LIMIT
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
+from services.worker.model_runner import MemoryBudgetError
 from services.worker.step_validation import InvalidStep
 from services.worker.worker import Worker
 
@@ -84,6 +85,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                     f"LoadModel.{name} must be in [0, {limit}], got {getattr(merged, name)}")
         try:
             return await self._run(self.worker.load_model, merged)
+        except MemoryBudgetError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"LoadModel: {e}")
         except (FileNotFoundError, ValueError, NotImplementedError, KeyError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load model: {e}")
 
@@ -100,12 +103,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoadModel must be called first")
         if request.num_blocks < 2 or request.block_size < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need num_blocks >= 2 and block_size >= 1")
-        wanted = request.num_blocks * runner.kv_bytes_per_block(request.block_size)
+        # The persistent batch is allocated with the cache (its block tables depend on block_size).
+        wanted = (request.num_blocks * runner.kv_bytes_per_block(request.block_size)
+                  + runner.batch_state_bytes(runner.max_num_seqs, request.block_size))
         budget = runner.max_kv_cache_bytes()
         if wanted > budget:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"a KV cache of {request.num_blocks} blocks of {request.block_size} tokens needs "
-                                f"{wanted} bytes; this worker can hold at most {budget}")
+                                f"a KV cache of {request.num_blocks} blocks of {request.block_size} tokens and the "
+                                f"batch state of {runner.max_num_seqs} sequences need {wanted} bytes; this worker "
+                                f"can hold at most {budget}")
         return await self._run(self.worker.init_kv_cache, request)
 
     async def Execute(self, request_iterator, context):
