@@ -7,18 +7,26 @@ import re
 from services.cli import main
 
 
-def test_bench_serve_reports_percentiles_ratio_and_plot(tmp_path, capsys, smollm2_dir):
+def test_bench_serve_reports_percentiles_ratio_and_plot_and_keeps_them_when_the_peer_fails(
+        tmp_path, capsys, monkeypatch, smollm2_dir):
     plot = tmp_path / "serve.png"
+    # A vLLM peer that dies at start-up: its error is printed, every row measured is kept, exit 1.
+    broken_python = tmp_path / "python"
+    broken_python.write_text("#!/bin/sh\necho 'peer: ImportError: no module named vllm' >&2\nexit 3\n")
+    broken_python.chmod(0o755)
+    monkeypatch.setenv("MYVLLM_VLLM_PYTHON", str(broken_python))
     rc = main(["bench", "serve", "--model", smollm2_dir, "--num-prompts", "4", "--concurrency", "1,2",
                "--input-len-min", "8", "--input-len-max", "16", "--output-len-min", "4", "--output-len-max", "8",
-               "--no-hf", "--plot", str(plot)])
+               "--no-hf", "--plot", str(plot), "--vllm"])
     out = capsys.readouterr().out
-    assert rc == 0
+    assert rc == 1
+    assert re.search(r"^vllm serve failed after 0 of 2 levels: RuntimeError: vllm serve exited \(code 3\).*"
+                     r"no module named vllm", out, re.M | re.S), out[-3000:]
     rows = [line for line in out.splitlines() if line.startswith("my-vllm serve c=")]
     assert len(rows) == 2
     for row in rows:
         figures = [float(x) for x in row.split()[3:]]
         assert len(figures) == 8 and all(f > 0 for f in figures)
     assert re.search(r"my-vllm offline LLM \(max_num_seqs=2\)\s+\d+\.\d", out)
-    assert re.search(r"^mesh c=2 / offline LLM \(output tok/s\): \d+\.\d\d$", out.splitlines()[-1])
+    assert re.search(r"^mesh c=2 / offline LLM \(output tok/s\): \d+\.\d\d$", out, re.M)
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"

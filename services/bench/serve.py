@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if proc is not None:
             _stop_mesh(proc)  # free the CPU for the in-process peers below
-    vllm_results = _serve_vllm(args, model_dir, requests, warmup, levels) if args.vllm else []
+    vllm_results, vllm_error = _serve_vllm(args, model_dir, requests, warmup, levels) if args.vllm else ([], None)
     rows = [[f"{r.name} c={r.concurrency}", f"{r.request_s:.2f}", f"{r.output_tok_s:.1f}",
              f"{r.pct(r.ttft_s, 50):.0f}", f"{r.pct(r.ttft_s, 99):.0f}", f"{r.pct(r.itl_s, 50):.1f}",
              f"{r.pct(r.itl_s, 99):.1f}", f"{r.pct(r.e2e_s, 50):.0f}", f"{r.pct(r.e2e_s, 99):.0f}"]
@@ -274,25 +274,35 @@ def run(args: argparse.Namespace) -> int:
         if r.concurrency == compared.concurrency:
             print(f"ratio my-vllm serve / vllm serve c={r.concurrency} (output tok/s): "
                   f"{compared.output_tok_s / r.output_tok_s:.2f}")
+    if vllm_error is not None:
+        print(f"vllm serve failed after {len(vllm_results)} of {len(levels)} levels: {vllm_error}")
+        return 1
     return 0
 
 
 def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRequest], warmup: BenchRequest,
-                levels: list[int]) -> list[ServeResult]:
-    """`vllm serve` on the same requests and levels, then stopped (before the in-process peers)."""
+                levels: list[int]) -> tuple[list[ServeResult], str | None]:
+    """vLLM's server on the same requests and levels, then stopped (before the in-process peers):
+    the levels it completed, and its error if it failed (which must not lose the rows measured
+    so far, ours or its own)."""
     from services.bench import vllm_peer
     from services.launcher import free_port
     from services.worker.model_runner import DEFAULT_CPU_KV_CACHE_BYTES
 
-    proc, base_url, _ = vllm_peer.start_server(
-        model_dir, args.dtype, torch_threads(), free_port(), args.seed, args.max_num_seqs,
-        args.max_num_batched_tokens, args.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
-    results = []
+    results: list[ServeResult] = []
+    proc = None
     try:
+        proc, base_url, _ = vllm_peer.start_server(
+            model_dir, args.dtype, torch_threads(), free_port(), args.seed, args.max_num_seqs,
+            args.max_num_batched_tokens, args.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
         asyncio.run(_run_level(base_url, [warmup], 1, "vllm serve"))
         for c in levels:
             log(f"vllm serve: {len(requests)} requests at concurrency {c}")
             results.append(asyncio.run(_run_level(base_url, requests, c, "vllm serve")))
+    except Exception as e:  # noqa: BLE001 - any failure of the peer is reported, not raised
+        log(f"vllm serve failed: {type(e).__name__}: {e}")
+        return results, f"{type(e).__name__}: {str(e).strip()[-2000:]}"
     finally:
-        _stop_mesh(proc)
-    return results
+        if proc is not None:
+            _stop_mesh(proc)
+    return results, None

