@@ -19,6 +19,7 @@ import torch
 
 from services.common.proto import myvllm_pb2 as pb
 from services.sdk import LLM, SamplingParams
+from services.worker.exponential import exponential_, exponential_like
 from services.worker.input_batch import InputBatch
 from services.worker.sampler import Sampler, build_sampling_metadata
 
@@ -355,6 +356,22 @@ def test_draws_follow_the_kept_distribution(way: str) -> None:
     probs = full[kept] / full[kept].sum()
     p = _chi_square_p(counts, probs)
     assert p > 0.001, f"chi-square p = {p:.2e}: counts {counts.tolist()} vs {(n * probs).round(1).tolist()}"
+
+
+def test_exponential_noise_is_exp1_and_its_race_draws_by_probability() -> None:
+    """The vectorised -log(U) noise: Exp(1) (mean 1, P(q > t) = e^-t), never 0, never NaN in the
+    race argmax(p / q), and the race picks each token with its probability (chi-square)."""
+    q = exponential_(torch.empty(400_000), torch.Generator().manual_seed(3))
+    assert bool((q > 0).all()) and abs(float(q.mean()) - 1.0) < 0.01
+    for t in (0.1, 1.0, 3.0):
+        assert abs(float((q > t).double().mean()) - math.exp(-t)) < 0.005, t
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])
+    torch.manual_seed(0)
+    drawn = probs.repeat(20_000, 1).div_(exponential_like(probs.repeat(20_000, 1))).argmax(dim=-1)
+    counts = torch.bincount(drawn, minlength=6).numpy()
+    assert counts[5] == 0  # probability 0 is never drawn
+    p = _chi_square_p(counts[:5], probs[:5].double().numpy())
+    assert p > 0.001, (p, counts.tolist())
 
 
 # --------------------------------------------------------------------------- through the engine

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
+from services.worker.exponential import exponential_
 
 _GREEDY_EPS = 1e-5
 # top_k at most this goes the "candidates" way (topk + work on k values); larger top_k: full sort.
@@ -639,15 +640,15 @@ class Sampler:
         probs = dist.probs
         q = torch.empty_like(probs)
         if len(dist.generators) < probs.shape[0]:
-            q.exponential_()
+            exponential_(q)
         elif dist.draw_k is not None:
             q.fill_(1.0)  # columns past a seeded row's own k have probability 0: any q > 0 will do
         for i, gen in dist.generators.items():
             k = dist.draw_k[i] if dist.draw_k is not None else probs.shape[1]
             if gen.device == q.device:
-                q[i, :k].exponential_(generator=gen)
+                exponential_(q[i, :k], gen)
             else:
-                q[i, :k] = torch.empty(k, dtype=q.dtype, device=gen.device).exponential_(generator=gen).to(q.device)
+                q[i, :k] = exponential_(torch.empty(k, dtype=q.dtype, device=gen.device), gen).to(q.device)
         choice = probs.div_(q).argmax(dim=-1)
         return choice if dist.ids is None else dist.ids.gather(1, choice[:, None])[:, 0]
 

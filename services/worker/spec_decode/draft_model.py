@@ -22,6 +22,7 @@ import torch
 
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context
+from services.worker.exponential import exponential_like
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.loader import load_model
 from services.worker.sampler import build_sampling_metadata
@@ -111,7 +112,7 @@ class DraftModelProposer(SpecProposer):
             if probs is not None and random_idx.numel():
                 p = probs[random_idx]
                 tokens = argmax.clone()
-                tokens[random_idx] = p.div(torch.empty_like(p).exponential_()).argmax(dim=-1)
+                tokens[random_idx] = p.div(exponential_like(p)).argmax(dim=-1)
                 step_probs.append(p)
             steps.append(tokens)
             positions = positions + 1

@@ -19,9 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
-def _exponential_like(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x).exponential_()
+from services.worker.exponential import exponential_like
 
 
 def rejection_sample(
@@ -68,7 +66,7 @@ def rejection_sample(
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, p_t, residual)
         # A draw from the (unnormalised) residual: argmax(w / q), q ~ Exp(1).
-        emitted[random_rows] = residual.div_(_exponential_like(residual)).argmax(dim=-1)
+        emitted[random_rows] = residual.div_(exponential_like(residual)).argmax(dim=-1)
         u = torch.rand(pt_x.shape, device=dev)
         accepted[random_rows] = u * pd_x < pt_x
     accepted &= is_draft
