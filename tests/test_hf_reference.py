@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy, hf_logprobs, load_hf_model
+from hf_reference import hf_greedy, hf_greedy_batched, hf_logprobs, load_hf_model
 from safetensors import safe_open
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [9690, 42, 1500], [17]]
@@ -72,3 +72,10 @@ def test_ignore_eos_runs_past_eos(smollm2_dir: str) -> None:
     [full] = hf_greedy(smollm2_dir, [prompt], max_new_tokens=40, ignore_eos=True)
     assert len(full) == 40
     assert full[: len(stopped)] == stopped
+
+
+def test_batched_reference_equals_the_one_at_a_time_loop(smollm2_dir: str) -> None:
+    """Prompts of different lengths, left-padded in one batch (and one alone, past the padding
+    budget): the same greedy ids as running each alone."""
+    prompts = PROMPTS + [[100 + i for i in range(300)]]
+    assert hf_greedy_batched(smollm2_dir, prompts, max_new_tokens=8) == hf_greedy(smollm2_dir, prompts, 8)
