@@ -291,6 +291,10 @@ def test_n_seeded_choices_distinct_reproducible_and_as_offline(deployment: Deplo
     assert [c.text for c in offline.outputs] == served
 
 
+# Enough for a leak of a few KB per request to show in the gateway's RSS; bounded in time (~35 s).
+SOAK_REQUESTS = 1000
+
+
 def test_soak_with_random_disconnects_leaks_nothing(deployment: Deployment) -> None:
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(16)]
     outcomes: Counter[str] = Counter()
@@ -334,7 +338,7 @@ def test_soak_with_random_disconnects_leaks_nothing(deployment: Deployment) -> N
     rss_before = deployment.gateway_rss_mb()
     outcomes.clear()
     started = time.monotonic()
-    asyncio.run(asyncio.wait_for(soak(2000, seed=2), 300))
+    asyncio.run(asyncio.wait_for(soak(SOAK_REQUESTS, seed=2), 300))
     elapsed = time.monotonic() - started
     deadline = time.monotonic() + 30
     while True:  # aborts travel asynchronously: give the engines a moment to settle
@@ -347,7 +351,7 @@ def test_soak_with_random_disconnects_leaks_nothing(deployment: Deployment) -> N
     rss_growth = deployment.gateway_rss_mb() - rss_before
     print(f"\nsoak: {sum(outcomes.values())} requests in {elapsed:.1f}s, {dict(outcomes)}, "
           f"gateway RSS growth {rss_growth:.1f} MB")
-    assert sum(outcomes.values()) == 2000
+    assert sum(outcomes.values()) == SOAK_REQUESTS
     assert all(not key.endswith(("500", "503", "400")) for key in outcomes), outcomes
     assert rss_growth < 50, f"gateway RSS grew by {rss_growth:.1f} MB"
 

@@ -7,8 +7,6 @@ import json
 import os
 from typing import Any
 
-from transformers import AutoTokenizer, GenerationConfig
-
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: printable stand-in char -> raw byte."""
@@ -69,6 +67,10 @@ class GatewayTokenizer:
     @classmethod
     def load(cls, model_path: str) -> GatewayTokenizer:
         """Load the tokenizer, generation-config EOS ids and vocab size of a HF model dir."""
+        # Here, not at module level: `serve` imports this module for its flags, and transformers
+        # (with torch) takes seconds to import.
+        from transformers import AutoTokenizer, GenerationConfig
+
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         try:
             eos_token_ids = _as_id_list(GenerationConfig.from_pretrained(model_path).eos_token_id)
