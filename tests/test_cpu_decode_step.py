@@ -99,8 +99,9 @@ def test_the_step_takes_only_small_all_decode_batches(tiny_model_dir) -> None:
 
 
 def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, monkeypatch) -> None:
-    monkeypatch.setattr("services.worker.model_runner._available_ram_bytes", lambda: 1000)
-    runner = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0)
+    # 2 MB: room for one sequence's batch state, not for the step's copy of the weights (1/10 of it).
+    monkeypatch.setattr("services.worker.model_runner._available_ram_bytes", lambda: 2 << 20)
+    runner = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0, max_num_seqs=1)
     assert runner.model.decode_step is None
     monkeypatch.undo()
     monkeypatch.setenv("MYVLLM_CPU_DECODE_STEP", "0")

@@ -46,7 +46,7 @@ def asan_env(tmp_path_factory) -> dict[str, str]:
     preload = [LIBASAN] + [lib for lib in [_runtime("libstdc++.so.6")] if lib]
     return dict(os.environ, PYTHONPATH=str(REPO), LD_PRELOAD=" ".join(preload),
                 ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=23",
-                MYVLLM_KERNEL_CFLAGS="-fsanitize=address -fno-omit-frame-pointer",
+                MYVLLM_KERNEL_CFLAGS="-O1 -fsanitize=address -fno-omit-frame-pointer",
                 MYVLLM_CACHE_DIR=str(tmp_path_factory.mktemp("asan-kernels")))
 
 
