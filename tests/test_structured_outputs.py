@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
-from services.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams
+from services.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams, build_grammar
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.structured_output import COMPILE_WORKERS, StructuredOutputManager
@@ -80,6 +80,17 @@ def test_json_object(llm: LLM) -> None:
             assert isinstance(json.loads(out.outputs[0].text), dict)
         else:  # free-form JSON may run past max_tokens; what there is still starts an object
             assert out.outputs[0].text.startswith("{")
+
+
+def test_json_object_grammar_takes_an_object_and_nothing_else() -> None:
+    """vLLM's and OpenAI's json_object: an object (any keys, any whitespace), never a bare array
+    or scalar, which xgrammar's builtin JSON grammar would take."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    grammar = build_grammar(pb.StructuredOutputs(json_object=True))
+    assert accepts(grammar, '{"name": "Tom", "legs": [1, 2, {"left": true}]}')
+    assert accepts(grammar, '{\n  "a":1\n}') and accepts(grammar, "{}")
+    assert not accepts(grammar, '["a cat"]') and not accepts(grammar, '"a cat"') and not accepts(grammar, "3")
 
 
 @pytest.mark.parametrize("pattern", [r"[A-Z][a-z]{2,8}, (yes|no)", r"\d{3}-\d{4}", r"(cat|dog)s? [0-9]{1,2}"])

@@ -150,7 +150,9 @@ def build_grammar(spec: pb.StructuredOutputs):
             return xgr.Grammar.from_ebnf(_choice_ebnf(choices))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.grammar)
-        return xgr.Grammar.builtin_json_grammar()
+        # json_object (OpenAI's response_format {"type": "json_object"}): an object, as vLLM
+        # compiles it, not xgrammar's builtin JSON grammar, which also takes a bare array.
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True, strict_mode=False)
     except StructuredOutputsError:
         raise
     except Exception as e:  # xgrammar reports a bad schema / regex / grammar as RuntimeError
