@@ -365,6 +365,8 @@ def test_exponential_noise_is_exp1_and_its_race_draws_by_probability() -> None:
     assert bool((q > 0).all()) and abs(float(q.mean()) - 1.0) < 0.01
     for t in (0.1, 1.0, 3.0):
         assert abs(float((q > t).double().mean()) - math.exp(-t)) < 0.005, t
+    half = exponential_(torch.empty(100_000, dtype=torch.bfloat16), torch.Generator().manual_seed(4))
+    assert bool(torch.isfinite(half).all()) and abs(float(half.float().mean()) - 1.0) < 0.02  # drawn in fp32
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])
     torch.manual_seed(0)
     drawn = probs.repeat(20_000, 1).div_(exponential_like(probs.repeat(20_000, 1))).argmax(dim=-1)

@@ -14,6 +14,8 @@ import torch
 
 def exponential_(q: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Fill q (a tensor or a view) with Exp(1) samples in place; returns q."""
+    if q.dtype in (torch.float16, torch.bfloat16):  # their uniforms hit 0 every 2^8 / 2^11 draws
+        return q.copy_(exponential_(torch.empty_like(q, dtype=torch.float32), generator))
     return q.uniform_(generator=generator).log_().neg_()
 
 
