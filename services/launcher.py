@@ -306,27 +306,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The API key reaches the gateway alone, also through its environment.
     gateway_env = dict(redis_env or os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else redis_env
     services: list[ServiceProcess] = []
-    commands = _serve_commands(args, model, worker_ports, scheduler_ports, redis_port, redis_url)
+    *engine_commands, (gateway_name, gateway_command, gateway_healthy) = _serve_commands(
+        args, model, worker_ports, scheduler_ports, redis_port, redis_url)  # the gateway comes last
     # The gateway waits for its schedulers by itself (as after a scheduler restart), so it starts
     # with the first worker: its imports and tokenizer load overlap the model load instead of
     # following it. It stays last in `services` (stopped first, supervised last).
-    (gateway_name, gateway_command, gateway_healthy), = [c for c in commands if c[0] == "gateway"]
     gateway = ServiceProcess(gateway_name, gateway_command, env=gateway_env)
     try:
         print(_topology(args, redis_port), flush=True)
-        for name, command, healthy in commands:
-            if name == "gateway":
-                services.append(gateway)
-                _wait_healthy(services, gateway_healthy, name, args.startup_timeout)
-                continue
+        for name, command, healthy in engine_commands:
             env = redis_env if name.startswith("scheduler") else None
             services.append(ServiceProcess(name, command, env=env,
                                            stdin_data=_redis_config(redis_password) if name == "redis" else None))
             services[-1].start()
             if gateway.proc is None and name.startswith("worker"):
                 gateway.start()
-            _wait_healthy(services + ([] if gateway.proc is None else [gateway]), healthy, name,
-                          args.startup_timeout)
+            _wait_healthy(services + ([gateway] if gateway.proc else []), healthy, name, args.startup_timeout)
+        services.append(gateway)
+        _wait_healthy(services, gateway_healthy, gateway_name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         base = f"http://{host}:{args.port}/v1"
         served = args.served_model_name or os.path.basename(os.path.normpath(model))
