@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.gateway.detokenizer import MAX_UNREAD_TOKENS, IncrementalDetokenizer
-from services.gateway.tokenizer import GatewayTokenizer
+from services.text.detokenizer import MAX_UNREAD_TOKENS, IncrementalDetokenizer
+from services.text.tokenizer import Tokenizer
 
 MULTILINGUAL_TEXTS = [
     "Hello 世界 🎉! How are you today?",
@@ -19,11 +19,11 @@ MULTILINGUAL_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: str) -> GatewayTokenizer:
-    return GatewayTokenizer.load(smollm2_dir)
+def tokenizer(smollm2_dir: str) -> Tokenizer:
+    return Tokenizer.load(smollm2_dir)
 
 
-def detokenize(tokenizer: GatewayTokenizer, prompt: list[int], output: list[int],
+def detokenize(tokenizer: Tokenizer, prompt: list[int], output: list[int],
                skip_special_tokens: bool = True) -> list[str]:
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens)
     pieces = [detokenizer.add(token_id) for token_id in output]
@@ -32,7 +32,7 @@ def detokenize(tokenizer: GatewayTokenizer, prompt: list[int], output: list[int]
 
 
 @pytest.mark.parametrize("text", MULTILINGUAL_TEXTS)
-def test_multibyte_characters_split_across_tokens(tokenizer: GatewayTokenizer, text: str) -> None:
+def test_multibyte_characters_split_across_tokens(tokenizer: Tokenizer, text: str) -> None:
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     # The test is only meaningful if some character really is split over tokens.
     assert any("\ufffd" in tokenizer.token_text(t) for t in token_ids) or text.isascii()
@@ -42,14 +42,14 @@ def test_multibyte_characters_split_across_tokens(tokenizer: GatewayTokenizer, t
 
 
 @pytest.mark.parametrize("text", MULTILINGUAL_TEXTS)
-def test_prompt_context_does_not_leak_into_output(tokenizer: GatewayTokenizer, text: str) -> None:
+def test_prompt_context_does_not_leak_into_output(tokenizer: Tokenizer, text: str) -> None:
     prompt = tokenizer.encode("<|im_start|>user\nSay something 🎉<|im_end|>\n<|im_start|>assistant\n",
                               add_special_tokens=False)
     output = tokenizer.encode(text, add_special_tokens=False)
     assert "".join(detokenize(tokenizer, prompt, output)) == text
 
 
-def _random_stream(rng: random.Random, tokenizer: GatewayTokenizer, length: int) -> list[int]:
+def _random_stream(rng: random.Random, tokenizer: Tokenizer, length: int) -> list[int]:
     # Mix whole-word tokens, single-byte tokens (pieces of multi-byte characters),
     # pieces of real CJK / emoji text, and special tokens.
     byte_tokens = [t for t in range(tokenizer.vocab_size) if len(tokenizer.token_bytes(t)) == 1][:256]
@@ -72,7 +72,7 @@ def _random_stream(rng: random.Random, tokenizer: GatewayTokenizer, length: int)
 
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_random_streams_match_full_decode(tokenizer: GatewayTokenizer, seed: int, skip_special_tokens: bool) -> None:
+def test_random_streams_match_full_decode(tokenizer: Tokenizer, seed: int, skip_special_tokens: bool) -> None:
     rng = random.Random(seed)
     output = _random_stream(rng, tokenizer, 200)
     pieces = detokenize(tokenizer, [], output, skip_special_tokens)
@@ -82,7 +82,7 @@ def test_random_streams_match_full_decode(tokenizer: GatewayTokenizer, seed: int
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_random_streams_after_a_prompt(tokenizer: GatewayTokenizer, seed: int) -> None:
+def test_random_streams_after_a_prompt(tokenizer: Tokenizer, seed: int) -> None:
     rng = random.Random(1000 + seed)
     prompt = tokenizer.encode("The answer is", add_special_tokens=False)
     output = _random_stream(rng, tokenizer, 100)
@@ -90,20 +90,20 @@ def test_random_streams_after_a_prompt(tokenizer: GatewayTokenizer, seed: int) -
     assert "".join(detokenize(tokenizer, prompt, output)) == expected
 
 
-def test_special_tokens_shown_only_when_not_skipped(tokenizer: GatewayTokenizer) -> None:
+def test_special_tokens_shown_only_when_not_skipped(tokenizer: Tokenizer) -> None:
     output = tokenizer.encode("Hi", add_special_tokens=False) + [2]  # <|im_end|>
     assert "".join(detokenize(tokenizer, [], output, skip_special_tokens=True)) == "Hi"
     assert "".join(detokenize(tokenizer, [], output, skip_special_tokens=False)) == "Hi<|im_end|>"
 
 
-def test_trailing_partial_character_is_flushed_like_a_full_decode(tokenizer: GatewayTokenizer) -> None:
+def test_trailing_partial_character_is_flushed_like_a_full_decode(tokenizer: Tokenizer) -> None:
     token_ids = tokenizer.encode("ok 🎉", add_special_tokens=False)[:-1]  # drop the emoji's last byte
     pieces = detokenize(tokenizer, [], token_ids)
     assert "\ufffd" not in "".join(pieces[:-1])
     assert "".join(pieces) == tokenizer.decode(token_ids)
 
 
-def test_window_stays_bounded_for_long_outputs(tokenizer: GatewayTokenizer) -> None:
+def test_window_stays_bounded_for_long_outputs(tokenizer: Tokenizer) -> None:
     chunk = tokenizer.encode(MULTILINGUAL_TEXTS[0] + " ", add_special_tokens=False)
     detokenizer = IncrementalDetokenizer(tokenizer, [], True)
     longest_window = 0
@@ -116,7 +116,7 @@ def test_window_stays_bounded_for_long_outputs(tokenizer: GatewayTokenizer) -> N
     assert longest_window <= MAX_UNREAD_TOKENS  # not growing with the output
 
 
-def test_long_run_of_skipped_special_tokens_keeps_window_bounded(tokenizer: GatewayTokenizer) -> None:
+def test_long_run_of_skipped_special_tokens_keeps_window_bounded(tokenizer: Tokenizer) -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, [], True)
     pieces = [detokenizer.add(2) for _ in range(1000)]
     pieces += [detokenizer.add(t) for t in tokenizer.encode(" done", add_special_tokens=False)]

@@ -72,7 +72,7 @@ def test_down_replicas_are_skipped_until_none_is_left() -> None:
 
 def test_a_replica_missing_from_redis_is_kept_for_a_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Redis that comes back empty must not cut off live replicas before they publish again."""
-    import services.scheduler.load_reporter as load_reporter
+    import services.common.redis_registry as redis_registry
 
     address = f"127.0.0.1:{free_port()}"  # nobody listens: direct polls fail
     published: dict[str, dict] = {"e1": {"address": address, "num_waiting": 0, "num_running": 1, "ts": time.time()}}
@@ -84,7 +84,7 @@ def test_a_replica_missing_from_redis_is_kept_for_a_grace_period(monkeypatch: py
             raise ConnectionError("Redis is gone")
         return dict(published)
 
-    monkeypatch.setattr(load_reporter, "read_engine_loads", fake_read)
+    monkeypatch.setattr(redis_registry, "read_engine_loads", fake_read)
 
     async def scenario() -> None:
         router = ReplicaRouter([], redis_url="redis://127.0.0.1:1")  # never dialled: reads are faked
@@ -176,7 +176,7 @@ class Forger:
         self._thread.start()
 
     def forge(self) -> None:
-        from services.scheduler.load_reporter import ENGINES_KEY
+        from services.common.redis_registry import ENGINES_KEY
 
         entries = {k.decode(): json.loads(v) for k, v in self.client.hgetall(ENGINES_KEY).items()
                    if k.decode().startswith("127.0.0.1:")}  # the real replicas (engine id = address)
@@ -271,7 +271,7 @@ def test_gateway_routes_over_signed_replicas_found_in_redis_and_never_dials_a_fo
 async def _published_addresses(redis_url: str, token: str | None = None) -> set[str]:
     import redis.asyncio as aioredis
 
-    from services.scheduler.load_reporter import read_engine_loads
+    from services.common.redis_registry import read_engine_loads
 
     client = aioredis.from_url(redis_url)
     try:

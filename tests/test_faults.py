@@ -28,8 +28,8 @@ import pytest
 from conftest import free_port, start_redis, stop_process
 from replica import Replica
 
+from services.common.redis_registry import read_engine_loads
 from services.common.sampling_params import SamplingParams
-from services.scheduler.load_reporter import read_engine_loads
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"

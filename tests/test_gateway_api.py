@@ -14,7 +14,7 @@ import pytest
 from fake_scheduler import FakeScheduler, FakeSchedulerServer, wait_until
 
 from services.gateway.server import BackgroundGateway
-from services.gateway.tokenizer import GatewayTokenizer
+from services.text.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"  # the served name: the model directory's basename
 MAX_MODEL_LEN = 512
@@ -27,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "Say hello"}]
 class Stack:
     scheduler: FakeSchedulerServer
     gateway: BackgroundGateway
-    tokenizer: GatewayTokenizer
+    tokenizer: Tokenizer
     reply_ids: list[int]
 
     @property
@@ -41,7 +41,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir: str) -> Iterator[Stack]:
-    tokenizer = GatewayTokenizer.load(smollm2_dir)
+    tokenizer = Tokenizer.load(smollm2_dir)
     reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
     fake = FakeScheduler(script=reply_ids + [EOS], eos_token_id=EOS, max_model_len=MAX_MODEL_LEN)
     with FakeSchedulerServer(fake) as scheduler, BackgroundGateway(scheduler.address, smollm2_dir) as gw:

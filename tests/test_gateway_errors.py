@@ -18,7 +18,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.gateway.migration import MigrationPolicy
 from services.gateway.options import GatewayOptions
 from services.gateway.server import BackgroundGateway, PortInUseError, bind_socket, serve_gateway
-from services.gateway.tokenizer import GatewayTokenizer
+from services.text.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"  # the served name: the model directory's basename
 MAX_MODEL_LEN = 256
@@ -166,7 +166,7 @@ def test_supported_defaults_of_unsupported_fields_are_fine(url: str) -> None:
 
 
 def test_prompt_plus_max_tokens_over_the_context(url: str, smollm2_dir: str) -> None:
-    tokenizer = GatewayTokenizer.load(smollm2_dir)
+    tokenizer = Tokenizer.load(smollm2_dir)
     num_prompt = len(tokenizer.encode(tokenizer.render_chat(MESSAGES), add_special_tokens=False))
     response = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 250})
     assert_error(response, 400, param="messages", code="context_length_exceeded", message_has=(

@@ -72,7 +72,7 @@ def test_prompt_logprobs_with_n_and_without(smollm2_dir: str) -> None:
 
 
 def test_prompt_logprobs_out_of_range_is_refused() -> None:
-    from services.common.sampling_params import SamplingParamsError
+    from services.common.param_errors import SamplingParamsError
 
     with pytest.raises(SamplingParamsError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=-1)

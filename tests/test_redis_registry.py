@@ -14,16 +14,18 @@ import time
 import pytest
 
 from services.common.redis_registry import (
+    ENGINES_KEY,
     MAC_FIELD,
     BadEntry,
     parse_entry,
+    read_engine_loads,
     redact_redis_url,
     redis_url_from_env,
     sign_entry,
     verify_entry,
 )
 from services.gateway.router import ReplicaRouter
-from services.scheduler.load_reporter import ENGINES_KEY, LoadReporter, read_engine_loads
+from services.scheduler.load_reporter import LoadReporter
 
 TOKEN = "registry-test-token"
 

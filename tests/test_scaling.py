@@ -21,9 +21,8 @@ import pytest
 from hf_reference import hf_greedy
 from mesh import Mesh
 
-from services.common.redis_registry import REDIS_URL_ENV
+from services.common.redis_registry import ENGINES_KEY, REDIS_URL_ENV
 from services.common.sampling_params import SamplingParams
-from services.scheduler.load_reporter import ENGINES_KEY
 from services.sdk.llm import LLM
 
 MAX_TOKENS = 12

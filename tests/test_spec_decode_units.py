@@ -250,7 +250,8 @@ def _reference_attention(q, kv_cache, meta, scale):
 def test_short_queries_after_a_context_attend_as_decode_entries(backend_name: str) -> None:
     """Verification rows (k+1 query tokens after a context) go the decode way, token by token,
     next to plain decodes and prefills, and match exact causal attention."""
-    from services.worker.attention.base import AttentionMetadata, get_attention_backend
+    from services.worker.attention.base import AttentionMetadata
+    from services.worker.attention.selector import get_attention_backend
     from services.worker.attention.torch_backend import SHORT_QUERY_AS_DECODES
 
     backend = get_attention_backend(backend_name, torch.device("cpu"))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.gateway.stop import StopStringMatcher
+from services.text.stop import StopStringMatcher
 
 
 def run(matcher: StopStringMatcher, chunks: list[str]) -> tuple[list[str], str | None]:

@@ -15,12 +15,12 @@ from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.options import GatewayOptions
 from services.gateway.protocol import ChatCompletionToolParam
 from services.gateway.server import BackgroundGateway
-from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.tool_parsers import ToolCallParser
 from services.gateway.tool_parsers.base import json_value_end
 from services.gateway.tool_parsers.constrained import NamedFunctionParser, RequiredToolsParser
 from services.gateway.tool_parsers.hermes import HermesToolParser
 from services.gateway.tools import ToolSettings, required_schema
+from services.text.tokenizer import Tokenizer
 
 HERMES_OUTPUT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
                  '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
@@ -140,7 +140,7 @@ TEMPLATE = (
 class Gateway:
     client: openai.OpenAI
     fake: FakeScheduler
-    tokenizer: GatewayTokenizer
+    tokenizer: Tokenizer
 
     def last_prompt(self) -> str:
         return self.tokenizer.decode(list(self.fake.requests[-1].prompt_token_ids))
@@ -148,7 +148,7 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def gateway(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tokenizer = GatewayTokenizer.load(smollm2_dir)
+    tokenizer = Tokenizer.load(smollm2_dir)
     eos = tokenizer.hf_tokenizer.eos_token_id
     script = tokenizer.encode(HERMES_OUTPUT, add_special_tokens=False) + [eos]
     template = tmp_path_factory.mktemp("template") / "chat.jinja"

@@ -32,7 +32,8 @@ except ModuleNotFoundError:  # gpu_check.py's fallback runner
     pytest = None
 
 from services.worker.attention import triton_kernels  # noqa: E402
-from services.worker.attention.base import AttentionMetadata, get_attention_backend  # noqa: E402
+from services.worker.attention.base import AttentionMetadata
+from services.worker.attention.selector import get_attention_backend  # noqa: E402
 from services.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from services.worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 

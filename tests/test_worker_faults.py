@@ -25,8 +25,8 @@ from replica import Replica
 from services.common.auth import TOKEN_ENV, TOKEN_METADATA_KEY
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
+from services.common.redis_registry import ENGINES_KEY
 from services.common.sampling_params import SamplingParams
-from services.scheduler.load_reporter import ENGINES_KEY
 from services.sdk.client import Client, RequestRejected, SchedulerUnavailable
 
 TOKEN = "test-internal-token"

@@ -29,7 +29,7 @@ from services.bench.workload import (
     warmup_request,
     write_json,
 )
-from services.common.sampling_params import SamplingParamsError
+from services.common.param_errors import SamplingParamsError
 
 AddEngineArgs = Callable[[argparse.ArgumentParser], None]
 
@@ -136,8 +136,8 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
     from services.bench import llamacpp_peer, throughput, vllm_peer
     from services.bench.hf_peer import HFPeer
     from services.bench.workload import MyVllmPeer
-    from services.cli import engine_kwargs
     from services.common.config import DEFAULT_MODEL_DIR
+    from services.engine_args import engine_kwargs
     from services.worker.model_runner import DEFAULT_CPU_KV_CACHE_BYTES
 
     model = _model_dir(args)

@@ -21,6 +21,7 @@ import re
 import httpx
 import numpy as np
 
+from services.bench.serve_levels import run_level, start_mesh, stop_mesh
 from services.bench.workload import SAFE_TOKEN_ID_MIN, BenchRequest, format_table, log, write_json
 
 
@@ -66,8 +67,6 @@ def _prefix_counters(base_url: str) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace, vocab_size: int, warmup: BenchRequest) -> int:
-    from services.bench.serve import _run_level, _start_mesh, _stop_mesh
-
     if args.base_url:
         raise ValueError("--workload multi-tenant starts its own deployments (one per policy): drop --base-url")
     policies = [p.strip() for p in args.routing_policies.split(",") if p.strip()]
@@ -80,15 +79,15 @@ def run(args: argparse.Namespace, vocab_size: int, warmup: BenchRequest) -> int:
     rows, figures = [], {}
     for policy in policies:
         log(f"routing {policy}: starting myvllm serve --data-parallel-size {dp}")
-        proc, base_url = _start_mesh(args, ["--data-parallel-size", str(dp), "--routing", policy])
+        proc, base_url = start_mesh(args, ["--data-parallel-size", str(dp), "--routing", policy])
         try:
-            asyncio.run(_run_level(base_url, [warmup], 1))
+            asyncio.run(run_level(base_url, [warmup], 1))
             queries0, hits0 = _prefix_counters(base_url)
             log(f"routing {policy}: {len(requests)} requests at concurrency {concurrency}")
-            result = asyncio.run(_run_level(base_url, requests, concurrency, f"routing {policy}"))
+            result = asyncio.run(run_level(base_url, requests, concurrency, f"routing {policy}"))
             queries1, hits1 = _prefix_counters(base_url)
         finally:
-            _stop_mesh(proc)
+            stop_mesh(proc)
         hit_rate = (hits1 - hits0) / max(queries1 - queries0, 1)
         figures[policy] = {**result.to_dict(), "prefix_cache_hit_rate": hit_rate}
         rows.append([policy, f"{hit_rate:.1%}", f"{result.pct(result.ttft_s, 50):.0f}",

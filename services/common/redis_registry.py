@@ -30,9 +30,14 @@ import hmac
 import json
 import math
 import os
+import time
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 REDIS_URL_ENV = "MYVLLM_REDIS_URL"
+# The hash every scheduler writes its entry to and every gateway reads.
+ENGINES_KEY = "myvllm:engines"
 MAC_FIELD = "mac"
 _KEY_LABEL = b"myvllm:engines entry MAC v1"
 
@@ -136,3 +141,28 @@ def parse_entry(raw: bytes | str) -> dict:
     if not _number(usage) or not 0.0 <= usage <= 1.0:
         raise BadEntry("kv_cache_usage is not a fraction")
     return entry
+
+
+async def read_engine_loads(client: Any, max_age_s: float = 10.0, token: str | None = None,
+                            on_reject: Callable[[str, str | None, str], None] | None = None) -> dict[str, dict]:
+    """Fresh load entries of every replica, by engine id: the well-formed ones whose `ts` is
+    within `max_age_s` and, when `token` is given, whose MAC checks out. Every other entry but a
+    stale one is left out with `on_reject(engine id, address or None, why)`."""
+    entries = await client.hgetall(ENGINES_KEY)
+    now = time.time()
+    loads = {}
+    for field, raw in entries.items():
+        engine_id = field.decode(errors="replace") if isinstance(field, bytes) else field
+        address = None
+        try:
+            value = parse_entry(raw)
+            address = value["address"]
+            if now - value["ts"] > max_age_s:
+                continue  # stale: its scheduler stopped publishing (or a leftover of an earlier run)
+            verify_entry(value, engine_id, token)
+        except BadEntry as e:
+            if on_reject is not None:
+                on_reject(engine_id, address, str(e))
+            continue
+        loads[engine_id] = value
+    return loads

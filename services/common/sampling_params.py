@@ -8,22 +8,13 @@ into an OpenAI 400 with that `param`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from services.common.param_errors import SamplingParamsError
 from services.common.proto import myvllm_pb2 as pb
-
-if TYPE_CHECKING:
-    from services.common.structured_outputs import StructuredOutputsParams
+from services.common.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
-
-
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter; `param` is the offending field's name."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], allow_none: bool = False) -> None:
@@ -135,8 +126,6 @@ class SamplingParams:
             if not -100 <= v <= 100:
                 raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {v}")
         if self.structured_outputs is not None:
-            from services.common.structured_outputs import StructuredOutputsParams
-
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise SamplingParamsError("structured_outputs",
                                           "structured_outputs must be a StructuredOutputsParams")

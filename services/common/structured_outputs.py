@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.param_errors import SamplingParamsError
 from services.common.proto import myvllm_pb2 as pb
-from services.common.sampling_params import SamplingParamsError
 
 # A schema or grammar text larger than this is refused (it is compiled on the scheduler).
 MAX_SPEC_CHARS = 64 * 1024

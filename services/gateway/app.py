@@ -35,8 +35,8 @@ from services.gateway.protocol import (
 from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
-from services.gateway.tokenizer import GatewayTokenizer, load_chat_template
 from services.sdk.client import SchedulerUnavailable
+from services.text.tokenizer import Tokenizer, load_chat_template
 
 
 def _ctx(request: Request) -> GatewayContext:
@@ -64,7 +64,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tokenizer = await asyncio.to_thread(GatewayTokenizer.load, model_path)
+        tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
         if options.chat_template is not None:
             tokenizer.chat_template = load_chat_template(options.chat_template)
         router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s,
@@ -153,12 +153,12 @@ def create_app(
     return app
 
 
-def _tokenize_text(tokenizer: GatewayTokenizer, text: str, add_special_tokens: bool, bound: PromptBound) -> list[int]:
+def _tokenize_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool, bound: PromptBound) -> list[int]:
     bound.check_text(text, "prompt")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _detokenize(tokenizer: GatewayTokenizer, tokens: list[int]) -> str:
+def _detokenize(tokenizer: Tokenizer, tokens: list[int]) -> str:
     check_token_ids(tokens, tokenizer.vocab_size, "tokens")
     return tokenizer.decode(tokens, skip_special_tokens=False)
 

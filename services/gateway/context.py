@@ -21,9 +21,9 @@ from services.gateway.options import DEFAULT_TOKENIZER_POOL_SIZE
 from services.gateway.prompts import PromptBound
 from services.gateway.protocol import ModelCard
 from services.gateway.router import ReplicaRouter
-from services.gateway.tokenizer import GatewayTokenizer
 from services.gateway.tools import ToolSettings
 from services.sdk.client import SchedulerUnavailable
+from services.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ R = TypeVar("R")
 class GatewayContext:
     """Shared state of one gateway process (one per FastAPI app)."""
 
-    def __init__(self, router: ReplicaRouter, tokenizer: GatewayTokenizer, model_path: str,
+    def __init__(self, router: ReplicaRouter, tokenizer: Tokenizer, model_path: str,
                  served_model_name: str | None = None, migration: MigrationPolicy | None = None,
                  tools: ToolSettings | None = None, max_choices_per_request: int | None = None,
                  limits: RequestLimits | None = None,

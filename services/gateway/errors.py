@@ -16,8 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.param_errors import SamplingParamsError
 from services.common.proto import myvllm_pb2 as pb
-from services.common.sampling_params import SamplingParamsError
 from services.gateway.migration import MigrationFailed
 from services.sdk.client import RequestRejected, SchedulerUnavailable
 

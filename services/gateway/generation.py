@@ -22,11 +22,11 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, ResumableRequest, resumable_outputs
-from services.gateway.output_processor import ChoiceDelta, ChoiceOutputProcessor
 from services.gateway.router import Replica, ReplicaRouter
 from services.gateway.routing import RoutePrompt
-from services.gateway.tokenizer import GatewayTokenizer
 from services.sdk.client import SchedulerUnavailable
+from services.text.output_processor import ChoiceDelta, ChoiceOutputProcessor
+from services.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -210,7 +210,7 @@ async def _prepend(first: ChoiceDelta | None, merged: AsyncGenerator[ChoiceDelta
         await merged.aclose()
 
 
-def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: GatewayTokenizer, priority: int = 0,
+def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: Tokenizer, priority: int = 0,
             cache_salt: str = "") -> list[ChoiceRequest]:
     """One engine request per (prompt, sample): choice index = prompt_index * n + i and
     engine id `{request_id}-{index}`. The n samples of a prompt share its KV blocks

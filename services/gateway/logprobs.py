@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.protocol import ChatLogprobToken, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
-from services.gateway.tokenizer import GatewayTokenizer
+from services.text.tokenizer import Tokenizer
 
 # JSON has no -inf; vLLM reports masked-out tokens with this floor instead.
 MIN_LOGPROB = -9999.0
@@ -16,13 +16,13 @@ def _clamp(logprob: float) -> float:
     return max(float(logprob), MIN_LOGPROB)
 
 
-def _top_logprob(tokenizer: GatewayTokenizer, token_id: int, logprob: float) -> TopLogprob:
+def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
     return TopLogprob(token=tokenizer.token_text(token_id), logprob=_clamp(logprob),
                       bytes=list(tokenizer.token_bytes(token_id)))
 
 
 def chat_logprobs(
-    tokenizer: GatewayTokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs], num_top: int
+    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprobs], num_top: int
 ) -> list[ChatLogprobToken]:
     """`choices[].logprobs.content` entries for the given tokens."""
     entries = []
@@ -38,7 +38,7 @@ class CompletionLogprobsBuilder:
     """Builds legacy-completions logprobs; `text_offset` runs on across calls, so
     streamed chunks carry offsets into the whole completion."""
 
-    def __init__(self, tokenizer: GatewayTokenizer, num_top: int, initial_text_offset: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, num_top: int, initial_text_offset: int = 0) -> None:
         self._tokenizer = tokenizer
         self._num_top = num_top
         self._text_offset = initial_text_offset
@@ -76,7 +76,7 @@ class CompletionLogprobsBuilder:
         return result
 
 
-def vllm_prompt_logprobs(tokenizer: GatewayTokenizer, prompt_ids: Sequence[int],
+def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int],
                          prompt_logprobs: Sequence[pb.TokenLogprobs], num_top: int) -> PromptLogprobs:
     """vLLM's `prompt_logprobs` response field: None for the first prompt token, then per
     position {token id: {logprob, rank, decoded_token}} with the top k and the prompt token."""

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from services.gateway.limits import RequestLimits
 from services.gateway.migration import MigrationPolicy
 from services.gateway.routing import RoutingConfig, RoutingPolicy
-from services.gateway.tokenizer import load_chat_template
 from services.gateway.tool_parsers import TOOL_PARSERS
 from services.gateway.tools import ToolSettings
+from services.text.tokenizer import load_chat_template
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 4096

@@ -14,7 +14,7 @@ from typing import Any
 from services.gateway.errors import invalid_request, unsupported
 from services.gateway.protocol import ChatMessage, PromptInput
 from services.gateway.sampling import resolve_max_tokens
-from services.gateway.tokenizer import GatewayTokenizer
+from services.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -72,7 +72,7 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return rendered
 
 
-def chat_prompt(tokenizer: GatewayTokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None, bound: PromptBound | None = None) -> EnginePrompt:
@@ -112,7 +112,7 @@ def num_prompts(prompt: PromptInput) -> int:
     return len(_prompt_items(prompt))
 
 
-def completion_prompts(tokenizer: GatewayTokenizer, prompt: PromptInput, add_special_tokens: bool = True,
+def completion_prompts(tokenizer: Tokenizer, prompt: PromptInput, add_special_tokens: bool = True,
                        bound: PromptBound | None = None) -> list[EnginePrompt]:
     """One `EnginePrompt` per prompt in a completions request (none tokenized if any is over `bound`)."""
     items = _prompt_items(prompt)

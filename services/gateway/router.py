@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.common import redis_registry
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.kv_subscriber import follow_kv_events
 from services.gateway.prefix_index import PrefixIndex
@@ -214,11 +215,9 @@ class ReplicaRouter:
         """One round of load updates: Redis entries, then GetLoad for replicas Redis does not cover."""
         published: set[str] = set()
         if self._redis is not None:
-            from services.scheduler.load_reporter import read_engine_loads
-
             try:
-                loads = await read_engine_loads(self._redis, max_age_s=REDIS_MAX_AGE_S, token=self._token,
-                                                on_reject=self._log_rejected)
+                loads = await redis_registry.read_engine_loads(
+                    self._redis, max_age_s=REDIS_MAX_AGE_S, token=self._token, on_reject=self._log_rejected)
             except Exception as e:
                 logger.warning("cannot read replica loads from redis: %s", e)
                 loads = None

@@ -7,7 +7,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.errors import invalid_request
 from services.gateway.protocol import GenerationRequest
-from services.gateway.tokenizer import GatewayTokenizer
+from services.text.tokenizer import Tokenizer
 
 # OpenAI's limit on choices per request: each one is an engine request.
 MAX_N = 128
@@ -47,7 +47,7 @@ def check_prompt_logprobs_not_streamed(request: GenerationRequest) -> None:
         raise invalid_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
 
 
-def build_sampling_params(request: GenerationRequest, tokenizer: GatewayTokenizer, max_tokens: int,
+def build_sampling_params(request: GenerationRequest, tokenizer: Tokenizer, max_tokens: int,
                           logprobs: int | None, prompt_logprobs: int | None = None,
                           structured_outputs: StructuredOutputsParams | None = None,
                           skip_special_tokens: bool | None = None) -> tuple[SamplingParams, pb.SamplingParams]:

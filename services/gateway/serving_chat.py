@@ -18,7 +18,6 @@ from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
 from services.gateway.generation import PromptSampling, fan_out, start_routed
 from services.gateway.logprobs import chat_logprobs, vllm_prompt_logprobs
-from services.gateway.output_processor import ChoiceDelta
 from services.gateway.prompts import EnginePrompt, chat_prompt
 from services.gateway.protocol import (
     AssistantMessage,
@@ -37,6 +36,7 @@ from services.gateway.sse import DONE, json_response, sse_event, sse_response
 from services.gateway.structured_outputs import request_structured_outputs
 from services.gateway.tool_parsers import StreamPiece, ToolCallParser
 from services.gateway.tools import ToolPlan, ToolSettings, plan_tools
+from services.text.output_processor import ChoiceDelta
 
 
 def _num_top_logprobs(request: ChatCompletionRequest) -> int | None:

@@ -17,7 +17,6 @@ from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
 from services.gateway.generation import PromptSampling, fan_out, start_routed
 from services.gateway.logprobs import CompletionLogprobsBuilder, vllm_prompt_logprobs
-from services.gateway.output_processor import ChoiceDelta
 from services.gateway.prompts import EnginePrompt, completion_prompts, num_prompts
 from services.gateway.protocol import (
     CompletionChoice,
@@ -30,6 +29,7 @@ from services.gateway.protocol import (
 from services.gateway.sampling import build_sampling_params, check_prompt_logprobs_not_streamed, resolve_max_tokens
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
 from services.gateway.structured_outputs import request_structured_outputs
+from services.text.output_processor import ChoiceDelta
 
 
 async def create_completion(ctx: GatewayContext, request: CompletionRequest,

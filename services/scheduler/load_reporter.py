@@ -18,14 +18,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from services.common.proto import myvllm_pb2 as pb
-from services.common.redis_registry import BadEntry, parse_entry, sign_entry, verify_entry
+from services.common.redis_registry import ENGINES_KEY, sign_entry
 
-ENGINES_KEY = "myvllm:engines"
 logger = logging.getLogger("myvllm.scheduler")
 
 
@@ -110,28 +108,3 @@ class LoadReporter:
         self.paused = False
         self._last_sent, self._last_load = time.monotonic(), _load_key(load)
         self._then(lambda: self._send(_load_key(load)))
-
-
-async def read_engine_loads(client: aioredis.Redis, max_age_s: float = 10.0, token: str | None = None,
-                            on_reject: Callable[[str, str | None, str], None] | None = None) -> dict[str, dict]:
-    """Fresh load entries of every replica, by engine id: the well-formed ones whose `ts` is
-    within `max_age_s` and, when `token` is given, whose MAC checks out. Every other entry but a
-    stale one is left out with `on_reject(engine id, address or None, why)`."""
-    entries = await client.hgetall(ENGINES_KEY)
-    now = time.time()
-    loads = {}
-    for field, raw in entries.items():
-        engine_id = field.decode(errors="replace") if isinstance(field, bytes) else field
-        address = None
-        try:
-            value = parse_entry(raw)
-            address = value["address"]
-            if now - value["ts"] > max_age_s:
-                continue  # stale: its scheduler stopped publishing (or a leftover of an earlier run)
-            verify_entry(value, engine_id, token)
-        except BadEntry as e:
-            if on_reject is not None:
-                on_reject(engine_id, address, str(e))
-            continue
-        loads[engine_id] = value
-    return loads

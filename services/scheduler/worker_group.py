@@ -8,7 +8,7 @@ other ranks' answers are read too, so their streams keep flowing and a rank that
 dies is noticed at once (any rank's fault is the engine's fault: the ranks share every
 collective and every stage-to-stage transfer).
 
-Set-up: the ranks rendezvous at a store this scheduler hosts (services/worker/parallel.py),
+Set-up: the ranks rendezvous at a store this scheduler hosts (services/common/rendezvous.py),
 each LoadModel naming its TP rank, its stage, the group sizes and this set-up's generation;
 the KV cache gets the blocks that fit on the fullest rank.
 """
@@ -51,7 +51,7 @@ class WorkerGroup:
         self.rendezvous = None
         if len(links) > 1:
             # torch only where there are ranks to join: a one-worker scheduler never imports it.
-            from services.worker.parallel import RendezvousStore
+            from services.common.rendezvous import RendezvousStore
 
             self.rendezvous = RendezvousStore(rendezvous_host, advertise_host)
 

@@ -18,10 +18,10 @@ from transformers import AutoTokenizer
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
-from services.gateway.output_processor import ChoiceOutputProcessor
-from services.gateway.tokenizer import GatewayTokenizer
 from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
+from services.text.output_processor import ChoiceOutputProcessor
+from services.text.tokenizer import Tokenizer
 from services.worker.rank_workers import make_workers
 
 PromptType = str | dict[str, Any]
@@ -62,11 +62,11 @@ class LLM:
             self.close()
             raise
         self.engine = EngineCore(self.config, info, num_blocks)
-        # Text, stop strings and bad words go through the gateway's own pieces, so offline
+        # Text, stop strings and bad words go through the same services/text pieces as the gateway's, so offline
         # and served completions of the same request read the same.
-        self.gateway_tokenizer = GatewayTokenizer(AutoTokenizer.from_pretrained(self.config.model),
+        self.text_tokenizer = Tokenizer(AutoTokenizer.from_pretrained(self.config.model),
                                                   list(info.eos_token_ids), info.vocab_size)
-        self.tokenizer = self.gateway_tokenizer.hf_tokenizer
+        self.tokenizer = self.text_tokenizer.hf_tokenizer
         self._ids = itertools.count()
         # Async scheduling computes on this thread while the caller schedules the next step.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute")
@@ -122,7 +122,7 @@ class LLM:
                                        prompt_logprobs=[] if sp.prompt_logprobs is not None else None)
                 results.append(result)
                 if sp.bad_words and not sp.bad_words_token_ids:
-                    sp.bad_words_token_ids = self.gateway_tokenizer.bad_words_token_ids(sp.bad_words)
+                    sp.bad_words_token_ids = self.text_tokenizer.bad_words_token_ids(sp.bad_words)
                 for index in range(sp.n):
                     child = CompletionOutput(index=index, text="", token_ids=[],
                                              logprobs=[] if sp.logprobs is not None else None,
@@ -136,7 +136,7 @@ class LLM:
                         request_id=rid, prompt_token_ids=token_ids, sampling=msg,
                         priority=priority[i] if priority else 0))
                     children[rid] = (result, child,
-                                     ChoiceOutputProcessor(index, self.gateway_tokenizer, token_ids, sp))
+                                     ChoiceOutputProcessor(index, self.text_tokenizer, token_ids, sp))
         except BaseException:
             self.engine.abort(list(children))  # a bad prompt must not strand the ones before it
             raise

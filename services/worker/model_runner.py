@@ -19,7 +19,8 @@ import torch
 
 from services.common.config import check_model_dir
 from services.common.proto import myvllm_pb2 as pb
-from services.worker.attention.base import AttentionMetadata, forward_context, get_attention_backend
+from services.worker.attention.base import AttentionMetadata, forward_context
+from services.worker.attention.selector import get_attention_backend
 from services.worker.cpu.malloc_tuning import keep_freed_memory
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch
@@ -36,7 +37,8 @@ from services.worker.parallel import (
     threads_per_rank,
 )
 from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
-from services.worker.spec_decode.proposer import SpecProposer, make_proposer
+from services.worker.spec_decode.factory import make_proposer
+from services.worker.spec_decode.proposer import SpecProposer
 from services.worker.spec_decode.verifier import verify_drafts
 from services.worker.step_validation import validate_step
 

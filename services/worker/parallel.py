@@ -17,23 +17,20 @@ next (point-to-point, one transfer per step; the residual stream is the hidden s
 this model code, so there is nothing else to send). T x P ranks make one engine, stage-major:
 global rank = pp_rank * T + tp_rank, and the T ranks of one stage form its TP group.
 
-Rendezvous: the engine's owner (the scheduler service, or the offline LLM) hosts a
-torch.distributed TCPStore (`RendezvousStore`) and hands every rank the same
-`distributed_init_method`, "tcp://host:port/generation"; the ranks join as clients under that
-generation's key prefix. The owner picks a free port on its own host, and setting the ranks up
-again after a failure is a new generation on the same store, with no stale keys and no port race.
+Rendezvous: the ranks join the store their engine's owner hosts (services/common/rendezvous.py)
+under the generation's key prefix that `distributed_init_method` names.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
+from services.common.rendezvous import rank_timeout
 
 
 @dataclass(frozen=True)
@@ -75,24 +72,6 @@ def _global_rank() -> int:
     return _pp_state.rank * _state.size + _state.rank
 
 
-def _timeout() -> timedelta:
-    # A rank that died leaves the others blocked in a collective: give up after this long.
-    return timedelta(seconds=float(os.environ.get("MYVLLM_TP_TIMEOUT_S", "300")))
-
-
-class RendezvousStore:
-    """The key-value store TP ranks meet at, hosted by the engine's owner on a free port."""
-
-    def __init__(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_timeout())
-        self.advertise_host = advertise_host or host
-        self._generations = itertools.count()
-
-    def next_init_method(self) -> str:
-        """The init method for one set-up of the ranks (a fresh key prefix each time)."""
-        return f"tcp://{self.advertise_host}:{self.store.port}/{next(self._generations)}"
-
-
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device, pp_rank: int = 0,
                   pp_size: int = 1) -> None:
     """Join the engine's process group of tp_size x pp_size ranks (blocks until all have joined)."""
@@ -115,16 +94,16 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
     url = urlsplit(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise ValueError(f"distributed_init_method must be tcp://host:port/generation, got {init_method!r}")
-    store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=_timeout())
+    store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=rank_timeout())
     backend = "nccl" if device.type == "cuda" else "gloo"
     global_rank = pp_rank * tp_size + tp_rank
     dist.init_process_group(backend, store=dist.PrefixStore(url.path or "/", store), rank=global_rank,
-                            world_size=world, timeout=_timeout())
+                            world_size=world, timeout=rank_timeout())
     _tp_group = None
     if pp_size > 1 and tp_size > 1:
         # Every rank creates every stage's group, in the same order (torch.distributed's rule).
         for stage in range(pp_size):
-            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)), timeout=_timeout())
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)), timeout=rank_timeout())
             if stage == pp_rank:
                 _tp_group = group
     _state = TensorParallel(tp_rank, tp_size, init_method)

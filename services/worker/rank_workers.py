@@ -27,7 +27,8 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from services.common.proto import myvllm_pb2 as pb
-from services.worker.parallel import RendezvousStore, destroy_parallel
+from services.common.rendezvous import RendezvousStore
+from services.worker.parallel import destroy_parallel
 from services.worker.worker import Worker
 
 # Each call's proto types (request, answer), so both ends can parse what the pipes carry.

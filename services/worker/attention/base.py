@@ -10,7 +10,6 @@ through the selected backend. A backend is one file in this package implementing
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,8 +19,6 @@ import torch
 from torch import nn
 
 from services.worker import opaque_ops
-
-logger = logging.getLogger("myvllm.worker")
 
 
 @dataclass
@@ -137,25 +134,3 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: in
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
     return torch.empty_like(q)
-
-
-def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """`None` picks automatically: triton on CUDA, the cpu kernel on CPU. The cpu backend
-    compiles a C kernel; when that cannot be built (no compiler, a failed build) the torch
-    reference is used instead, with a warning that says why."""
-    if name is None:
-        name = "triton" if device.type == "cuda" else "cpu"
-    if name == "cpu":
-        from services.worker.attention.cpu_backend import CpuAttentionBackend
-        try:
-            return CpuAttentionBackend()
-        except (RuntimeError, OSError) as e:
-            logger.warning("attention backend 'cpu' cannot be built (%s); falling back to 'torch'", e)
-            name = "torch"
-    if name == "torch":
-        from services.worker.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend()
-    if name == "triton":
-        from services.worker.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'cpu' or 'triton'")

@@ -15,8 +15,6 @@ that distribution is kept for the rejection sampler, which needs p_draft of each
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -26,14 +24,11 @@ from services.worker.exponential import exponential_like
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.loader import load_model
 from services.worker.sampler import build_sampling_metadata
-from services.worker.spec_decode.proposer import SpecProposer
-
-if TYPE_CHECKING:
-    from services.worker.model_runner import ModelRunner
+from services.worker.spec_decode.proposer import SpecProposer, TargetRunner
 
 
 class DraftModelProposer(SpecProposer):
-    def __init__(self, config: pb.SpeculativeConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: pb.SpeculativeConfig, runner: TargetRunner) -> None:
         super().__init__(config, runner)
         self.k = config.num_speculative_tokens
         self.model, draft_config = load_model(config.model, runner.dtype, runner.device, progress=False)

@@ -1,29 +1,42 @@
 """The worker's proposer: after each step's sampling, drafts for the rows that may speculate,
 returned with the step's output (the scheduler schedules them next step).
 
-One subclass per method; `make_proposer` picks it from the LoadModel's speculative_config.
+One subclass per method; `services/worker/spec_decode/factory.py` picks it from the LoadModel's
+speculative_config. A proposer sees the target's runner only through `TargetRunner`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import may_speculate
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.input_batch import InputBatch
+from services.worker.sampler import Sampler
 from services.worker.spec_decode.ngram_proposer import NgramProposer
 
-if TYPE_CHECKING:
-    from services.worker.attention.base import AttentionMetadata
-    from services.worker.model_runner import ModelRunner
+
+class TargetRunner(Protocol):
+    """What a proposer reads of the target model's runner (services/worker/model_runner.py)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    vocab_size: int
+    block_size: int
+    eos_token_ids: list[int]
+    input_batch: InputBatch
+    attn_backend: AttentionBackend
+    sampler: Sampler
 
 
 class SpecProposer:
     """Base: which rows get drafts, and how they travel in the step's output."""
 
-    def __init__(self, config: pb.SpeculativeConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: pb.SpeculativeConfig, runner: TargetRunner) -> None:
         self.config = config
         self.runner = runner
 
@@ -63,22 +76,10 @@ class SpecProposer:
 
 
 class NgramSpecProposer(SpecProposer):
-    def __init__(self, config: pb.SpeculativeConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: pb.SpeculativeConfig, runner: TargetRunner) -> None:
         super().__init__(config, runner)
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose_rows(self, rows: list[int]) -> list[list[int]]:
         batch = self.runner.input_batch
         return self.ngram.propose(batch.token_ids, batch.num_tokens, rows)
-
-
-def make_proposer(config: pb.SpeculativeConfig | None, runner: ModelRunner) -> SpecProposer | None:
-    if config is None or not config.method:
-        return None
-    if config.method == "ngram":
-        return NgramSpecProposer(config, runner)
-    if config.method == "draft_model":
-        from services.worker.spec_decode.draft_model import DraftModelProposer
-
-        return DraftModelProposer(config, runner)
-    raise ValueError(f"speculative_config.method {config.method!r} is not one of 'ngram', 'draft_model'")

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.stop import StopStringMatcher
-from services.gateway.tokenizer import GatewayTokenizer
+from services.text.detokenizer import IncrementalDetokenizer
+from services.text.stop import StopStringMatcher
+from services.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ChoiceDelta:
 class ChoiceOutputProcessor:
     """Turns one engine request's `RequestOutput`s into `ChoiceDelta`s."""
 
-    def __init__(self, index: int, tokenizer: GatewayTokenizer, prompt_token_ids: list[int],
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:
         self.index = index
         self._eos_token_ids = tokenizer.eos_token_ids

@@ -1,5 +1,5 @@
-"""The model's tokenizer and what the gateway derives from it (EOS ids, vocab size,
-per-token text for logprobs, bad-words token sequences)."""
+"""The model's tokenizer and what is derived from it (EOS ids, vocab size, per-token text for
+logprobs, bad-words token sequences), for the gateway and the offline `LLM`."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-class GatewayTokenizer:
+class Tokenizer:
     """Wraps a HF tokenizer; the only text <-> token-id boundary in the system."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> None:
@@ -65,7 +65,7 @@ class GatewayTokenizer:
         self.chat_template: str | None = None
 
     @classmethod
-    def load(cls, model_path: str) -> GatewayTokenizer:
+    def load(cls, model_path: str) -> Tokenizer:
         """Load the tokenizer, generation-config EOS ids and vocab size of a HF model dir."""
         # Here, not at module level: `serve` imports this module for its flags, and transformers
         # (with torch) takes seconds to import.
