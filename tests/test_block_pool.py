@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from services.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def _hash(i: int) -> bytes:

@@ -18,14 +18,14 @@ from conftest import free_port
 from services.common.block_hash import NONE_HASH, block_hashes
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request
 from services.gateway.kv_subscriber import follow_kv_events
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_index import KvEventGap, PrefixIndex
 from services.gateway.router import ReplicaRouter
 from services.gateway.routing import Candidate, RoutePrompt, RoutingConfig, choose_cache_aware
-from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
-from services.scheduler.request import Request
 from services.sdk.client import AsyncClient
 
 B = 4  # tokens per block

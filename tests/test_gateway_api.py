@@ -122,6 +122,29 @@ def test_chat_stream(stack: Stack, client: openai.OpenAI) -> None:
     assert not any("\ufffd" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk's usage counts
+    the tokens so far; the last chunk's is the total."""
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    completion = list(client.completions.create(
+        model=MODEL, prompt="a", stream=True, max_tokens=32,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    for chunks, prompt_tokens in ((chat, len(stack.chat_prompt_ids())), (completion, None)):
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == len(stack.reply_ids) + 1 and counts[0] < counts[-1]
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+        if prompt_tokens is not None:
+            assert chunks[0].usage.prompt_tokens == prompt_tokens
+    # Without include_usage it asks for nothing (vLLM's rule): no chunk carries usage.
+    plain = list(client.completions.create(model=MODEL, prompt="a", stream=True, max_tokens=4,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_sse_framing_is_exactly_openais(stack: Stack) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 4}
     with httpx.stream("POST", f"{stack.gateway.url}/v1/chat/completions", json=body) as response:

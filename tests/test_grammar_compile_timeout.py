@@ -1,7 +1,7 @@
 """Structured-output grammars cannot stall a replica.
 
 A grammar compiles in a helper process within --structured-outputs-compile-timeout seconds of
-CPU time (services/scheduler/grammar_compiler.py): past it the compile is killed, the request
+CPU time (services/engine/grammar_compiler.py): past it the compile is killed, the request
 ends with a 400 naming the limit, and later compiles still work. A constrained request whose
 allowed-token row is not filled yet sits the step out instead of holding it up.
 
@@ -34,11 +34,11 @@ from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredOutputsError
+from services.engine.grammar_compiler import CompilerUnavailable, GrammarCompileTimeout
+from services.engine.request import Request
+from services.engine.scheduler import Scheduler
+from services.engine.structured_output import RequestGrammar, StructuredOutputManager
 from services.gateway.server import BackgroundGateway
-from services.scheduler.grammar_compiler import CompilerUnavailable, GrammarCompileTimeout
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.structured_output import RequestGrammar, StructuredOutputManager
 from services.sdk import LLM, StructuredOutputsParams
 from services.sdk.client import AsyncClient, RequestRejected
 from services.worker.grammar_mask import unpack_bitmask

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from services.common.proto import myvllm_pb2 as pb
-from services.scheduler.kv_cache_manager import NONE_HASH, KVCacheManager, extend_block_hashes, hash_block_tokens
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from services.engine.kv_cache_manager import NONE_HASH, KVCacheManager, extend_block_hashes, hash_block_tokens
+from services.engine.request import Request
+from services.engine.scheduler import Scheduler
 
 B = 4  # block size
 

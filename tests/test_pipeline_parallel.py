@@ -19,8 +19,8 @@ from test_tensor_parallel import MAX_NEW_TOKENS, _prompts
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from services.engine.request import Request
+from services.engine.scheduler import Scheduler
 from services.sdk.llm import LLM
 from services.worker.parallel import PipelineParallel, stage_layers
 

@@ -1,12 +1,12 @@
-"""The scheduler's checks of what a raw gRPC client sends (services/scheduler/request_limits.py)."""
+"""The scheduler's checks of what a raw gRPC client sends (services/engine/request_limits.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.common.proto import myvllm_pb2 as pb
-from services.scheduler import request_limits as limits
-from services.scheduler.request_limits import InvalidRequest, validate_generate_request
+from services.engine import request_limits as limits
+from services.engine.request_limits import InvalidRequest, validate_generate_request
 
 VOCAB, MAX_LEN = 1000, 64
 

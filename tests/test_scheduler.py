@@ -15,8 +15,8 @@ from collections.abc import Callable
 import pytest
 
 from services.common.proto import myvllm_pb2 as pb
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.scheduler import Scheduler
+from services.engine.request import Request, RequestStatus
+from services.engine.scheduler import Scheduler
 
 EOS = 2
 BS = 4  # block size

@@ -14,8 +14,8 @@ from spec_stats import goodness_of_fit
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, may_speculate
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from services.engine.request import Request
+from services.engine.scheduler import Scheduler
 from services.worker.spec_decode.ngram_proposer import NgramProposer, longest_suffix_match
 from services.worker.spec_decode.rejection_sampler import rejection_sample
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +19,9 @@ import torch
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams, build_grammar
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.structured_output import COMPILE_WORKERS, StructuredOutputManager
+from services.engine.request import Request
+from services.engine.scheduler import Scheduler
+from services.engine.structured_output import COMPILE_WORKERS, StructuredOutputManager
 from services.sdk import LLM, SamplingParams
 from services.worker.grammar_mask import unpack_bitmask
 
@@ -202,30 +203,38 @@ def test_unpacked_bitmask_masks_like_xgrammar() -> None:
 
 def test_request_waits_for_its_grammar_without_holding_up_the_batch(smollm2_dir: str) -> None:
     manager = StructuredOutputManager(smollm2_dir, vocab_size=49152, eos_token_ids=[2], max_num_seqs=8)
-    sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
-                      structured_output=manager)
-    release = threading.Event()
-    for _ in range(COMPILE_WORKERS):  # every compile thread is busy: the grammar stays pending
-        manager._executor.submit(release.wait)
-    constrained = Request("c", [1, 2, 3], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
-    constrained.grammar = manager.grammar_for(pb.StructuredOutputs(regex="ab+"))
-    free = Request("f", [4, 5, 6], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
-    sched.add_request(constrained)
-    sched.add_request(free)
-    out = sched.schedule()
-    assert [r.request_id for r in out.new_requests] == ["f"]
-    assert [r.request_id for r in sched.waiting] == ["c"] and not out.structured_output_request_ids
-    release.set()
-    manager.wait_for_any(sched.compiling_grammars(), timeout=30)
-    sched.update_from_output(out, pb.ModelRunnerOutput(step_id=out.step_id, request_ids=["f"],
-                                                       sampled_token_ids=[7]))
-    out = sched.schedule()
-    assert [r.request_id for r in out.new_requests] == ["c"]
-    assert list(out.structured_output_request_ids) == ["c"]
-    allowed = unpack_bitmask(torch.from_numpy(np.frombuffer(out.grammar_bitmask, dtype="<i4").reshape(1, -1).copy()),
-                             49152)[0]
-    assert 0 < int(allowed.sum()) < 49152  # only tokens starting with "a" (or "ab...")
-    manager.close()
+    try:
+        sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                          structured_output=manager)
+        release = threading.Event()
+        for _ in range(COMPILE_WORKERS):  # every compile thread is busy: the grammar stays pending
+            manager._executor.submit(release.wait)
+        constrained = Request("c", [1, 2, 3], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
+        constrained.grammar = manager.grammar_for(pb.StructuredOutputs(regex="ab+"))
+        free = Request("f", [4, 5, 6], pb.SamplingParams(max_tokens=5), frozenset({2}), max_tokens=5)
+        sched.add_request(constrained)
+        sched.add_request(free)
+        out = sched.schedule()
+        assert [r.request_id for r in out.new_requests] == ["f"]
+        assert [r.request_id for r in sched.waiting] == ["c"] and not out.structured_output_request_ids
+        release.set()
+        # Its compile, then its first row (a step waits 5 ms for rows at most; a loaded machine can take
+        # longer): steps go on without it until both are ready, then it joins.
+        deadline = time.monotonic() + 120
+        while not any(r.request_id == "c" for r in out.new_requests):
+            assert time.monotonic() < deadline, "the grammar never became ready"
+            manager.wait_for_any(sched.compiling_grammars(), timeout=1)
+            ids = [r.request_id for r in out.new_requests] + [r.request_id for r in out.cached_requests]
+            sched.update_from_output(out, pb.ModelRunnerOutput(step_id=out.step_id, request_ids=ids,
+                                                               sampled_token_ids=[7] * len(ids)))
+            out = sched.schedule()
+        assert [r.request_id for r in out.new_requests] == ["c"]
+        assert list(out.structured_output_request_ids) == ["c"]
+        packed = np.frombuffer(out.grammar_bitmask, dtype="<i4").reshape(1, -1).copy()
+        allowed = unpack_bitmask(torch.from_numpy(packed), 49152)[0]
+        assert 0 < int(allowed.sum()) < 49152  # only tokens starting with "a" (or "ab...")
+    finally:  # (its compile helper is a process: never leave it behind)
+        manager.close()
 
 
 def _scheduler(smollm2_dir: str) -> tuple[StructuredOutputManager, Scheduler]:

@@ -2,7 +2,7 @@
 
 `StructuredOutputsParams` is vLLM's user-facing class (json, regex, choice, grammar,
 json_object). It travels to the scheduler as the proto `StructuredOutputs`; the scheduler
-compiles it with xgrammar against the tokenizer (services/scheduler/structured_output.py).
+compiles it with xgrammar against the tokenizer (services/engine/structured_output.py).
 
 `build_grammar` is the one place a constraint becomes an xgrammar `Grammar`: the gateway
 and the offline `LLM` call it to reject an invalid schema or grammar with a clear message

@@ -27,7 +27,7 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # accepted, not implemented
+    continuous_usage_stats: bool | None = False  # with include_usage: usage so far on every chunk (vLLM)
 
 
 class ContentPart(BaseModel):
@@ -125,6 +125,12 @@ class GenerationRequest(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+        (only together with include_usage, as in vLLM)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -163,6 +163,8 @@ class _ChatWriter:
                          total_tokens=self._num_prompt_tokens + self._num_completion_tokens)
 
     def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        if usage is None and self._request.continuous_usage:
+            usage = self._usage()
         return sse_event(ChatCompletionChunk(id=self._id, created=self._created, model=self._ctx.served_model_name,
                                              choices=choices, usage=usage))
 

@@ -163,7 +163,8 @@ class _CompletionWriter:
                         continue  # a partial character or held-back text: nothing to show yet
                     yield sse_event(self._response([CompletionChoice(
                         index=delta.index, text=text, logprobs=logprobs,
-                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)], None))
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)],
+                        self._usage() if self._request.continuous_usage else None))
                 if self._request.include_usage:
                     yield sse_event(self._response([], self._usage()))
             except Exception as e:  # the status line is already sent: report in-band

@@ -1,8 +1,9 @@
 """The scheduler service: proto `Scheduler` over grpc.aio, driving its workers' Execute stream.
 
-One asyncio task runs the engine loop (schedule → send the batch to the worker → read the
-sampled ids → fold them in → route outputs). Gateway streams only put requests in and take
-outputs from unbounded per-stream queues, so a slow gateway never stalls the loop.
+One asyncio task runs the engine's step loop (services/engine/step_loop.py: schedule → send the
+batch to the workers → read the sampled ids → fold them in → route outputs) over the workers'
+gRPC streams (worker_group.py). Gateway streams only put requests in and take outputs from
+unbounded per-stream queues, so a slow gateway never stalls the loop.
 
 When the worker fails (dies, hangs past --engine-timeout, or fails a step) every live
 request ends with error_kind=ENGINE_FAULT (gateways migrate them), the prefix cache is
@@ -17,7 +18,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections import deque
 
 import grpc
 
@@ -27,7 +27,8 @@ from services.common.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from services.common.grpc_utils import StartupError
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
-from services.scheduler.engine_core import EngineCore
+from services.engine.engine_core import EngineCore
+from services.engine.step_loop import StepLoop
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
 from services.scheduler.load_reporter import LoadReporter
 from services.scheduler.worker_group import WorkerGroup
@@ -59,6 +60,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.max_waiting_requests = max_waiting_requests
         self.worker = worker
         self.core: EngineCore | None = None
+        self.steps: StepLoop | None = None
         self.owners: dict[str, _ClientStream] = {}
         self.work_available = asyncio.Event()
         self.load_reporter = load_reporter
@@ -96,6 +98,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self.kv_events.flush()
         self.core = EngineCore(self.config, info, num_blocks)
         self.core.scheduler.kv_cache_manager.block_pool.events = self.kv_events
+        self.steps = StepLoop(self.core, self.worker, self._route, self._after_step)
         # A request waiting only for its grammar (or its allowed-token row) must not wait for the idle probe.
         loop = asyncio.get_running_loop()
         self.core.structured_output.on_ready = lambda: loop.call_soon_threadsafe(self.work_available.set)
@@ -112,55 +115,33 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ------------------------------------------------------------------ engine loop
 
     async def _engine_loop(self) -> None:
-        """Run steps; when the worker fails, fail what was running and set it up again."""
+        """Run steps while there is work, probe the worker while there is none; when the worker
+        fails, fail what was running and set it up again."""
         while True:
             try:
-                await self._run_steps()
+                while True:
+                    await self.steps.run_while_busy()
+                    self._after_step()  # (aborts free blocks between steps)
+                    self.work_available.clear()
+                    try:
+                        await asyncio.wait_for(self.work_available.wait(), IDLE_PROBE_S)
+                    except asyncio.TimeoutError:
+                        await self.worker.probe()
             except WorkerFault as e:
-                self._worker_lost(str(e))
+                await self._worker_lost(str(e))
             except Exception as e:  # a bug in a step: the same clean slate, with the traceback logged
                 logger.exception("engine step failed")
-                self._worker_lost(f"engine step failed: {type(e).__name__}: {e}")
+                await self._worker_lost(f"engine step failed: {type(e).__name__}: {e}")
             await self._reconnect()
 
-    async def _run_steps(self) -> None:
-        """Schedule, send, receive, fold in. With async scheduling two steps are in flight:
-        step N+1 is scheduled and on the wire while the worker still computes step N. With P
-        pipeline stages P steps are (vLLM's batch queue): stage 0 starts step N+1 while stage 1
-        computes step N, each on requests whose earlier tokens are back."""
-        core = self.core
-        depth = self.config.steps_in_flight
-        in_flight: deque[pb.SchedulerOutput] = deque()
-        while True:
-            while len(in_flight) < depth and core.has_unfinished_requests():
-                so = core.schedule()
-                if not so.num_scheduled_tokens:
-                    break  # nothing fits right now (e.g. blocks an abort will free)
-                await self.worker.send(so)
-                in_flight.append(so)
-            if not in_flight:
-                self._route(core.take_failed_outputs())  # requests whose grammar failed to compile
-                self.kv_events.flush()  # (aborts free blocks between steps)
-                self._report_load()
-                self.work_available.clear()
-                try:
-                    await asyncio.wait_for(self.work_available.wait(), IDLE_PROBE_S)
-                except asyncio.TimeoutError:
-                    await self.worker.probe()
-                continue
-            so = in_flight.popleft()
-            self._route(core.process(so, await self.worker.receive()))
-            if in_flight and (followup := core.grammar_followup(in_flight[0])) is not None:
-                await self.worker.send(followup)  # the next step's constrained rows: their bitmask
-            self.kv_events.flush()  # this step's cache changes, as one batch
-            self._report_load()
-            await asyncio.sleep(0)  # let gateway streams run between steps
+    def _after_step(self) -> None:
+        self.kv_events.flush()  # this step's cache changes, as one batch
+        self._report_load()
 
-    def _worker_lost(self, reason: str) -> None:
+    async def _worker_lost(self, reason: str) -> None:
         logger.error("%s; failing every live request and setting the worker up again", reason)
         self.worker_down = reason
-        self.worker.reset()
-        self._route(self.core.fail_all(f"engine fault: {reason}", pb.ENGINE_FAULT))
+        await self.steps.fail_all(f"engine fault: {reason}")
         self.kv_events.flush()  # fail_all cleared the prefix cache: gateways must not route by it
         if self.load_reporter is not None:
             self.load_reporter.leave()

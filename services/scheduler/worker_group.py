@@ -20,7 +20,8 @@ from collections.abc import Awaitable
 
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
-from services.scheduler.engine_core import choose_num_blocks
+from services.common.ranks import fullest_rank_capacity, output_rank, per_rank_load_requests
+from services.engine.engine_core import choose_num_blocks
 from services.scheduler.worker_link import WorkerLink, worker_load_request
 
 
@@ -37,6 +38,8 @@ async def _all(awaitables: list[Awaitable]) -> list:
 
 
 class WorkerGroup:
+    """The engine's ranks over gRPC: the step loop's `WorkerHandle` (services/engine/step_loop.py)."""
+
     def __init__(self, links: list[WorkerLink], rendezvous_host: str = "127.0.0.1",
                  advertise_host: str | None = None, pipeline_parallel_size: int = 1) -> None:
         if len(links) % pipeline_parallel_size:
@@ -45,8 +48,7 @@ class WorkerGroup:
         self.links = links
         self.pp_size = pipeline_parallel_size
         self.tp_size = len(links) // pipeline_parallel_size
-        # The link whose answer carries the sampled tokens: TP rank 0 of the last stage.
-        self.output_index = len(links) - self.tp_size
+        self.output_index = output_rank(self.tp_size, self.pp_size)
         self.address = ",".join(link.address for link in links)
         self.rendezvous = None
         if len(links) > 1:
@@ -61,30 +63,25 @@ class WorkerGroup:
     async def set_up(self, config: EngineConfig) -> tuple[pb.ModelInfo, int]:
         if self.rendezvous is None:
             return await self.links[0].set_up(config)
-        init_method = self.rendezvous.next_init_method()
-        requests = []
-        for rank in range(len(self.links)):
-            request = worker_load_request(config)
-            request.tensor_parallel_rank, request.tensor_parallel_size = rank % self.tp_size, self.tp_size
-            request.pipeline_parallel_rank, request.pipeline_parallel_size = rank // self.tp_size, self.pp_size
-            request.distributed_init_method = init_method
-            requests.append(request)
+        requests = per_rank_load_requests(worker_load_request(config), self.tp_size, self.pp_size,
+                                          self.rendezvous.next_init_method())
         infos = await _all([link.load_model(r) for link, r in zip(self.links, requests, strict=True)])
-        capacities = await _all([link.kv_capacity(config) for link in self.links])
-        smallest = min(capacities, key=lambda c: c.num_blocks)
-        num_blocks = choose_num_blocks(config, smallest, infos[0].max_model_len)
+        capacity = fullest_rank_capacity(await _all([link.kv_capacity(config) for link in self.links]))
+        num_blocks = choose_num_blocks(config, capacity, infos[0].max_model_len)
         await _all([link.init_kv_cache(config, num_blocks) for link in self.links])
         return infos[0], num_blocks
 
-    async def send(self, so: pb.SchedulerOutput) -> None:
+    # ------------------------------------------------------------ the step loop's WorkerHandle
+
+    async def submit(self, so: pb.SchedulerOutput) -> None:
         await _all([link.send(so) for link in self.links])
 
-    async def receive(self) -> pb.ModelRunnerOutput:
+    async def collect(self) -> pb.ModelRunnerOutput:
         return (await _all([link.receive() for link in self.links]))[self.output_index]
 
     async def probe(self) -> None:
         await _all([link.probe() for link in self.links])
 
-    def reset(self) -> None:
+    async def reset(self) -> None:
         for link in self.links:
             link.reset()

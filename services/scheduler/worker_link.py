@@ -14,7 +14,7 @@ from services.common.config import DEFAULT_ENGINE_TIMEOUT_S, EngineConfig
 from services.common.grpc_utils import SETUP_TIMEOUT_S, UNARY_TIMEOUT_S, StartupError, channel
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
-from services.scheduler.engine_core import choose_num_blocks, kv_capacity_request
+from services.engine.engine_core import choose_num_blocks, kv_capacity_request
 
 
 class WorkerFault(RuntimeError):

@@ -1,15 +1,16 @@
 """The in-process offline `LLM`, vLLM-compatible: `LLM(model).generate(prompts, params)`.
 
-It runs the scheduler's EngineCore and a Worker in this process and hands each
-SchedulerOutput to the worker directly: the same classes the service mesh runs, minus gRPC.
+It runs the engine (services/engine/: EngineCore and the one step loop the scheduler service
+also runs) over workers in this process and its children (services/sdk/local_workers.py): the
+same classes the service mesh runs, minus gRPC.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tqdm import tqdm
@@ -18,7 +19,9 @@ from transformers import AutoTokenizer
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
-from services.scheduler.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
+from services.engine.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
+from services.engine.step_loop import StepLoop
+from services.sdk.local_workers import LocalWorkers
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
 from services.text.output_processor import ChoiceOutputProcessor
 from services.text.tokenizer import Tokenizer
@@ -30,17 +33,6 @@ PromptType = str | dict[str, Any]
 class EngineFault(RuntimeError):
     """A step failed in the worker or the engine. Every request of the call was ended (all
     KV blocks freed, prefix cache dropped); the `LLM` is ready for the next call."""
-
-
-class _PipelineStep:
-    """A step submitted to pipeline-parallel ranks: its answer is collected, in submit order,
-    when asked for (so P steps can be on the stages at once)."""
-
-    def __init__(self, workers) -> None:
-        self.workers = workers
-
-    def result(self) -> pb.ModelRunnerOutput:
-        return self.workers.collect()
 
 
 class LLM:
@@ -68,8 +60,9 @@ class LLM:
                                                   list(info.eos_token_ids), info.vocab_size)
         self.tokenizer = self.text_tokenizer.hf_tokenizer
         self._ids = itertools.count()
-        # Async scheduling computes on this thread while the caller schedules the next step.
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute")
+        self._workers = LocalWorkers(self.worker, self.config.steps_in_flight,
+                                     pipelined=self.config.pipeline_parallel_size > 1)
+        self._loop = asyncio.new_event_loop()  # runs the step loop, within each call
 
     def _start_worker(self) -> tuple[pb.ModelInfo, int]:
         """Load the model on the worker (every TP rank) and size its KV cache: (model info, blocks)."""
@@ -82,6 +75,9 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel rank processes, if any (they also die with this process), and
         the grammar compiler (its helper process and threads)."""
+        if getattr(self, "_workers", None) is not None:
+            self._workers.close()
+            self._loop.close()
         self.worker.close()
         if getattr(self, "engine", None) is not None:
             self.engine.structured_output.close()
@@ -182,121 +178,69 @@ class LLM:
     def _run(self, children: dict, results: list[RequestOutput], use_tqdm: bool) -> None:
         pending = set(children)
         bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm or len(pending) < 2)
-        steps = self._steps()
+
+        def emit(outputs: list[pb.RequestOutput]) -> None:
+            for out in outputs:
+                if out.request_id not in pending:
+                    continue
+                result, child, processor = children[out.request_id]
+                self._append(child, processor, out)
+                if processor.index == 0:
+                    result.num_cached_tokens = out.num_cached_tokens
+                    if result.prompt_logprobs == [] and out.new_token_ids:  # asked for, not yet filled
+                        result.prompt_logprobs = [None] + [
+                            _logprob_entry(token_id, lp)
+                            for token_id, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs, strict=True)]
+                if child.finish_reason is not None:
+                    if not out.finish_reason:  # a stop string ended it: free its blocks now
+                        self.engine.abort([out.request_id])
+                    pending.discard(out.request_id)
+                    bar.update(1)
+
+        steps = StepLoop(self.engine, self._workers, emit)
         try:
-            while pending:
-                for out in next(steps):
-                    if out.request_id not in pending:
-                        continue
-                    result, child, processor = children[out.request_id]
-                    self._append(child, processor, out)
-                    if processor.index == 0:
-                        result.num_cached_tokens = out.num_cached_tokens
-                        if result.prompt_logprobs == [] and out.new_token_ids:  # asked for, not yet filled
-                            result.prompt_logprobs = [None] + [
-                                _logprob_entry(token_id, lp)
-                                for token_id, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs, strict=True)]
-                    if child.finish_reason is not None:
-                        if not out.finish_reason:  # a stop string ended it: free its blocks now
-                            self.engine.abort([out.request_id])
-                        pending.discard(out.request_id)
-                        bar.update(1)
+            self._run_coroutine(self._steps(steps, pending))
         except BaseException:
-            self.engine.abort(list(pending))  # never leave blocks behind on an exception
+            self.engine.abort(list(pending))  # never leave blocks behind on an exception (Ctrl-C included)
+            if self._workers.drain():  # a step nobody waited for failed: the same clean slate
+                self._run_coroutine(steps.fail_all("engine step failed"))
             raise
         finally:
-            steps.close()
             bar.close()
         for result in results:
             result.finished = True
 
-    def _submit(self, so: pb.SchedulerOutput) -> Future | _PipelineStep | pb.ModelRunnerOutput:
-        """Start a step: on the pipeline's stages, on the compute thread (async scheduling), or
-        here and now."""
-        if self.config.pipeline_parallel_size > 1:
-            self.worker.submit(so)
-            return _PipelineStep(self.worker)
-        if self.config.steps_in_flight > 1:
-            return self._compute.submit(self.worker.execute, so)
-        return self.worker.execute(so)
-
-    def _steps(self) -> Iterator[list[pb.RequestOutput]]:
-        """Run engine steps, yielding each step's outputs.
-
-        With async scheduling two steps are in flight: step N+1 is scheduled (with output
-        placeholders) while the worker thread still computes step N; with P pipeline stages, P
-        steps. A step that fails raises `EngineFault` after every request has been ended and
-        the engine reset.
-        """
-        depth = self.config.steps_in_flight
-        in_flight: deque[tuple[pb.SchedulerOutput, Future | _PipelineStep | pb.ModelRunnerOutput]] = deque()
+    async def _steps(self, steps: StepLoop, pending: set[str]) -> None:
+        """Run engine steps until every request of the call has finished. A step that fails
+        raises `EngineFault` after every request has been ended and the engine reset."""
         stalled = False
         try:
-            while True:
-                try:
-                    while len(in_flight) < depth and self.engine.has_unfinished_requests():
-                        so = self.engine.schedule()
-                        if not so.num_scheduled_tokens:
-                            break
-                        in_flight.append((so, self._submit(so)))
-                        stalled = False
-                    if not in_flight:
-                        grammars = self.engine.compiling_grammars()
-                        if not grammars and not self.engine.scheduler.failed_outputs:
-                            if stalled:
-                                raise RuntimeError("the scheduler could not schedule any request (KV cache too "
-                                                   "small?)")
-                            stalled = True  # (a grammar may have become ready since that schedule: once more)
-                            continue
-                        # Nothing runs until a grammar is compiled (or a row filled): wait for one.
-                        self.engine.structured_output.wait_for_any(grammars)
-                        yield self.engine.take_failed_outputs()
-                        continue
-                    so, result = in_flight.popleft()
-                    if isinstance(result, (Future, _PipelineStep)):
-                        result = result.result()
-                    outputs = self.engine.process(so, result)
-                    if in_flight and (followup := self.engine.grammar_followup(in_flight[0][0])) is not None:
-                        # Async scheduling (a pipeline never has a step wait on tokens in flight): the next
-                        # step waits on the compute thread for its constrained rows' bitmask.
-                        next_so, forward = in_flight[0]
-                        in_flight[0] = (next_so, self._compute.submit(self._complete, forward, followup))
-                except Exception as e:
-                    self._reset_after_fault(in_flight)
-                    raise EngineFault(f"engine step failed ({type(e).__name__}: {e}); every request of this call "
-                                      "was ended and the engine reset, the next call starts clean") from e
-                yield outputs
-        finally:
-            if self._drain(in_flight):  # a step nobody waited for failed: same clean slate
-                self._reset_after_fault(in_flight)
+            while pending:
+                before = len(pending)
+                if await steps.run_while_busy() or len(pending) < before:
+                    stalled = False
+                    continue
+                grammars = self.engine.compiling_grammars()
+                if grammars:  # nothing runs until a grammar is compiled (or a row filled): wait for one
+                    self.engine.structured_output.wait_for_any(grammars)
+                    continue
+                if stalled:
+                    raise RuntimeError("the scheduler could not schedule any request (KV cache too small?)")
+                stalled = True  # (a grammar may have become ready since that schedule: once more)
+        except Exception as e:
+            await steps.fail_all("engine step failed")
+            raise EngineFault(f"engine step failed ({type(e).__name__}: {e}); every request of this call "
+                              "was ended and the engine reset, the next call starts clean") from e
 
-    def _complete(self, forward: Future, followup: pb.SchedulerOutput) -> pb.ModelRunnerOutput:
-        """Send a deferred step its bitmask (its forward, queued before, has run: re-raise its error)."""
-        forward.result()
-        return self.worker.execute(followup)
-
-    @staticmethod
-    def _drain(in_flight: deque) -> bool:
-        """Let the worker finish its queued steps before anyone touches its batch; whether
-        any of them failed."""
-        failed = False
-        while in_flight:
-            _, result = in_flight.popleft()
-            if isinstance(result, Future) and result.exception() is not None:
-                failed = True
-            elif isinstance(result, _PipelineStep):
-                try:
-                    result.result()
-                except Exception:  # noqa: BLE001 - any failure means: reset
-                    failed = True
-        return failed
-
-    def _reset_after_fault(self, in_flight: deque) -> None:
-        """After a failed step neither the worker's batch nor the KV a step was writing can be
-        trusted: end every request (freeing all blocks), drop the prefix cache, empty the batch."""
-        self._drain(in_flight)
-        self.engine.fail_all("engine step failed")
-        self.worker.reset_batch()
+    def _run_coroutine(self, coroutine: Coroutine) -> Any:
+        """Run `coroutine` on this LLM's event loop, here; from inside a running event loop (a
+        notebook's, say) on a helper thread, since a thread runs one loop at a time."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(coroutine)
+        with ThreadPoolExecutor(max_workers=1) as helper:
+            return helper.submit(self._loop.run_until_complete, coroutine).result()
 
     @staticmethod
     def _append(child: CompletionOutput, processor: ChoiceOutputProcessor, out: pb.RequestOutput) -> None:

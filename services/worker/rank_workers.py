@@ -27,6 +27,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from services.common.proto import myvllm_pb2 as pb
+from services.common.ranks import fullest_rank_capacity, output_rank, per_rank_load_requests
 from services.common.rendezvous import RendezvousStore
 from services.worker.parallel import destroy_parallel
 from services.worker.worker import Worker
@@ -109,8 +110,7 @@ class ParallelWorkers:
     def __init__(self, tensor_parallel_size: int, pipeline_parallel_size: int = 1, device: str | None = None) -> None:
         self.tp_size, self.pp_size = tensor_parallel_size, pipeline_parallel_size
         self.size = tensor_parallel_size * pipeline_parallel_size
-        # The rank that samples (TP rank 0 of the last stage) answers for every step.
-        self.output_rank = self.size - tensor_parallel_size
+        self.output_rank = output_rank(tensor_parallel_size, pipeline_parallel_size)
         self.device = device
         self.rendezvous = RendezvousStore()
         self.children: list[_Child] = []
@@ -173,20 +173,11 @@ class ParallelWorkers:
 
     def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
         self._load_request = request
-        per_rank, init_method = [], self.rendezvous.next_init_method()
-        for rank in range(self.size):
-            r = pb.LoadModelRequest()
-            r.CopyFrom(request)
-            r.tensor_parallel_rank, r.tensor_parallel_size = rank % self.tp_size, self.tp_size
-            r.pipeline_parallel_rank, r.pipeline_parallel_size = rank // self.tp_size, self.pp_size
-            r.distributed_init_method = init_method
-            per_rank.append(r)
+        per_rank = per_rank_load_requests(request, self.tp_size, self.pp_size, self.rendezvous.next_init_method())
         return self._mirror("load_model", per_rank[1:], per_rank[0])[0]
 
     def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:
-        # Stages hold different numbers of layers: the cache gets what fits on the fullest rank.
-        answers = self._mirror("get_kv_capacity", [request] * len(self.children), request)
-        return min(answers, key=lambda c: c.num_blocks)
+        return fullest_rank_capacity(self._mirror("get_kv_capacity", [request] * len(self.children), request))
 
     def init_kv_cache(self, request: pb.InitKVCacheRequest) -> pb.Empty:
         self._kv_request = request

@@ -17,10 +17,10 @@ from concurrent.futures import wait
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
 from services.common.structured_outputs import StructuredOutputsError
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.spec_decode import SpecDecodeStats, lookahead_slots, max_drafts
-from services.scheduler.structured_output import STEP_FILL_WAIT_S, RequestGrammar, StructuredOutputManager
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+from services.engine.spec_decode import SpecDecodeStats, lookahead_slots, max_drafts
+from services.engine.structured_output import STEP_FILL_WAIT_S, RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ within a time limit, and one matcher per constrained request whose allowed-token
 filled off the engine loop too.
 
 A request arrives with a `StructuredOutputs` spec. Its grammar is parsed and compiled
-against the tokenizer by a helper process (services/scheduler/grammar_compiler.py), at most
+against the tokenizer by a helper process (services/engine/grammar_compiler.py), at most
 `COMPILE_WORKERS` at once; until that is done the request waits without holding up the batch
 (vLLM's WAITING_FOR_FSM). An invalid spec ends the request with an INVALID_REQUEST error then
 (the gateway and the offline `LLM` refuse one before sending it), and so does one that does
@@ -35,7 +35,7 @@ import numpy as np
 from services.common.config import DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
 from services.common.proto import myvllm_pb2 as pb
 from services.common.structured_outputs import StructuredOutputsError, spec_key
-from services.scheduler.grammar_compiler import GrammarCompileProcess, GrammarCompileTimeout
+from services.engine.grammar_compiler import GrammarCompileProcess, GrammarCompileTimeout
 
 logger = logging.getLogger(__name__)
 

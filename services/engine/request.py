@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from services.common.proto import myvllm_pb2 as pb
 
 if TYPE_CHECKING:
-    from services.scheduler.structured_output import RequestGrammar
+    from services.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):

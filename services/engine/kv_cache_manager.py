@@ -8,8 +8,8 @@ services/common/block_hash.py, shared with the gateway.
 from __future__ import annotations
 
 from services.common.block_hash import NONE_HASH, extend_hashes, hash_block_tokens
-from services.scheduler.block_pool import BlockPool, KVBlock
-from services.scheduler.request import Request
+from services.engine.block_pool import BlockPool, KVBlock
+from services.engine.request import Request
 
 __all__ = ["NONE_HASH", "KVCacheManager", "extend_block_hashes", "hash_block_tokens"]
 

@@ -9,7 +9,7 @@ but a thread cannot be interrupted: one past its limit would keep a core busy un
 finishes on its own, and a few such schemas would hold every thread of a bounded pool.
 
 So the scheduler starts one helper process, at its first constrained request:
-`python -m services.scheduler.grammar_compiler`. It imports xgrammar once (seconds), builds
+`python -m services.engine.grammar_compiler`. It imports xgrammar once (seconds), builds
 the tokenizer's `TokenizerInfo` from the JSON the scheduler sends, lowers its priority to
 nice 19 (a compile takes the CPU the engine leaves: it does not slow the steps of the
 requests that run, which on a 2-core machine it otherwise would) and forks one short-lived
@@ -217,7 +217,7 @@ class GrammarCompileProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
         # stderr stays the scheduler's: the helper's warnings land in the scheduler's log.
-        proc = subprocess.Popen([sys.executable, "-m", "services.scheduler.grammar_compiler"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "services.engine.grammar_compiler"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, cwd=str(_PACKAGE_ROOT))
         self.num_starts += 1
         self._proc, self._jobs, self._ready = proc, {}, threading.Event()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
-from services.scheduler.request import Request
-from services.scheduler.request_limits import validate_generate_request
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.structured_output import RequestGrammar, StructuredOutputManager
+from services.engine.request import Request
+from services.engine.request_limits import validate_generate_request
+from services.engine.scheduler import Scheduler
+from services.engine.structured_output import RequestGrammar, StructuredOutputManager
 
 
 def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:

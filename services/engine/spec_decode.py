@@ -10,7 +10,7 @@ token). After the step the worker reports how many tokens each request produced;
 from __future__ import annotations
 
 from services.common.spec_config import SpeculativeConfig
-from services.scheduler.request import Request
+from services.engine.request import Request
 
 
 def max_drafts(request: Request, max_model_len: int) -> int:

@@ -1,0 +1,86 @@
+"""The engine's one step loop, for the scheduler service and the offline `LLM` alike.
+
+Schedule, submit to the ranks, collect the sampled ids, fold them in, emit the outputs. With
+async scheduling two steps are in flight: step N+1 is scheduled and submitted while the ranks
+still compute step N. With P pipeline stages P steps are (vLLM's batch queue): stage 0 starts
+step N+1 while stage 1 computes step N, each on requests whose earlier tokens are back. A step
+whose constrained rows need the grammar bitmask of tokens still in flight is submitted without
+it; its bitmask (a follow-up message) goes out once the step before it is processed.
+
+Who the ranks are is the `WorkerHandle`'s business: gRPC streams to worker processes
+(services/scheduler/worker_group.py) or workers in this process and its children
+(services/sdk/local_workers.py). Who the outputs go to is the `emit` callback's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from services.common.proto import myvllm_pb2 as pb
+from services.engine.engine_core import EngineCore
+
+
+class WorkerHandle(Protocol):
+    """An engine's ranks, as the step loop drives them."""
+
+    async def submit(self, so: pb.SchedulerOutput) -> None:
+        """Start a step on every rank, or send the grammar follow-up of the oldest step in flight."""
+
+    async def collect(self) -> pb.ModelRunnerOutput:
+        """The oldest submitted step's answer (a step with a follow-up answers once, after it)."""
+
+    async def probe(self) -> None:
+        """Raise if the ranks are gone (an idle engine checks now and then)."""
+
+    async def reset(self) -> None:
+        """After a failure: forget every step in flight and every request on the ranks."""
+
+
+class StepLoop:
+    """Runs `core`'s steps on `workers`; every step's outputs go to `emit`, then `after_step`
+    runs (publishing KV events and load, say)."""
+
+    def __init__(self, core: EngineCore, workers: WorkerHandle,
+                 emit: Callable[[list[pb.RequestOutput]], None],
+                 after_step: Callable[[], None] | None = None) -> None:
+        self.core = core
+        self.workers = workers
+        self.emit = emit
+        self.after_step = after_step or (lambda: None)
+        self.depth = core.config.steps_in_flight
+
+    async def run_while_busy(self) -> int:
+        """Run steps until none is in flight and none can be scheduled (nothing to do, or nothing
+        that fits right now: a grammar still compiling, blocks an abort will free). Returns how
+        many steps ran. Raises whatever a step raised; `fail_all` then makes a clean slate."""
+        core, workers = self.core, self.workers
+        in_flight: deque[pb.SchedulerOutput] = deque()
+        steps = 0
+        while True:
+            while len(in_flight) < self.depth and core.has_unfinished_requests():
+                so = core.schedule()
+                if not so.num_scheduled_tokens:
+                    break
+                await workers.submit(so)
+                in_flight.append(so)
+            if not in_flight:
+                self.emit(core.take_failed_outputs())  # requests whose grammar failed to compile
+                return steps
+            so = in_flight.popleft()
+            outputs = core.process(so, await workers.collect())
+            steps += 1
+            if in_flight and (followup := core.grammar_followup(in_flight[0])) is not None:
+                await workers.submit(followup)  # the next step's constrained rows: their bitmask
+            self.emit(outputs)
+            self.after_step()
+            await asyncio.sleep(0)  # let the owner's other tasks (gateway streams) run between steps
+
+    async def fail_all(self, message: str, kind: int = pb.ENGINE_FAULT) -> None:
+        """A step failed: neither the ranks' batch nor the KV a step was writing can be trusted.
+        The ranks forget everything, every request ends with `message` (all blocks freed, the
+        prefix cache dropped), and the loop can run again on a clean slate."""
+        await self.workers.reset()
+        self.emit(self.core.fail_all(message, kind))
