@@ -283,6 +283,9 @@ def test_constrained_requests_survive_preemption(smollm2_dir: str, llm: LLM) -> 
               for s in schemas]
     expected = [out.outputs[0].token_ids for out in _chat(llm, contents, params)]
     small = LLM(smollm2_dir, dtype="float32", seed=0, num_gpu_blocks_override=14, block_size=16, max_num_seqs=8)
+    # Every row waited for, so every constrained request is in every step (a loaded machine would
+    # fill some rows after the 5 ms a step waits, and those requests would sit steps out).
+    small.engine.scheduler.step_fill_wait_s = 60.0
     try:
         outputs = _chat(small, contents, params)
         assert small.stats()["num_preemptions"] > 0
@@ -315,6 +318,7 @@ def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_di
         return followup
 
     overlapped.engine.scheduler.grammar_followup = counted
+    overlapped.engine.scheduler.step_fill_wait_s = 60.0  # both constrained rows in every step, loaded or not
     try:
         assert overlapped.config.async_scheduling
         assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == expected

@@ -73,6 +73,9 @@ class Scheduler:
         self.deferred_bitmasks: dict[int, list[Request]] = {}
         # Constrained requests the last step left out because their row was not filled yet.
         self._row_waiters: list[RequestGrammar] = []
+        # How long one step waits for rows in all (tests that need the same batches on any
+        # machine, loaded or not, raise it so that every row is waited for).
+        self.step_fill_wait_s = STEP_FILL_WAIT_S
         self._fill_wait_left = STEP_FILL_WAIT_S
         self.num_row_waits = 0
         # Speculative decoding (None: off): drafts come back from the worker with each step.
@@ -189,7 +192,7 @@ class Scheduler:
         scheduled_cached: list[tuple[Request, int, list[int]]] = []
         scheduled_ids: set[str] = set()
         preempted = False
-        self._fill_wait_left = STEP_FILL_WAIT_S
+        self._fill_wait_left = self.step_fill_wait_s
         self._row_waiters = []
 
         # 1) Running requests first: they already hold blocks.
@@ -315,7 +318,7 @@ class Scheduler:
     def _waits_for_row(self, request: Request, num_new: int, num_computed: int | None = None) -> bool:
         """Whether a constrained `request` that would sample in this step sits it out because
         its allowed-token row is not filled yet. Rows of grammars known to fill fast are waited
-        for, up to STEP_FILL_WAIT_S per step in all; a slow one is never waited for. With a token
+        for, up to `step_fill_wait_s` per step in all; a slow one is never waited for. With a token
         still in flight (async scheduling) the row can only be filled once it is back, while the
         step already runs: only a fast grammar may take that path."""
         grammar = request.grammar
@@ -325,10 +328,11 @@ class Scheduler:
         if computed + num_new < request.num_tokens:
             return False  # a prompt chunk that samples nothing
         if request.num_output_placeholders:
-            return not grammar.fill_is_fast
+            return not grammar.fills_within(self.step_fill_wait_s)
         grammar.prefetch()
         pending = grammar.pending
-        if pending is not None and self._fill_wait_left > 0 and (grammar.fill_seconds is None or grammar.fill_is_fast):
+        waited_for = grammar.fill_seconds is None or grammar.fills_within(self.step_fill_wait_s)
+        if pending is not None and self._fill_wait_left > 0 and waited_for:
             start = time.perf_counter()
             wait([pending], timeout=self._fill_wait_left)
             self._fill_wait_left -= time.perf_counter() - start

@@ -119,10 +119,9 @@ class RequestGrammar:
     def row_ready(self) -> bool:
         return self._row is not None and self._row.done()
 
-    @property
-    def fill_is_fast(self) -> bool:
-        """Whether the last row took no longer than a step waits for one."""
-        return self.fill_seconds is not None and self.fill_seconds <= STEP_FILL_WAIT_S
+    def fills_within(self, seconds: float) -> bool:
+        """Whether the last row took no longer than `seconds` (what a step waits for one)."""
+        return self.fill_seconds is not None and self.fill_seconds <= seconds
 
     def row(self) -> np.ndarray:
         """The row for the current state (waits for it, filling it first if need be)."""
