@@ -54,10 +54,10 @@ class LLM:
             self.close()
             raise
         self.engine = EngineCore(self.config, info, num_blocks)
-        # Text, stop strings and bad words go through the same services/text pieces as the gateway's, so offline
-        # and served completions of the same request read the same.
+        # Text, stop strings and bad words go through the gateway's pieces (services/text), so
+        # offline and served completions of the same request read the same.
         self.text_tokenizer = Tokenizer(AutoTokenizer.from_pretrained(self.config.model),
-                                                  list(info.eos_token_ids), info.vocab_size)
+                                        list(info.eos_token_ids), info.vocab_size)
         self.tokenizer = self.text_tokenizer.hf_tokenizer
         self._ids = itertools.count()
         self._workers = LocalWorkers(self.worker, self.config.steps_in_flight,
