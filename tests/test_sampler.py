@@ -21,7 +21,9 @@ from services.common.proto import myvllm_pb2 as pb
 from services.sdk import LLM, SamplingParams
 from services.worker.exponential import exponential_, exponential_like
 from services.worker.input_batch import InputBatch
-from services.worker.sampler import Sampler, build_sampling_metadata
+from services.worker.logits_processors import apply_processors
+from services.worker.sampler import Sampler
+from services.worker.sampling_metadata import build_sampling_metadata
 
 V = 50
 EOS = 2
@@ -246,7 +248,7 @@ def test_stages_skipped_for_plain_greedy_batch() -> None:
     md = bench.md
     assert md.all_greedy and not md.needs_processing and not md.groups
     logits = _random_logits(4, seed=1)
-    assert Sampler.apply_processors(logits, md) is logits
+    assert apply_processors(logits, md) is logits
     sampled, logprobs = bench.sampler(logits, md)
     assert logprobs is None
     assert sampled.tolist() == logits.argmax(-1).tolist()

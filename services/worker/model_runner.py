@@ -36,7 +36,8 @@ from services.worker.parallel import (
     send_to_next_stage,
     threads_per_rank,
 )
-from services.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata, gather_logprobs
+from services.worker.sampler import Sampler, gather_logprobs
+from services.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from services.worker.spec_decode.factory import make_proposer
 from services.worker.spec_decode.proposer import SpecProposer
 from services.worker.spec_decode.verifier import verify_drafts

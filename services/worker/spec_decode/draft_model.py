@@ -23,7 +23,7 @@ from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.exponential import exponential_like
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.loader import load_model
-from services.worker.sampler import build_sampling_metadata
+from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.spec_decode.proposer import SpecProposer, TargetRunner
 
 

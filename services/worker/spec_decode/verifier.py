@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
-from services.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
+from services.worker.sampler import Sampler, gather_logprobs
+from services.worker.sampling_metadata import SamplingMetadata
 from services.worker.spec_decode.rejection_sampler import rejection_sample
 
 
