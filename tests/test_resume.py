@@ -11,6 +11,7 @@ import pytest
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
+from services.engine.step_loop import StepLoop
 from services.sdk.llm import LLM
 
 PROMPT = "Write a short poem about the sea:"
@@ -28,17 +29,19 @@ def _generate(llm: LLM, request_id: str, params: SamplingParams, resumed: list[i
     llm.engine.add_request(pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
                                               sampling=params.to_proto(), resumed_output_token_ids=list(resumed)))
     tokens: list[int] = []
-    steps = llm._steps()
-    try:
-        for outputs in steps:
-            for out in outputs:
-                assert not out.error, out.error
-                tokens += out.new_token_ids
-                if out.finish_reason:
-                    return tokens, out.finish_reason
-    finally:
-        steps.close()
-    raise AssertionError("the request never finished")
+    reasons: list[str] = []
+
+    def emit(outputs: list[pb.RequestOutput]) -> None:
+        for out in outputs:
+            assert not out.error, out.error
+            tokens.extend(out.new_token_ids)
+            if out.finish_reason:
+                reasons.append(out.finish_reason)
+
+    # The engine's own step loop, over the LLM's workers, until nothing is left to run.
+    llm._run_coroutine(StepLoop(llm.engine, llm._workers, emit).run_while_busy())
+    assert len(reasons) == 1, "the request never finished"
+    return tokens, reasons[0]
 
 
 @pytest.mark.parametrize("params", [
