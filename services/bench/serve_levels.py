@@ -52,7 +52,6 @@ class ServeResult:
         return out
 
 
-
 async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, result: ServeResult) -> None:
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

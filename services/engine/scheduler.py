@@ -76,7 +76,7 @@ class Scheduler:
         # How long one step waits for rows in all (tests that need the same batches on any
         # machine, loaded or not, raise it so that every row is waited for).
         self.step_fill_wait_s = STEP_FILL_WAIT_S
-        self._fill_wait_left = STEP_FILL_WAIT_S
+        self._fill_wait_left = self.step_fill_wait_s
         self.num_row_waits = 0
         # Speculative decoding (None: off): drafts come back from the worker with each step.
         self.speculative_config = speculative_config

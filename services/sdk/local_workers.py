@@ -22,9 +22,8 @@ class LocalWorkers:
     def __init__(self, workers: Worker | ParallelWorkers, steps_in_flight: int, pipelined: bool) -> None:
         self.workers = workers
         self.pipelined = pipelined
-        self.threaded = steps_in_flight > 1 and not pipelined
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute") if self.threaded \
-            else None
+        threaded = steps_in_flight > 1 and not pipelined
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute") if threaded else None
         # Per submitted message, in order: a Future (the compute thread's), None (a pipeline step,
         # collected from the ranks), or the answer itself (a step run here).
         self._pending: deque[Future | pb.ModelRunnerOutput | None] = deque()
