@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 # Prompts of many thousand tokens and big batches exceed gRPC's 4 MiB default.
@@ -73,6 +75,20 @@ def bind_or_fail(server: grpc.aio.Server, host: str, port: int, what: str) -> No
 def server(interceptors: list | None = None) -> grpc.aio.Server:
     """A grpc.aio server with the shared options (and, when given, auth interceptors)."""
     return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
+
+
+async def serve_until_cancelled(server: grpc.aio.Server, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Serve until this task is cancelled (Ctrl-C / SIGTERM cancel asyncio.run's main task),
+    then stop: calls in flight get `grace_s` to finish before they are cancelled.
+
+    The shield matters: grpc.aio's wait_for_termination() awaits the server's own shutdown
+    future, so cancelling it cancels that future, and stop() then raises CancelledError at
+    once: no grace, and asyncio.run's clean-up cancels the RPC tasks still open, which grpc
+    logs as tracebacks ("Exception not handled by _handle_exceptions ... CancelledError")."""
+    try:
+        await asyncio.shield(server.wait_for_termination())
+    finally:
+        await server.stop(grace_s)
 
 
 def channel(address: str, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:

@@ -324,7 +324,4 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     await server.start()
     logger.warning("scheduler serving on %s:%d (ready in %.1fs)%s", host, port, time.monotonic() - started,
                    " (internal token required)" if token else "")
-    try:
-        await server.wait_for_termination()
-    finally:  # Ctrl-C / SIGTERM cancel the wait: close the server while the event loop still runs
-        await server.stop(grpc_utils.SHUTDOWN_GRACE_S)
+    await grpc_utils.serve_until_cancelled(server)

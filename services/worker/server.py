@@ -153,7 +153,4 @@ async def serve_worker(host: str, port: int, default_load: pb.LoadModelRequest, 
     grpc_utils.bind_or_fail(server, host, port, "worker")
     await server.start()
     logger.warning("worker serving on %s:%d%s", host, port, " (internal token required)" if token else "")
-    try:
-        await server.wait_for_termination()
-    finally:  # Ctrl-C / SIGTERM cancel the wait: close the server while the event loop still runs
-        await server.stop(grpc_utils.SHUTDOWN_GRACE_S)
+    await grpc_utils.serve_until_cancelled(server)
