@@ -1,7 +1,8 @@
 """Engine flags, with vLLM's names, grouped by the service that reads them.
 
 The worker reads the model flags (what weights, in what dtype, with which attention
-backend); the scheduler reads the scheduling flags (batch bounds, KV block accounting).
+backend); the scheduler reads the scheduling flags (batch bounds, KV block accounting); both
+read the parallel and speculative flags, which must agree (LoadModel checks).
 `myvllm worker` and `myvllm scheduler` list only their own group; `serve`, `generate`
 and `bench` (one process, or all three services) take both.
 """
@@ -37,15 +38,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "cpu", "triton"],
                    help="default: triton on CUDA, cpu (C decode kernel) on CPU; torch when cpu cannot be built")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Read by the worker (a rank loads its shard once its scheduler assigns its rank) and by the
+    scheduler (its --workers are T ranks per stage, stage-major; it keeps P steps in flight)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that split each layer's heads and MLP columns (a worker started with T > 1 waits "
                         "for its scheduler to assign its rank)")
-    add_pipeline_parallel_arg(p)
-
-
-def add_pipeline_parallel_arg(p: argparse.ArgumentParser) -> None:
-    """Read by the worker (a stage loads once its scheduler assigns it) and by the scheduler (its
-    workers are T ranks per stage, stage-major, and it keeps P steps in flight)."""
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the model's layers, T ranks each; the scheduler keeps P steps in "
                         "flight so that no stage idles")

@@ -27,11 +27,10 @@ from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
-from services.common.spec_config import SpeculativeConfig
 from services.engine_args import (
     add_engine_args,
     add_model_args,
-    add_pipeline_parallel_arg,
+    add_parallel_args,
     add_scheduler_service_args,
     add_scheduling_args,
     add_speculative_arg,
@@ -72,17 +71,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if root is not None and not os.path.isdir(root):
         return _fail(f"--allowed-model-root {root} is not a directory")
     try:
-        spec = SpeculativeConfig.parse(args.speculative_config)
+        config = EngineConfig(**{**engine_kwargs(args), "model": model})
     except ValueError as e:
         return _fail(f"worker: {e}")
-    load = pb.LoadModelRequest(model=model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len or 0,
-                               attention_backend=args.attention_backend or "",
-                               tensor_parallel_size=args.tensor_parallel_size,
-                               pipeline_parallel_size=args.pipeline_parallel_size, compile_model=args.compile_model,
-                               speculative_config=spec.to_proto() if spec else None)
+    own = pb.LoadModelRequest(config=config.to_proto())
     # A tensor- or pipeline-parallel rank loads its shard once its scheduler says which rank it is.
     parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
-    return _run_async(serve_worker(args.host, args.port, load, device=args.device,
+    return _run_async(serve_worker(args.host, args.port, own, device=args.device,
                                    preload=not parallel, token=token_from_env(args.internal_token),
                                    allowed_model_root=root))
 
@@ -90,7 +85,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_scheduler(args: argparse.Namespace) -> int:
     from services.scheduler.server import serve_scheduler
 
-    # Model, dtype and the like belong to the worker; the scheduler learns them from LoadModel.
+    # Model, dtype and the like belong to the worker; the scheduler adopts them from LoadModel.
     try:
         config = EngineConfig(**engine_kwargs(args), model="")
     except ValueError as e:
@@ -242,7 +237,7 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
                           "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
             + (["--engine-id", f"replica-{replica}"] if redis_url else []) \
             + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_scheduler_service_args) \
-            + _forwarded_flags(args, add_pipeline_parallel_arg)
+            + _forwarded_flags(args, add_parallel_args)
         services.append((f"scheduler{suffix}", scheduler,
                          functools.partial(_grpc_healthy, f"127.0.0.1:{scheduler_port}", "scheduler")))
     gateway = py + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler",
@@ -409,7 +404,7 @@ def add_subcommands(sub) -> None:
     _add_internal_token_arg(s)
     add_scheduler_service_args(s)
     add_scheduling_args(s)
-    add_pipeline_parallel_arg(s)
+    add_parallel_args(s)
     s.set_defaults(func=_cmd_scheduler)
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")

@@ -68,8 +68,8 @@ def test_every_compose_combination_is_valid_compose() -> None:
     tp2 = json.loads(_config(COMPOSE, TP2).stdout)["services"]
     workers = tp2["scheduler-1"]["command"][tp2["scheduler-1"]["command"].index("--workers") + 1]
     assert workers == "worker-1:50052,worker-1b:50053"
-    for rank in ("worker-1", "worker-1b"):
-        assert tp2[rank]["command"][tp2[rank]["command"].index("--tensor-parallel-size") + 1] == "2"
+    for service in ("worker-1", "worker-1b", "scheduler-1"):  # the scheduler reads it too (and checks it)
+        assert tp2[service]["command"][tp2[service]["command"].index("--tensor-parallel-size") + 1] == "2"
 
 
 def test_the_validator_rejects_what_compose_would(tmp_path: Path) -> None:

@@ -220,10 +220,12 @@ def test_disable_by_batch_size_drops_drafts() -> None:
     for rid in "ab":
         sched.add_request(_request(rid, 5))
     so = sched.schedule()
+    assert so.skip_drafts  # two running: the rule holds from the first step
     sched.update_from_output(so, _runner_output(so, {"a": [50], "b": [60]}, {"a": [1, 2], "b": [3, 4]}))
     so = sched.schedule()
     assert list(so.num_scheduled_tokens) == [1, 1]
     assert all(not c.spec_token_ids for c in so.cached_requests)
+    assert so.skip_drafts  # and the worker is told not to propose any after this step
 
 
 # ------------------------------------------------------------------------------ attention

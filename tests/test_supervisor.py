@@ -84,6 +84,7 @@ def test_serve_passes_the_pipeline_size_to_workers_and_scheduler() -> None:
     assert [n for n in commands if n.startswith("worker")] == [f"worker-rank{r}" for r in range(4)]
     for name in ("worker-rank3", "scheduler"):
         assert commands[name][commands[name].index("--pipeline-parallel-size") + 1] == "2"
+        assert commands[name][commands[name].index("--tensor-parallel-size") + 1] == "2"
         build_parser().parse_args(commands[name][commands[name].index("services.cli") + 1:])
     scheduler = commands["scheduler"]
     assert scheduler[scheduler.index("--workers") + 1] == ",".join(f"127.0.0.1:{p}" for p in (11, 12, 13, 14))

@@ -23,6 +23,7 @@ from mesh import Mesh
 from replica import Replica
 
 from services.common.auth import TOKEN_ENV, TOKEN_METADATA_KEY
+from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.common.redis_registry import ENGINES_KEY
@@ -129,20 +130,30 @@ def test_the_sdk_client_sends_its_token_and_a_wrong_one_is_refused(replica: Repl
         assert len(tokens) == 8
 
 
+def _load_request(model: str | None = None, **engine_args) -> pb.LoadModelRequest:
+    """A LoadModel as a scheduler sends it (no model part: the worker's), or naming `model`.
+    EngineConfig would refuse the out-of-range values these tests send: they go in the proto."""
+    max_num_seqs = engine_args.pop("max_num_seqs", 8)
+    config = EngineConfig(model=model or "", **engine_args).to_proto(with_model_config=model is not None)
+    config.scheduler_config.max_num_seqs = max_num_seqs
+    return pb.LoadModelRequest(config=config)
+
+
 def test_load_model_of_another_path_and_an_oversized_kv_cache_are_refused(replica: Replica, tmp_path) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        _raw_call(replica.worker_address, pb_grpc.WorkerStub, "LoadModel", pb.LoadModelRequest(model=str(tmp_path)),
-                  TOKEN)
+        _raw_call(replica.worker_address, pb_grpc.WorkerStub, "LoadModel", _load_request(str(tmp_path)), TOKEN)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and str(tmp_path) in info.value.details()
     # Its own model, spelt another way, is allowed and keeps the loaded weights.
     info = _raw_call(replica.worker_address, pb_grpc.WorkerStub, "LoadModel",
-                     pb.LoadModelRequest(model=replica.model_dir + "/.", max_num_seqs=8), TOKEN)
+                     _load_request(replica.model_dir + "/.", max_num_seqs=8, dtype="float32", max_model_len=1024),
+                     TOKEN)
     assert info.model == replica.model_dir
     assert len(re.findall(r"loaded .* attention backend", replica.log(f"worker-{replica.worker_starts}"))) == 1
     with pytest.raises(grpc.RpcError) as info:  # sizes the batch arrays: bounded whoever asks
         _raw_call(replica.worker_address, pb_grpc.WorkerStub, "LoadModel",
-                  pb.LoadModelRequest(max_num_seqs=2**31 - 1), TOKEN)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "LoadModel.max_num_seqs" in info.value.details()
+                  _load_request(max_num_seqs=2**31 - 1), TOKEN)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "LoadModel.config: max_num_seqs must be in" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         _raw_call(replica.worker_address, pb_grpc.WorkerStub, "InitKVCache",
                   pb.InitKVCacheRequest(num_blocks=1 << 30, block_size=16), TOKEN)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
 
 
@@ -200,6 +201,52 @@ class EngineConfig:
                                      and self.speculative_config is None)
         return self.async_scheduling
 
+    def to_proto(self, with_model_config: bool = True) -> pb.VllmConfig:
+        """The whole configuration as it travels (LoadModel, ModelInfo). A scheduler leaves out
+        the model part, which is its worker's (see VllmConfig in proto/myvllm.proto)."""
+        spec = self.speculative_config
+        return pb.VllmConfig(
+            model_config=pb.ModelConfig(model=self.model, dtype=self.dtype, seed=self.seed,
+                                        max_model_len=self.max_model_len or 0,
+                                        attention_backend=self.attention_backend or "",
+                                        compile_model=self.compile_model) if with_model_config else None,
+            cache_config=pb.CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                                        num_gpu_blocks_override=self.num_gpu_blocks_override or 0,
+                                        kv_cache_memory_bytes=self.kv_cache_memory_bytes or 0),
+            parallel_config=pb.ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                              pipeline_parallel_size=self.pipeline_parallel_size),
+            scheduler_config=pb.SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                                max_num_batched_tokens=self.max_num_batched_tokens,
+                                                scheduling_policy=self.scheduling_policy,
+                                                async_scheduling=self.async_scheduling),
+            speculative_config=spec.to_proto() if spec else None,
+            structured_outputs_config=pb.StructuredOutputsConfig(
+                compile_timeout_s=self.structured_outputs_compile_timeout))
+
+    @classmethod
+    def from_proto(cls, config: pb.VllmConfig) -> EngineConfig:
+        """The configuration a proto carries, checked by the same rules as any other (ValueError)."""
+        m, c, p, s = config.model_config, config.cache_config, config.parallel_config, config.scheduler_config
+        return cls(model=m.model, dtype=m.dtype, seed=m.seed, max_model_len=m.max_model_len or None,
+                   attention_backend=m.attention_backend or None, compile_model=m.compile_model,
+                   block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
+                   num_gpu_blocks_override=c.num_gpu_blocks_override or None,
+                   kv_cache_memory_bytes=c.kv_cache_memory_bytes or None,
+                   tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
+                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                   scheduling_policy=s.scheduling_policy,
+                   async_scheduling=s.async_scheduling if s.HasField("async_scheduling") else None,
+                   speculative_config=SpeculativeConfig.from_proto(config.speculative_config)
+                   if config.HasField("speculative_config") else None,
+                   structured_outputs_compile_timeout=config.structured_outputs_config.compile_timeout_s)
+
+    def adopt_model_config(self, model_config: pb.ModelConfig) -> None:
+        """A scheduler takes its worker's model part (model_config is the worker's)."""
+        self.model, self.dtype, self.seed = model_config.model, model_config.dtype, model_config.seed
+        self.max_model_len = model_config.max_model_len or None
+        self.attention_backend = model_config.attention_backend or None
+        self.compile_model = model_config.compile_model
+
     @property
     def steps_in_flight(self) -> int:
         """How many scheduled steps the engine loop keeps on the workers at once: one per
@@ -207,3 +254,39 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1:
             return self.pipeline_parallel_size
         return 2 if self.async_scheduling else 1
+
+
+# Where scheduler and worker are separate processes, who sets which part of VllmConfig: the
+# worker's flags set the model part (a scheduler adopts it from ModelInfo); both read these
+# parts, which must agree; the rest is the scheduler's, and the worker takes it from LoadModel.
+WORKER_OWNED_PARTS = ("model_config",)
+SHARED_PARTS = ("parallel_config", "speculative_config")
+
+
+def config_mismatches(ours: pb.VllmConfig, theirs: pb.VllmConfig, parts: Iterable[str]) -> list[str]:
+    """The fields of `parts` whose values differ, each as "part.field: ours vs theirs" (an absent
+    part, as speculative_config is when off, reads "off")."""
+    found = []
+    for part in parts:
+        a, b = getattr(ours, part), getattr(theirs, part)
+        if ours.HasField(part) != theirs.HasField(part):
+            found.append(f"{part}: {_part_text(ours, part)} vs {_part_text(theirs, part)}")
+            continue
+        for field in a.DESCRIPTOR.fields:
+            x, y = getattr(a, field.name), getattr(b, field.name)
+            if field.has_presence and a.HasField(field.name) != b.HasField(field.name):
+                x, y = (v if m.HasField(field.name) else None for v, m in ((x, a), (y, b)))
+            if x != y:
+                found.append(f"{part}.{field.name}: {x!r} vs {y!r}")
+    return found
+
+
+def config_mismatch_message(mismatches: list[str], ours: str, theirs: str) -> str:
+    return (f"configuration mismatch between scheduler and worker ({ours} vs {theirs}): {'; '.join(mismatches)}. "
+            f"Start both with the same flags ({', '.join(SHARED_PARTS)} are read by both)")
+
+
+def _part_text(config: pb.VllmConfig, part: str) -> str:
+    if not config.HasField(part):
+        return "off"
+    return "{" + ", ".join(f"{f.name}={v!r}" for f, v in getattr(config, part).ListFields()) + "}"

@@ -7,16 +7,16 @@ from __future__ import annotations
 from services.common.proto import myvllm_pb2 as pb
 
 
-def per_rank_load_requests(request: pb.LoadModelRequest, tp_size: int, pp_size: int,
-                           init_method: str) -> list[pb.LoadModelRequest]:
-    """`request` for every rank, each naming its TP rank, its stage, the group sizes and the
-    rendezvous of this set-up."""
+def per_rank_load_requests(request: pb.LoadModelRequest, init_method: str) -> list[pb.LoadModelRequest]:
+    """`request` for every rank of its configuration's T x P, each naming its TP rank, its stage
+    and the rendezvous of this set-up."""
+    parallel = request.config.parallel_config
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     per_rank = []
     for rank in range(tp_size * pp_size):
         r = pb.LoadModelRequest()
         r.CopyFrom(request)
-        r.tensor_parallel_rank, r.tensor_parallel_size = rank % tp_size, tp_size
-        r.pipeline_parallel_rank, r.pipeline_parallel_size = rank // tp_size, pp_size
+        r.tensor_parallel_rank, r.pipeline_parallel_rank = rank % tp_size, rank // tp_size
         r.distributed_init_method = init_method
         per_rank.append(r)
     return per_rank

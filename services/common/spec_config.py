@@ -87,6 +87,12 @@ class SpeculativeConfig:
             args["disable_by_batch_size"] = DEFAULT_DISABLE_BY_BATCH_SIZE
         return cls(**args)
 
+    @classmethod
+    def from_proto(cls, config: pb.SpeculativeConfig) -> SpeculativeConfig:
+        return cls(method=config.method, num_speculative_tokens=config.num_speculative_tokens,
+                   prompt_lookup_max=config.prompt_lookup_max, prompt_lookup_min=config.prompt_lookup_min,
+                   model=config.model, disable_by_batch_size=config.disable_by_batch_size)
+
     def to_proto(self) -> pb.SpeculativeConfig:
         return pb.SpeculativeConfig(method=self.method, num_speculative_tokens=self.num_speculative_tokens,
                                     prompt_lookup_max=self.prompt_lookup_max,

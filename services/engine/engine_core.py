@@ -14,35 +14,6 @@ from services.engine.scheduler import Scheduler
 from services.engine.structured_output import RequestGrammar, StructuredOutputManager
 
 
-def load_model_request(config: EngineConfig) -> pb.LoadModelRequest:
-    return pb.LoadModelRequest(model=config.model, dtype=config.dtype, seed=config.seed,
-                               max_model_len=config.max_model_len or 0,
-                               attention_backend=config.attention_backend or "",
-                               max_num_seqs=config.max_num_seqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens,
-                               compile_model=config.compile_model,
-                               pipeline_parallel_size=config.pipeline_parallel_size,
-                               speculative_config=config.speculative_config.to_proto()
-                               if config.speculative_config else None)
-
-
-def kv_capacity_request(config: EngineConfig) -> pb.KVCapacityRequest:
-    return pb.KVCapacityRequest(block_size=config.block_size,
-                                kv_cache_memory_bytes=config.kv_cache_memory_bytes or 0)
-
-
-def choose_num_blocks(config: EngineConfig, capacity: pb.KVCapacity, max_model_len: int) -> int:
-    """Blocks in the pool (the null block included): the override, else what fits the budget."""
-    if config.num_gpu_blocks_override:
-        return int(config.num_gpu_blocks_override)
-    needed = -(-max_model_len // config.block_size) + 1
-    if capacity.num_blocks < needed:
-        raise ValueError(
-            f"KV cache budget holds {capacity.num_blocks} blocks of {config.block_size} tokens; one request of "
-            f"max_model_len={max_model_len} needs {needed}. Raise kv_cache_memory_bytes or lower max_model_len.")
-    return int(capacity.num_blocks)
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, model_info: pb.ModelInfo, num_blocks: int) -> None:
         self.config = config

@@ -273,14 +273,18 @@ class Scheduler:
 
         return self._build_output(scheduled_new, scheduled_cached)
 
+    def drafts_off(self) -> bool:
+        """speculative_config.disable_by_batch_size: no drafts while that many requests run."""
+        limit = self.speculative_config.disable_by_batch_size if self.speculative_config else 0
+        return bool(limit) and len(self.running) >= limit
+
     def _trim_drafts(self) -> None:
         """Drop drafts nobody should verify: above disable_by_batch_size running requests, all of
         them (verification costs more than it saves in a large batch); else those past what the
         request may still output."""
         if self.speculative_config is None:
             return
-        limit = self.speculative_config.disable_by_batch_size
-        off = bool(limit) and len(self.running) >= limit
+        off = self.drafts_off()
         for request in self.running:
             if request.spec_token_ids:
                 keep = 0 if off else max_drafts(request, self.max_model_len)
@@ -371,7 +375,7 @@ class Scheduler:
 
     def _build_output(self, scheduled_new: list, scheduled_cached: list) -> pb.SchedulerOutput:
         self.step_id += 1
-        out = pb.SchedulerOutput(step_id=self.step_id)
+        out = pb.SchedulerOutput(step_id=self.step_id, skip_drafts=self.drafts_off())
         num_scheduled = []
         for request, num_new in scheduled_new:
             out.new_requests.append(pb.NewRequestData(

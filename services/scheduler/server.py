@@ -29,6 +29,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.engine.engine_core import EngineCore
 from services.engine.step_loop import StepLoop
+from services.engine.worker_setup import set_up_workers
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
 from services.scheduler.load_reporter import LoadReporter
 from services.scheduler.worker_group import WorkerGroup
@@ -74,7 +75,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def start(self) -> None:
         """Load the model on the worker, size the KV cache, start the engine loop."""
         try:
-            info, num_blocks = await self.worker.set_up(self.config)
+            info, num_blocks = await set_up_workers(self.worker, self.config, worker_owns_model=True)
         except grpc.aio.AioRpcError as e:
             raise StartupError(f"scheduler: worker at {self.worker.address} refused: {e.details()}") from None
         except ValueError as e:
@@ -91,7 +92,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if core is not None and core.model_info == info and core.scheduler.kv_cache_manager.block_pool.num_blocks \
                 == num_blocks:
             return
-        self.config.model = info.model
         if core is not None:
             core.structured_output.close()  # (no request is left: the worker's loss ended them all)
             self.kv_events.cleared()  # a new core starts with an empty prefix cache
@@ -151,7 +151,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         reason, backoff = self.worker_down, RECONNECT_BACKOFF_S
         while True:
             try:
-                info, num_blocks = await self.worker.set_up(self.config)
+                info, num_blocks = await set_up_workers(self.worker, self.config, worker_owns_model=True)
                 break
             except grpc.aio.AioRpcError as e:
                 detail = f"{e.code().name}: {e.details()}"
@@ -309,8 +309,8 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     # rendezvous at a store this scheduler hosts, on the host they reach it by.
     try:
         worker = WorkerGroup([WorkerLink(a, token=token, engine_timeout=engine_timeout) for a in worker_addresses],
-                             rendezvous_host=host, advertise_host=address.rpartition(":")[0],
-                             pipeline_parallel_size=config.pipeline_parallel_size)
+                             config.tensor_parallel_size, config.pipeline_parallel_size,
+                             rendezvous_host=host, advertise_host=address.rpartition(":")[0])
     except ValueError as e:
         raise StartupError(f"scheduler: {e}") from None
     await worker.connect(connect_timeout)

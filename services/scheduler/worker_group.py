@@ -8,9 +8,9 @@ other ranks' answers are read too, so their streams keep flowing and a rank that
 dies is noticed at once (any rank's fault is the engine's fault: the ranks share every
 collective and every stage-to-stage transfer).
 
-Set-up: the ranks rendezvous at a store this scheduler hosts (services/common/rendezvous.py),
-each LoadModel naming its TP rank, its stage, the group sizes and this set-up's generation;
-the KV cache gets the blocks that fit on the fullest rank.
+Set-up (services/engine/worker_setup.py drives it): the ranks rendezvous at a store this
+scheduler hosts (services/common/rendezvous.py), each LoadModel naming its TP rank, its stage
+and this set-up's generation; the KV cache gets the blocks that fit on the fullest rank.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.ranks import fullest_rank_capacity, output_rank, per_rank_load_requests
-from services.engine.engine_core import choose_num_blocks
-from services.scheduler.worker_link import WorkerLink, worker_load_request
+from services.scheduler.worker_link import WorkerLink
 
 
 async def _all(awaitables: list[Awaitable]) -> list:
@@ -40,14 +38,15 @@ async def _all(awaitables: list[Awaitable]) -> list:
 class WorkerGroup:
     """The engine's ranks over gRPC: the step loop's `WorkerHandle` (services/engine/step_loop.py)."""
 
-    def __init__(self, links: list[WorkerLink], rendezvous_host: str = "127.0.0.1",
-                 advertise_host: str | None = None, pipeline_parallel_size: int = 1) -> None:
-        if len(links) % pipeline_parallel_size:
-            raise ValueError(f"{len(links)} workers do not split into pipeline_parallel_size={pipeline_parallel_size} "
-                             "stages of equal size (give tensor_parallel_size x pipeline_parallel_size workers)")
+    def __init__(self, links: list[WorkerLink], tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 rendezvous_host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
+        if len(links) != tensor_parallel_size * pipeline_parallel_size:
+            raise ValueError(f"{len(links)} worker address(es) for tensor_parallel_size={tensor_parallel_size} x "
+                             f"pipeline_parallel_size={pipeline_parallel_size} ranks: give one address per rank "
+                             "(--workers, stage-major) and the same --tensor-parallel-size / "
+                             "--pipeline-parallel-size as the workers")
         self.links = links
-        self.pp_size = pipeline_parallel_size
-        self.tp_size = len(links) // pipeline_parallel_size
+        self.tp_size, self.pp_size = tensor_parallel_size, pipeline_parallel_size
         self.output_index = output_rank(self.tp_size, self.pp_size)
         self.address = ",".join(link.address for link in links)
         self.rendezvous = None
@@ -60,16 +59,21 @@ class WorkerGroup:
     async def connect(self, timeout: float) -> None:
         await _all([link.connect(timeout) for link in self.links])
 
-    async def set_up(self, config: EngineConfig) -> tuple[pb.ModelInfo, int]:
-        if self.rendezvous is None:
-            return await self.links[0].set_up(config)
-        requests = per_rank_load_requests(worker_load_request(config), self.tp_size, self.pp_size,
-                                          self.rendezvous.next_init_method())
-        infos = await _all([link.load_model(r) for link, r in zip(self.links, requests, strict=True)])
-        capacity = fullest_rank_capacity(await _all([link.kv_capacity(config) for link in self.links]))
-        num_blocks = choose_num_blocks(config, capacity, infos[0].max_model_len)
-        await _all([link.init_kv_cache(config, num_blocks) for link in self.links])
-        return infos[0], num_blocks
+    # ------------------------------------------------------------ set-up (engine/worker_setup.py)
+
+    async def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
+        """Every rank loads its part; the answers agree but for the rank fields: rank 0's stands."""
+        init_method = self.rendezvous.next_init_method() if self.rendezvous is not None else ""
+        requests = per_rank_load_requests(request, init_method)
+        if len(requests) != len(self.links):
+            raise ValueError(f"LoadModel asks for {len(requests)} ranks; this scheduler has {len(self.links)} workers")
+        return (await _all([link.load_model(r) for link, r in zip(self.links, requests, strict=True)]))[0]
+
+    async def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:
+        return fullest_rank_capacity(await _all([link.get_kv_capacity(request) for link in self.links]))
+
+    async def init_kv_cache(self, request: pb.InitKVCacheRequest) -> None:
+        await _all([link.init_kv_cache(request) for link in self.links])
 
     # ------------------------------------------------------------ the step loop's WorkerHandle
 

@@ -10,23 +10,14 @@ import asyncio
 import grpc
 
 from services.common.auth import token_metadata
-from services.common.config import DEFAULT_ENGINE_TIMEOUT_S, EngineConfig
+from services.common.config import DEFAULT_ENGINE_TIMEOUT_S
 from services.common.grpc_utils import SETUP_TIMEOUT_S, UNARY_TIMEOUT_S, StartupError, channel
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
-from services.engine.engine_core import choose_num_blocks, kv_capacity_request
 
 
 class WorkerFault(RuntimeError):
     """The worker failed a step, closed its stream, or gave no answer in time."""
-
-
-def worker_load_request(config: EngineConfig) -> pb.LoadModelRequest:
-    """What a scheduler asks of its worker: only what the scheduler owns. Model, dtype, seed,
-    max_model_len and attention backend are the worker's own flags (unset fields keep them),
-    so the scheduler's defaults can never override what the worker was started with."""
-    return pb.LoadModelRequest(max_num_seqs=config.max_num_seqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens)
 
 
 class WorkerLink:
@@ -45,26 +36,15 @@ class WorkerLink:
         except asyncio.TimeoutError:
             raise StartupError(f"scheduler: worker at {self.address} is unreachable") from None
 
-    async def set_up(self, config: EngineConfig) -> tuple[pb.ModelInfo, int]:
-        """LoadModel (sizes the worker's batch; the weights are the worker's own), size and
-        allocate the KV cache. Returns the model info and the number of KV blocks.
-        Raises grpc.aio.AioRpcError, or ValueError when the budget is too small."""
-        info = await self.load_model(worker_load_request(config))
-        num_blocks = choose_num_blocks(config, await self.kv_capacity(config), info.max_model_len)
-        await self.init_kv_cache(config, num_blocks)
-        return info, num_blocks
-
     async def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
         return await self.stub.LoadModel(request, timeout=SETUP_TIMEOUT_S, metadata=self.metadata,
                                          wait_for_ready=True)
 
-    async def kv_capacity(self, config: EngineConfig) -> pb.KVCapacity:
-        return await self.stub.GetKVCapacity(kv_capacity_request(config), timeout=UNARY_TIMEOUT_S,
-                                             metadata=self.metadata)
+    async def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:
+        return await self.stub.GetKVCapacity(request, timeout=UNARY_TIMEOUT_S, metadata=self.metadata)
 
-    async def init_kv_cache(self, config: EngineConfig, num_blocks: int) -> None:
-        await self.stub.InitKVCache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=config.block_size),
-                                    timeout=SETUP_TIMEOUT_S, metadata=self.metadata)
+    async def init_kv_cache(self, request: pb.InitKVCacheRequest) -> None:
+        await self.stub.InitKVCache(request, timeout=SETUP_TIMEOUT_S, metadata=self.metadata)
 
     async def send(self, so: pb.SchedulerOutput) -> None:
         if self.stream is None:

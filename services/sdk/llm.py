@@ -19,8 +19,9 @@ from transformers import AutoTokenizer
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
-from services.engine.engine_core import EngineCore, choose_num_blocks, kv_capacity_request, load_model_request
+from services.engine.engine_core import EngineCore
 from services.engine.step_loop import StepLoop
+from services.engine.worker_setup import set_up_workers
 from services.sdk.local_workers import LocalWorkers
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
 from services.text.output_processor import ChoiceOutputProcessor
@@ -48,29 +49,21 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, **engine_args)
         self.worker = make_workers(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
+        self._workers = LocalWorkers(self.worker, pipelined=self.config.pipeline_parallel_size > 1)
+        self._loop = asyncio.new_event_loop()  # runs the set-up and the step loop, within each call
         try:
-            info, num_blocks = self._start_worker()
+            info, num_blocks = self._run_coroutine(set_up_workers(self._workers, self.config))
         except BaseException:
             self.close()
             raise
         self.engine = EngineCore(self.config, info, num_blocks)
+        self._workers.set_steps_in_flight(self.config.steps_in_flight)
         # Text, stop strings and bad words go through the gateway's pieces (services/text), so
         # offline and served completions of the same request read the same.
         self.text_tokenizer = Tokenizer(AutoTokenizer.from_pretrained(self.config.model),
                                         list(info.eos_token_ids), info.vocab_size)
         self.tokenizer = self.text_tokenizer.hf_tokenizer
         self._ids = itertools.count()
-        self._workers = LocalWorkers(self.worker, self.config.steps_in_flight,
-                                     pipelined=self.config.pipeline_parallel_size > 1)
-        self._loop = asyncio.new_event_loop()  # runs the step loop, within each call
-
-    def _start_worker(self) -> tuple[pb.ModelInfo, int]:
-        """Load the model on the worker (every TP rank) and size its KV cache: (model info, blocks)."""
-        info = self.worker.load_model(load_model_request(self.config))
-        capacity = self.worker.get_kv_capacity(kv_capacity_request(self.config))
-        num_blocks = choose_num_blocks(self.config, capacity, info.max_model_len)
-        self.worker.init_kv_cache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=self.config.block_size))
-        return info, num_blocks
 
     def close(self) -> None:
         """Stop the tensor-parallel rank processes, if any (they also die with this process), and

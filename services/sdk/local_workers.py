@@ -1,4 +1,5 @@
-"""The offline `LLM`'s ranks as the step loop's `WorkerHandle` (services/engine/step_loop.py): one
+"""The offline `LLM`'s ranks as the step loop's `WorkerHandle` (services/engine/step_loop.py) and
+as the set-up's `WorkerSetup` (services/engine/worker_setup.py): one
 in-process `Worker`, or T x P ranks (rank 0 here, the rest spawned: services/worker/rank_workers.py).
 
 Steps run on one compute thread when more than one is in flight (async scheduling: the caller
@@ -19,14 +20,32 @@ from services.worker.worker import Worker
 
 
 class LocalWorkers:
-    def __init__(self, workers: Worker | ParallelWorkers, steps_in_flight: int, pipelined: bool) -> None:
+    def __init__(self, workers: Worker | ParallelWorkers, pipelined: bool) -> None:
         self.workers = workers
         self.pipelined = pipelined
-        threaded = steps_in_flight > 1 and not pipelined
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute") if threaded else None
+        self._compute: ThreadPoolExecutor | None = None
         # Per submitted message, in order: a Future (the compute thread's), None (a pipeline step,
         # collected from the ranks), or the answer itself (a step run here).
         self._pending: deque[Future | pb.ModelRunnerOutput | None] = deque()
+
+    # ------------------------------------------------------------ set-up (engine/worker_setup.py)
+
+    async def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
+        return self.workers.load_model(request)
+
+    async def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:
+        return self.workers.get_kv_capacity(request)
+
+    async def init_kv_cache(self, request: pb.InitKVCacheRequest) -> None:
+        self.workers.init_kv_cache(request)
+
+    # ------------------------------------------------------------ the step loop's WorkerHandle
+
+    def set_steps_in_flight(self, steps_in_flight: int) -> None:
+        """Known once the engine is configured for the loaded model (async scheduling depends on
+        its device): more than one step in flight runs steps on a compute thread."""
+        if steps_in_flight > 1 and not self.pipelined and self._compute is None:
+            self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute")
 
     async def submit(self, so: pb.SchedulerOutput) -> None:
         if self.pipelined:

@@ -397,7 +397,7 @@ class ModelRunner:
             self._sample_with_drafts(out, logits, sample_rows, num_spec, so)
         else:
             self._sample_plain(out, logits, sample_rows, so)
-        if self.proposer is not None:
+        if self.proposer is not None and not so.skip_drafts:  # (skip: the scheduler would drop them)
             self.proposer.propose(out, sample_rows)
         return out
 

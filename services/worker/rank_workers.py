@@ -172,8 +172,12 @@ class ParallelWorkers:
         return [local, *self._finish(method)]
 
     def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
+        parallel = request.config.parallel_config
+        if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) != (self.tp_size, self.pp_size):
+            raise ValueError(f"LoadModel asks for {parallel.tensor_parallel_size} x {parallel.pipeline_parallel_size} "
+                             f"ranks; these are {self.tp_size} x {self.pp_size}")
         self._load_request = request
-        per_rank = per_rank_load_requests(request, self.tp_size, self.pp_size, self.rendezvous.next_init_method())
+        per_rank = per_rank_load_requests(request, self.rendezvous.next_init_method())
         return self._mirror("load_model", per_rank[1:], per_rank[0])[0]
 
     def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:

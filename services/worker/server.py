@@ -22,7 +22,7 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.auth import server_interceptors
-from services.common.config import MAX_NUM_BATCHED_TOKENS_LIMIT, MAX_NUM_SEQS_LIMIT
+from services.common.config import SHARED_PARTS, EngineConfig, config_mismatch_message, config_mismatches
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.worker.model_runner import MemoryBudgetError
@@ -32,15 +32,21 @@ from services.worker.worker import Worker
 logger = logging.getLogger("myvllm.worker")
 
 
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 def _is_under(path: str, root: str) -> bool:
     path, root = os.path.realpath(path), os.path.realpath(root)
     return os.path.commonpath([path, root]) == root
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, default_load: pb.LoadModelRequest, device: str | None = None,
+    def __init__(self, own: pb.LoadModelRequest, device: str | None = None,
                  allowed_model_root: str | None = None) -> None:
-        self.default_load = default_load
+        self.own = own  # this worker's configuration, from its flags
         self.allowed_model_root = allowed_model_root
         self.worker = Worker(device)
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-compute")
@@ -49,40 +55,53 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     def _model_allowed(self, model: str) -> bool:
-        if model == self.default_load.model:
+        if model == self.own.config.model_config.model:
             return True
         return self.allowed_model_root is not None and _is_under(model, self.allowed_model_root)
 
     async def preload(self) -> None:
         """Load the worker's own model at start-up, so `--model` errors surface before any
         scheduler connects (and the scheduler's LoadModel then finds it loaded)."""
-        await self._run(self.worker.load_model, self.default_load)
+        await self._run(self.worker.load_model, self.own)
+
+    def _merged(self, request: pb.LoadModelRequest) -> pb.LoadModelRequest:
+        """The LoadModel to run: the sender's configuration with this worker's model part where
+        the sender leaves it out (a scheduler does). Raises _Refused."""
+        own = self.own.config
+        merged = pb.LoadModelRequest()
+        merged.CopyFrom(request)
+        config = merged.config
+        if not config.HasField("model_config"):
+            config.model_config.CopyFrom(own.model_config)
+        elif os.path.realpath(config.model_config.model) == os.path.realpath(own.model_config.model):
+            config.model_config.model = own.model_config.model  # the same directory spelt another way: no reload
+        if not self._model_allowed(config.model_config.model):
+            root = f" or a directory under {self.allowed_model_root}" if self.allowed_model_root else ""
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, f"this worker serves {own.model_config.model}{root}; "
+                                                              f"refusing to load {config.model_config.model}")
+        # A worker with --allowed-model-root loads what its scheduler asks; any other must agree
+        # with it on what both read.
+        if self.allowed_model_root is None:
+            mismatches = config_mismatches(own, config, SHARED_PARTS)
+            if mismatches:
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                               config_mismatch_message(mismatches, "this worker's", "the scheduler's"))
+        draft = config.speculative_config.model
+        if draft and not (draft == own.speculative_config.model or self._model_allowed(draft)):
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                           f"this worker may not load draft model {draft} (start it with --speculative-config "
+                           "naming that model, or with --allowed-model-root above it)")
+        try:
+            EngineConfig.from_proto(config)  # every configuration passes the same checks
+        except ValueError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"LoadModel.config: {e}") from None
+        return merged
 
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        merged = pb.LoadModelRequest()
-        merged.CopyFrom(self.default_load)
-        # Fields the caller sets override the worker's own command-line defaults.
-        for field, value in request.ListFields():
-            if field.message_type is not None:
-                getattr(merged, field.name).CopyFrom(value)
-            else:
-                setattr(merged, field.name, value)
-        if os.path.realpath(merged.model) == os.path.realpath(self.default_load.model):
-            merged.model = self.default_load.model  # the same directory spelt another way: no reload
-        if not self._model_allowed(merged.model):
-            root = f" or a directory under {self.allowed_model_root}" if self.allowed_model_root else ""
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"this worker serves {self.default_load.model}{root}; refusing to load {merged.model}")
-        draft = merged.speculative_config.model
-        if draft and not (draft == self.default_load.speculative_config.model or self._model_allowed(draft)):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"this worker may not load draft model {draft} (start it with --speculative-config "
-                                "naming that model, or with --allowed-model-root above it)")
-        for name, limit in (("max_num_seqs", MAX_NUM_SEQS_LIMIT),
-                            ("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS_LIMIT)):
-            if not 0 <= getattr(merged, name) <= limit:  # 0: the worker's default
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"LoadModel.{name} must be in [0, {limit}], got {getattr(merged, name)}")
+        try:
+            merged = self._merged(request)
+        except _Refused as e:
+            await context.abort(e.code, e.message)
         try:
             return await self._run(self.worker.load_model, merged)
         except MemoryBudgetError as e:
@@ -141,11 +160,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                                  f"attention backend {info.attention_backend})")
 
 
-async def serve_worker(host: str, port: int, default_load: pb.LoadModelRequest, device: str | None = None,
+async def serve_worker(host: str, port: int, own: pb.LoadModelRequest, device: str | None = None,
                        preload: bool = True, token: str | None = None,
                        allowed_model_root: str | None = None) -> None:
     logger.setLevel(logging.INFO)  # the weight loads and the attention backend chosen belong in the log
-    servicer = WorkerServicer(default_load, device, allowed_model_root)
+    servicer = WorkerServicer(own, device, allowed_model_root)
     if preload:
         await servicer.preload()
     server = grpc_utils.server(server_interceptors(token))

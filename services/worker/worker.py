@@ -16,18 +16,21 @@ from services.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("myvllm.worker")
 
-# The LoadModelRequest fields the weights depend on: a LoadModel that changes none of them
-# keeps the loaded weights (a reconnecting scheduler, or one that only sizes the batch).
-# A new TP/PP rank, group size or rendezvous means new shards and a new process group: a reload.
-WEIGHT_FIELDS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_rank",
-                 "tensor_parallel_size", "distributed_init_method", "compile_model", "pipeline_parallel_rank",
-                 "pipeline_parallel_size", "speculative_config")
-DEFAULT_MAX_NUM_SEQS = 256
 MAX_INT32 = 2**31 - 1
 
 
-def weights_key(req: pb.LoadModelRequest) -> tuple:
-    return tuple(getattr(req, f) for f in WEIGHT_FIELDS)
+def weights_key(req: pb.LoadModelRequest) -> bytes:
+    """What the loaded weights depend on: a LoadModel that changes none of it keeps them (a
+    reconnecting scheduler, or one that only sizes the batch). A new TP/PP rank, group size or
+    rendezvous means new shards and a new process group: a reload."""
+    c = req.config
+    key = pb.LoadModelRequest(tensor_parallel_rank=req.tensor_parallel_rank,
+                              pipeline_parallel_rank=req.pipeline_parallel_rank,
+                              distributed_init_method=req.distributed_init_method,
+                              config=pb.VllmConfig(model_config=c.model_config, parallel_config=c.parallel_config,
+                                                   speculative_config=c.speculative_config
+                                                   if c.HasField("speculative_config") else None))
+    return key.SerializeToString(deterministic=True)
 
 
 class Worker:
@@ -35,32 +38,35 @@ class Worker:
         self.device = device
         self.runner: ModelRunner | None = None
         self.info: pb.ModelInfo | None = None
-        self._loaded_key: tuple | None = None
+        self._loaded_key: bytes | None = None
 
     def load_model(self, req: pb.LoadModelRequest) -> pb.ModelInfo:
         """Load the weights, unless the same weights are already loaded (then only the batch
-        size changes)."""
-        max_num_seqs = req.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        size changes). The answer carries the configuration as loaded."""
+        c = req.config
+        model, parallel = c.model_config, c.parallel_config
+        max_num_seqs = c.scheduler_config.max_num_seqs
         if self.runner is not None and self._loaded_key == weights_key(req):
             if self.runner.max_num_seqs != max_num_seqs:
                 self.runner.set_max_num_seqs(max_num_seqs)
+            self.info.config.CopyFrom(c)
             return self.info
         started = time.monotonic()
         self.runner = ModelRunner(
-            req.model, dtype=req.dtype or "auto", seed=req.seed, max_num_seqs=max_num_seqs,
-            max_model_len=req.max_model_len or None, attention_backend=req.attention_backend or None,
+            model.model, dtype=model.dtype or "auto", seed=model.seed, max_num_seqs=max_num_seqs,
+            max_model_len=model.max_model_len or None, attention_backend=model.attention_backend or None,
             device=self.device, tensor_parallel_rank=req.tensor_parallel_rank,
-            tensor_parallel_size=max(req.tensor_parallel_size, 1),
-            distributed_init_method=req.distributed_init_method, compile_model=req.compile_model,
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            distributed_init_method=req.distributed_init_method, compile_model=model.compile_model,
             pipeline_parallel_rank=req.pipeline_parallel_rank,
-            pipeline_parallel_size=max(req.pipeline_parallel_size, 1),
-            speculative_config=req.speculative_config if req.HasField("speculative_config") else None)
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+            speculative_config=c.speculative_config if c.HasField("speculative_config") else None)
         r = self.runner
         self._loaded_key = weights_key(req)
-        self.info = pb.ModelInfo(model=req.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
+        self.info = pb.ModelInfo(model=model.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
                                  eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
-                                 device=r.device.type, attention_backend=r.attn_backend.name)
-        logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s", req.model,
+                                 device=r.device.type, attention_backend=r.attn_backend.name, config=c)
+        logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s", model.model,
                        time.monotonic() - started, self.info.dtype, self.info.device, self.info.attention_backend)
         return self.info
 

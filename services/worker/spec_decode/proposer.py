@@ -61,9 +61,6 @@ class SpecProposer:
     def propose(self, out: pb.ModelRunnerOutput, sample_rows: np.ndarray) -> None:
         """Fill `out.spec_token_ids` (parallel to out.request_ids) for the rows that sampled."""
         batch = self.runner.input_batch
-        limit = self.config.disable_by_batch_size
-        if limit and len(batch) >= limit:
-            return  # the scheduler would drop them anyway: verifying costs a large batch throughput
         rows = [r for r in sample_rows.tolist()
                 if may_speculate(batch.sampling[r], int(batch.num_tokens[r] - batch.num_prompt_tokens[r]))]
         if not rows:
