@@ -4,7 +4,6 @@ with a log line naming the service and its exit code."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -15,23 +14,6 @@ INITIAL_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 # A process that stayed up this long counts as healthy again: its next failure restarts quickly.
 STABLE_AFTER_S = 60.0
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent(parent_pid: int):
-    """A child's pre-exec step: SIGTERM when the process that started it dies, even by SIGKILL
-    (the services run in sessions of their own, so nothing else would reach them)."""
-    def set_up() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl (not Linux): a killed serve leaves its services
-            return
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-    return set_up
 
 
 def log(message: str) -> None:
@@ -56,9 +38,10 @@ class ServiceProcess:
     def start(self) -> None:
         # Its own session: Ctrl-C in the terminal reaches serve only, which stops the
         # services in order; and a signal to one service never hits the others.
-        self.proc = subprocess.Popen(self.command, start_new_session=True, env=self.env,
-                                     stdin=subprocess.PIPE if self.stdin_data is not None else None,
-                                     preexec_fn=_die_with_parent(os.getpid()))
+        # Through services.die_with_parent: SIGTERM when serve dies, even by SIGKILL.
+        command = [sys.executable, "-m", "services.die_with_parent", str(os.getpid()), *self.command]
+        self.proc = subprocess.Popen(command, start_new_session=True, env=self.env,
+                                     stdin=subprocess.PIPE if self.stdin_data is not None else None)
         if self.stdin_data is not None:
             try:
                 self.proc.stdin.write(self.stdin_data)
