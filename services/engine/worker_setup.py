@@ -33,8 +33,8 @@ async def set_up_workers(workers: WorkerSetup, config: EngineConfig,
     Raises ConfigMismatch, or ValueError when the KV budget is too small."""
     sent = config.to_proto(with_model_config=not worker_owns_model)
     info = await workers.load_model(pb.LoadModelRequest(config=sent))
-    parts = [p.name for p in pb.VllmConfig.DESCRIPTOR.fields if p.name not in WORKER_OWNED_PARTS or
-             not worker_owns_model]
+    parts = [f.name for f in pb.VllmConfig.DESCRIPTOR.fields
+             if not (worker_owns_model and f.name in WORKER_OWNED_PARTS)]  # every part that was sent
     # The worker refuses a disagreement itself (naming the field); this catches one that did not.
     mismatches = config_mismatches(sent, info.config, parts)
     if mismatches:
