@@ -21,16 +21,12 @@ class WorkerSetup(Protocol):
     async def init_kv_cache(self, request: pb.InitKVCacheRequest) -> None: ...
 
 
-class ConfigMismatch(ValueError):
-    """Scheduler and worker were started with configurations that disagree."""
-
-
 async def set_up_workers(workers: WorkerSetup, config: EngineConfig,
                          worker_owns_model: bool = False) -> tuple[pb.ModelInfo, int]:
     """Load the model on every rank and allocate its KV cache: (the model info, the number of
     KV blocks). `worker_owns_model`: a scheduler's separate workers load their own model (their
     flags); the config then takes its model part from their answer.
-    Raises ConfigMismatch, or ValueError when the KV budget is too small."""
+    Raises ValueError: a configuration mismatch (naming the fields), or a KV budget too small."""
     sent = config.to_proto(with_model_config=not worker_owns_model)
     info = await workers.load_model(pb.LoadModelRequest(config=sent))
     parts = [f.name for f in pb.VllmConfig.DESCRIPTOR.fields
@@ -38,7 +34,7 @@ async def set_up_workers(workers: WorkerSetup, config: EngineConfig,
     # The worker refuses a disagreement itself (naming the field); this catches one that did not.
     mismatches = config_mismatches(sent, info.config, parts)
     if mismatches:
-        raise ConfigMismatch(config_mismatch_message(mismatches, "ours", "the worker's"))
+        raise ValueError(config_mismatch_message(mismatches, "the scheduler's", "the worker's"))
     if worker_owns_model:
         config.adopt_model_config(info.config.model_config)
     capacity = await workers.get_kv_capacity(pb.KVCapacityRequest(
