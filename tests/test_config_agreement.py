@@ -13,6 +13,7 @@ import pytest
 from services.common import grpc_utils
 from services.common.config import SHARED_PARTS, EngineConfig, config_mismatches
 from services.common.grpc_utils import StartupError
+from services.common.message_limits import WORKER_RECEIVE_BYTES
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.engine.worker_setup import set_up_workers
@@ -24,11 +25,11 @@ from services.worker.server import WorkerServicer
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-async def _with_worker(worker_config: EngineConfig, body) -> None:
+async def with_worker(worker_config: EngineConfig, body) -> None:
     """Run `body(address)` beside a worker servicer started with `worker_config` (its flags)."""
     servicer = WorkerServicer(pb.LoadModelRequest(config=worker_config.to_proto()))
     await servicer.preload()
-    server = grpc_utils.server()
+    server = grpc_utils.server(WORKER_RECEIVE_BYTES)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -39,18 +40,18 @@ async def _with_worker(worker_config: EngineConfig, body) -> None:
         servicer.compute.shutdown(wait=True)
 
 
-def _worker_config(model_dir: str, **overrides) -> EngineConfig:
+def worker_config(model_dir: str, **overrides) -> EngineConfig:
     return EngineConfig(model=model_dir, dtype="float32", max_model_len=128, **overrides)
 
 
-def _scheduler_config(**overrides) -> EngineConfig:
+def scheduler_config(**overrides) -> EngineConfig:
     return EngineConfig(model="", max_num_seqs=4, kv_cache_memory_bytes=8 << 20, **overrides)
 
 
 def test_the_scheduler_adopts_the_workers_model_part_and_gets_its_own_parts_back(tiny_llama_dir: str) -> None:
     async def body(address: str) -> None:
-        config = _scheduler_config(speculative_config=NGRAM)
-        group = WorkerGroup([WorkerLink(address)])
+        config = scheduler_config(speculative_config=NGRAM)
+        group = WorkerGroup([WorkerLink(address, 1 << 20)])
         info, num_blocks = await set_up_workers(group, config, worker_owns_model=True)
         assert (config.model, config.dtype, config.max_model_len) == (tiny_llama_dir, "float32", 128)
         assert info.config.scheduler_config.max_num_seqs == 4  # the worker took the scheduler's part
@@ -58,7 +59,7 @@ def test_the_scheduler_adopts_the_workers_model_part_and_gets_its_own_parts_back
         assert info.config == config.to_proto()  # one configuration, the same on both sides
         assert num_blocks > 1
 
-    asyncio.run(_with_worker(_worker_config(tiny_llama_dir, speculative_config=NGRAM), body))
+    asyncio.run(with_worker(worker_config(tiny_llama_dir, speculative_config=NGRAM), body))
 
 
 @pytest.mark.parametrize(("worker_spec", "scheduler_spec", "named"), [
@@ -70,20 +71,20 @@ def test_a_speculative_config_mismatch_is_refused_at_start_naming_the_field(
         tiny_llama_dir: str, worker_spec: dict | None, scheduler_spec: dict | None, named: str) -> None:
     async def body(address: str) -> None:
         with pytest.raises(StartupError) as refused:
-            await serve_scheduler("127.0.0.1", 0, _scheduler_config(speculative_config=scheduler_spec), [address],
+            await serve_scheduler("127.0.0.1", 0, scheduler_config(speculative_config=scheduler_spec), [address],
                                   connect_timeout=30)
         assert "configuration mismatch between scheduler and worker" in str(refused.value)
         assert "FAILED_PRECONDITION" in str(refused.value) or "refused" in str(refused.value)
         assert named in str(refused.value)
 
-    asyncio.run(_with_worker(_worker_config(tiny_llama_dir, speculative_config=worker_spec), body))
+    asyncio.run(with_worker(worker_config(tiny_llama_dir, speculative_config=worker_spec), body))
 
 
 def test_a_worker_count_that_is_not_tp_times_pp_is_refused_before_any_call() -> None:
     async def body() -> None:
         with pytest.raises(StartupError, match=r"1 worker address\(es\) for tensor_parallel_size=2 x "
                                                r"pipeline_parallel_size=1 ranks"):
-            await serve_scheduler("127.0.0.1", 0, _scheduler_config(tensor_parallel_size=2), ["127.0.0.1:1"])
+            await serve_scheduler("127.0.0.1", 0, scheduler_config(tensor_parallel_size=2), ["127.0.0.1:1"])
 
     asyncio.run(body())
 

@@ -31,7 +31,7 @@ async def slow(request, context):
     return request
 
 async def main() -> None:
-    server = grpc_utils.server()
+    server = grpc_utils.server(1 << 20)
     handler = grpc.unary_unary_rpc_method_handler(slow)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Slow", {{"Call": handler}}),))
     port = server.add_insecure_port("127.0.0.1:0")

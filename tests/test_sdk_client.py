@@ -309,3 +309,22 @@ def test_closing_a_stream_whose_reader_never_ran_still_ends_its_requests() -> No
 
     item = asyncio.run(scenario())
     assert isinstance(item, _StreamBroken) and item.reason == "dropped"
+
+
+def test_a_large_abort_goes_in_messages_any_scheduler_reads() -> None:
+    """A scheduler reads one request's worth of bytes per message: aborting thousands of requests
+    with the longest legal ids at once goes in several messages, every id in order."""
+    from services.common.message_limits import MAX_REQUEST_ID_CHARS, generate_request_bytes, receive_limit
+
+    sent: list[pb.ClientMessage] = []
+
+    class _Stream:
+        waiting: dict = {}
+
+        def send(self, message: pb.ClientMessage) -> None:
+            sent.append(message)
+
+    ids = [f"{i:05d}" + "\U0001f600" * (MAX_REQUEST_ID_CHARS - 5) for i in range(3000)]
+    AsyncClient("127.0.0.1:1")._abort_now(_Stream(), ids)
+    assert [i for m in sent for i in m.abort.request_ids] == ids
+    assert max(m.ByteSize() for m in sent) <= receive_limit(generate_request_bytes(2))  # the smallest model's

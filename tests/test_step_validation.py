@@ -185,7 +185,7 @@ def test_a_refused_step_is_reported_as_a_failure_of_a_live_worker_not_as_a_dead_
     from services.scheduler.worker_link import WorkerFault, WorkerLink
 
     async def fault(code: grpc.StatusCode) -> str:
-        link = WorkerLink("127.0.0.1:1")
+        link = WorkerLink("127.0.0.1:1", 1 << 20)
 
         async def rpc() -> None:
             raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),

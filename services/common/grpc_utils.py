@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
-# Prompts of many thousand tokens and big batches exceed gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 256 << 20
+# What a receiver accepts is sized per link from the largest legal message (message_limits.py)
+# and passed to server() / channel(); what a peer sends is not limited (gRPC's default).
 # Keepalive: a peer that vanished without closing its TCP connection (power loss, a network
 # partition, a SIGSTOPped process whose kernel still ACKs) is noticed within about
 # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS instead of never. A hung-but-connected worker is
@@ -40,8 +40,6 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[st
 
 def _common_options(keepalive_time_ms: int) -> list[tuple[str, object]]:
     return [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -72,9 +70,16 @@ def bind_or_fail(server: grpc.aio.Server, host: str, port: int, what: str) -> No
         raise StartupError(f"{what}: cannot listen on {host}:{port} (port in use?)")
 
 
-def server(interceptors: list | None = None) -> grpc.aio.Server:
-    """A grpc.aio server with the shared options (and, when given, auth interceptors)."""
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
+def _receive_limit(max_receive_bytes: int) -> list[tuple[str, object]]:
+    # -1: no limit (gRPC's own default is 4 MiB, below a long prompt's request).
+    return [("grpc.max_receive_message_length", max_receive_bytes)]
+
+
+def server(max_receive_bytes: int, interceptors: list | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with the shared options, refusing (RESOURCE_EXHAUSTED) any message
+    above `max_receive_bytes` before reading it, and, when given, auth interceptors."""
+    return grpc.aio.server(options=SERVER_OPTIONS + _receive_limit(max_receive_bytes),
+                           interceptors=interceptors or None)
 
 
 async def serve_until_cancelled(server: grpc.aio.Server, grace_s: float = SHUTDOWN_GRACE_S) -> None:
@@ -91,5 +96,6 @@ async def serve_until_cancelled(server: grpc.aio.Server, grace_s: float = SHUTDO
         await server.stop(grace_s)
 
 
-def channel(address: str, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + (extra_options or []))
+def channel(address: str, max_receive_bytes: int) -> grpc.aio.Channel:
+    """A channel with the shared options that reads answers of up to `max_receive_bytes`."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + _receive_limit(max_receive_bytes))

@@ -57,6 +57,7 @@ class Request:
         self.output_token_ids: list[int] = list(resumed_output_token_ids or [])
         self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.sampling = sampling
+        self.sampling_bytes = sampling.ByteSize()  # its share of the step that first sends it
         self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(sampling.stop_token_ids)
         self.max_tokens = max_tokens

@@ -12,15 +12,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from services.common.message_limits import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_TOKEN_IDS,
+)
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import MAX_LOGPROBS
 
-MAX_REQUEST_ID_CHARS = 256
-MAX_CACHE_SALT_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_BAD_WORDS = 1024
-MAX_BAD_WORD_TOKENS = 128        # tokens in one bad-word sequence
 MAX_PENALTY = 2.0                # frequency / presence penalties, as OpenAI and vLLM bound them
 MAX_ABS_LOGIT_BIAS = 100.0
 

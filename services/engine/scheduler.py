@@ -14,6 +14,8 @@ import time
 from collections import deque
 from concurrent.futures import wait
 
+from services.common import message_limits
+from services.common.message_limits import STEP_BUDGET_BYTES
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
 from services.common.structured_outputs import StructuredOutputsError
@@ -82,6 +84,19 @@ class Scheduler:
         self.speculative_config = speculative_config
         self.num_lookahead_slots = lookahead_slots(speculative_config)
         self.spec_stats = SpecDecodeStats(speculative_config.num_speculative_tokens if speculative_config else 0)
+        # Each step's message stays within STEP_BUDGET_BYTES, what the worker reads (a step with
+        # many new requests of long prompts or big sampling parameters, as after a worker
+        # restart, is spread over several); the first request of a step always goes, so one
+        # request's data must fit.
+        num_drafts = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.bitmask_row_bytes = message_limits.bitmask_row_bytes(structured_output.vocab_size) \
+            if structured_output is not None else 0
+        largest = message_limits.new_request_bytes(
+            message_limits.MAX_REQUEST_ID_CHARS, max_model_len, self._max_blocks(max_model_len),
+            message_limits.sampling_params_bytes()) + (1 + num_drafts) * self.bitmask_row_bytes
+        if largest > STEP_BUDGET_BYTES:
+            raise ValueError(f"max_model_len {max_model_len}: one request's data in a step could take {largest} "
+                             f"bytes, above the {STEP_BUDGET_BYTES} a step may carry (lower --max-model-len)")
 
     # ------------------------------------------------------------------ queue management
 
@@ -192,6 +207,7 @@ class Scheduler:
         scheduled_cached: list[tuple[Request, int, list[int]]] = []
         scheduled_ids: set[str] = set()
         preempted = False
+        step_bytes = message_limits.finished_ids_bytes(len(self.finished_req_ids))
         self._fill_wait_left = self.step_fill_wait_s
         self._row_waiters = []
 
@@ -204,6 +220,11 @@ class Scheduler:
                           token_budget, self.max_model_len - request.num_computed_tokens)
             if num_new <= 0 or self._finishes_in_flight(request) or self._waits_for_row(request, num_new):
                 idx += 1
+                continue
+            known = request.request_id in self.worker_known
+            num_bytes = self._message_bytes(request, num_new, known)
+            if (scheduled_new or scheduled_cached) and step_bytes + num_bytes > STEP_BUDGET_BYTES:
+                idx += 1  # the next step takes it
                 continue
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
@@ -228,11 +249,12 @@ class Scheduler:
             if new_blocks is None:
                 continue  # `request` preempted itself; running[idx] is now the next one
             scheduled_ids.add(request.request_id)
-            if request.request_id in self.worker_known:
+            if known:
                 scheduled_cached.append((request, num_new, [b.block_id for b in new_blocks]))
             else:
                 scheduled_new.append((request, num_new))
             token_budget -= num_new
+            step_bytes += num_bytes
             idx += 1
 
         # 2) Waiting requests, only if nobody had to be preempted this step. Those whose grammar
@@ -254,6 +276,9 @@ class Scheduler:
                 self.waiting.popleft()
                 skipped.append(request)
                 continue
+            num_bytes = self._message_bytes(request, num_new, known=False)
+            if (scheduled_new or scheduled_cached) and step_bytes + num_bytes > STEP_BUDGET_BYTES:
+                break  # the next step takes it
             lookahead = self._lookahead(request, num_hit_tokens + num_new)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead, hit_blocks)
             if new_blocks is None:
@@ -269,9 +294,30 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             scheduled_new.append((request, num_new))
             token_budget -= num_new
+            step_bytes += num_bytes
         self.waiting.extendleft(reversed(skipped))
 
         return self._build_output(scheduled_new, scheduled_cached)
+
+    def _max_blocks(self, num_tokens: int) -> int:
+        """The most KV blocks a request of `num_tokens` tokens holds (with its lookahead slots)."""
+        return (num_tokens + self.num_lookahead_slots) // self.block_size + 2
+
+    def _message_bytes(self, request: Request, num_new: int, known: bool) -> int:
+        """At most what scheduling `request` for `num_new` tokens adds to the step's message:
+        its full data if the worker does not hold it, else its new block, token and draft ids;
+        a bitmask row per sampled position if it is constrained."""
+        if known:
+            num_ids = self._max_blocks(num_new) + len(request.spec_token_ids)
+            if self.pipeline_parallel:
+                num_ids += num_new  # the tokens the step computes
+            num_bytes = message_limits.cached_request_bytes(len(request.request_id), num_ids)
+        else:
+            num_bytes = message_limits.new_request_bytes(len(request.request_id), request.num_tokens,
+                                                         self._max_blocks(request.num_tokens), request.sampling_bytes)
+        if request.grammar is not None:
+            num_bytes += self.bitmask_row_bytes * (1 + len(request.spec_token_ids))
+        return num_bytes
 
     def drafts_off(self) -> bool:
         """speculative_config.disable_by_batch_size: no drafts while that many requests run."""

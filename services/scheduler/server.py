@@ -25,6 +25,7 @@ from services.common import grpc_utils
 from services.common.auth import server_interceptors
 from services.common.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from services.common.grpc_utils import StartupError
+from services.common.message_limits import generate_request_bytes, receive_limit, runner_output_bytes
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.engine.engine_core import EngineCore
@@ -308,7 +309,11 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     # Several workers are one engine's ranks (tensor parallel x pipeline stages), stage-major; they
     # rendezvous at a store this scheduler hosts, on the host they reach it by.
     try:
-        worker = WorkerGroup([WorkerLink(a, token=token, engine_timeout=engine_timeout) for a in worker_addresses],
+        num_drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        answer_bytes = receive_limit(runner_output_bytes(config.max_num_seqs, config.max_num_batched_tokens,
+                                                         num_drafts))
+        worker = WorkerGroup([WorkerLink(a, answer_bytes, token=token, engine_timeout=engine_timeout)
+                              for a in worker_addresses],
                              config.tensor_parallel_size, config.pipeline_parallel_size,
                              rendezvous_host=host, advertise_host=address.rpartition(":")[0])
     except ValueError as e:
@@ -316,11 +321,14 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     await worker.connect(connect_timeout)
     reporter = LoadReporter(redis_url, engine_id or address, address, token=token) if redis_url else None
     servicer = SchedulerServicer(config, worker, reporter, max_waiting_requests)
-    server = grpc_utils.server(server_interceptors(token))
-    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
-    grpc_utils.bind_or_fail(server, host, port, "scheduler")
     started = time.monotonic()
     await servicer.start()
+    # A client's message is one request (or an abort): its largest legal size follows from the
+    # model's context length, known once the worker has loaded it.
+    server = grpc_utils.server(receive_limit(generate_request_bytes(servicer.core.max_model_len)),
+                               server_interceptors(token))
+    pb_grpc.add_SchedulerServicer_to_server(servicer, server)
+    grpc_utils.bind_or_fail(server, host, port, "scheduler")
     await server.start()
     logger.warning("scheduler serving on %s:%d (ready in %.1fs)%s", host, port, time.monotonic() - started,
                    " (internal token required)" if token else "")

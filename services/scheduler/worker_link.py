@@ -21,12 +21,14 @@ class WorkerFault(RuntimeError):
 
 
 class WorkerLink:
-    def __init__(self, address: str, token: str | None = None,
+    def __init__(self, address: str, max_receive_bytes: int, token: str | None = None,
                  engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S) -> None:
+        """`max_receive_bytes`: the largest answer to read (message_limits.runner_output_bytes
+        of the scheduler's configuration, with a margin)."""
         self.address = address
         self.engine_timeout = engine_timeout
         self.metadata = token_metadata(token)
-        self.channel = channel(address)
+        self.channel = channel(address, max_receive_bytes)
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.stream: grpc.aio.StreamStreamCall | None = None
 

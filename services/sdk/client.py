@@ -30,10 +30,16 @@ __all__ = ["AsyncClient", "Client", "RequestRejected", "SchedulerUnavailable"]
 
 DEFAULT_TIMEOUT_S = 2.0
 
-# The services' options (message size, keepalive, a reconnect backoff of at most a second),
-# plus: each channel its own subchannels. gRPC otherwise shares them process-wide, and a fresh
-# channel made after a failure (see _reset_channel) would inherit the old one's backoff.
-_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
+# The services' options (keepalive, a reconnect backoff of at most a second), plus:
+# - each channel its own subchannels. gRPC otherwise shares them process-wide, and a fresh
+#   channel made after a failure (see _reset_channel) would inherit the old one's backoff;
+# - no receive limit: how large one step's outputs can be (prompt logprobs of every token
+#   the step computed) follows from the scheduler's configuration, which a client does not
+#   know before it connects, and a client reads only from the scheduler it chose.
+_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1)]
+# Ids per abort message: a scheduler reads one request's worth of bytes per message (at least
+# ~1 MB, message_limits.generate_request_bytes); this many ids of the longest legal kind fit.
+_ABORT_IDS_PER_MESSAGE = 512
 
 
 class SchedulerUnavailable(ConnectionError):
@@ -275,7 +281,9 @@ class AsyncClient:
             if queue is not None:
                 # The scheduler need not echo aborts; end the local iteration ourselves.
                 queue.put_nowait(pb.RequestOutput(request_id=request_id, finish_reason="abort", stop_token_id=-1))
-        stream.send(pb.ClientMessage(abort=pb.AbortRequest(request_ids=request_ids)))
+        for start in range(0, len(request_ids), _ABORT_IDS_PER_MESSAGE):
+            chunk = request_ids[start:start + _ABORT_IDS_PER_MESSAGE]
+            stream.send(pb.ClientMessage(abort=pb.AbortRequest(request_ids=chunk)))
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests; their `generate()` iterations end with finish_reason "abort"."""

@@ -23,6 +23,7 @@ import grpc
 from services.common import grpc_utils
 from services.common.auth import server_interceptors
 from services.common.config import SHARED_PARTS, EngineConfig, config_mismatch_message, config_mismatches
+from services.common.message_limits import MAX_ERROR_CHARS, WORKER_RECEIVE_BYTES
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.worker.model_runner import MemoryBudgetError
@@ -150,7 +151,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except Exception as e:  # report, keep serving: the scheduler fails the affected requests
                 logger.error("step %d failed: %s", so.step_id, traceback.format_exc())
                 await self._run(self.worker.reset_batch)
-                yield pb.ModelRunnerOutput(step_id=so.step_id, error=f"{type(e).__name__}: {e}")
+                yield pb.ModelRunnerOutput(step_id=so.step_id, error=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
 
     async def Health(self, request: pb.Empty, context) -> pb.HealthResponse:
         info = self.worker.info
@@ -167,7 +168,8 @@ async def serve_worker(host: str, port: int, own: pb.LoadModelRequest, device: s
     servicer = WorkerServicer(own, device, allowed_model_root)
     if preload:
         await servicer.preload()
-    server = grpc_utils.server(server_interceptors(token))
+    # Steps come within the scheduler's step budget, whatever its configuration (message_limits.py).
+    server = grpc_utils.server(WORKER_RECEIVE_BYTES, server_interceptors(token))
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     grpc_utils.bind_or_fail(server, host, port, "worker")
     await server.start()
