@@ -92,9 +92,11 @@ def test_chat_completion(stack: Stack, client: openai.OpenAI) -> None:
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
-def test_chat_default_max_tokens_fills_the_context(stack: Stack, client: openai.OpenAI) -> None:
+def test_chat_default_max_tokens_is_left_to_the_engine(stack: Stack, client: openai.OpenAI) -> None:
+    """No max_tokens: the request goes without one, and the engine gives it the rest of the
+    context (vLLM's default, computed there alone: tests/test_engine_core.py)."""
     client.chat.completions.create(model=MODEL, messages=MESSAGES)
-    assert stack.fake.requests[0].sampling.max_tokens == MAX_MODEL_LEN - len(stack.chat_prompt_ids())
+    assert not stack.fake.requests[0].sampling.HasField("max_tokens")
 
 
 def test_chat_max_completion_tokens_wins_over_max_tokens(stack: Stack, client: openai.OpenAI) -> None:
@@ -247,8 +249,7 @@ def test_sampling_parameters_reach_the_scheduler(stack: Stack, client: openai.Op
         model=MODEL, messages=MESSAGES, temperature=0.5, top_p=0.9, seed=7, frequency_penalty=0.5,
         presence_penalty=-0.5, logit_bias={"100": 5}, max_tokens=9, user="u",
         extra_body={"top_k": 40, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
-                    "stop_token_ids": [5], "bad_words": ["hello"], "priority": 4, "cache_salt": "s1",
-                    "some_unknown_field": {"ignored": True}})
+                    "stop_token_ids": [5], "bad_words": ["hello"], "priority": 4, "cache_salt": "s1"})
     request = stack.fake.requests[0]
     sampling = request.sampling
     assert sampling.temperature == pytest.approx(0.5) and sampling.top_p == pytest.approx(0.9)
@@ -302,11 +303,16 @@ def test_completion_with_several_prompts_and_n(stack: Stack, client: openai.Open
     assert response.usage.completion_tokens == 12
 
 
-def test_completion_null_max_tokens_is_the_rest_of_each_prompts_context(stack: Stack) -> None:
+def test_completion_null_max_tokens_is_left_to_the_engine_for_each_prompt(stack: Stack) -> None:
+    """A null max_tokens goes unset with every prompt (the engine gives each the rest of its
+    context); a prompt that leaves no room is still a 400 from the gateway."""
     body = {"model": MODEL, "prompt": [[7] * 10, [7] * 100], "max_tokens": None}
     assert httpx.post(f"{stack.gateway.url}/v1/completions", json=body).status_code == 200
-    budgets = sorted((len(r.prompt_token_ids), r.sampling.max_tokens) for r in stack.fake.requests)
-    assert budgets == [(10, MAX_MODEL_LEN - 10), (100, MAX_MODEL_LEN - 100)]
+    assert sorted(len(r.prompt_token_ids) for r in stack.fake.requests) == [10, 100]
+    assert not any(r.sampling.HasField("max_tokens") for r in stack.fake.requests)
+    full = httpx.post(f"{stack.gateway.url}/v1/completions",
+                      json={**body, "prompt": [[7] * MAX_MODEL_LEN]})
+    assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_completion_with_token_prompt_and_echo(stack: Stack, client: openai.OpenAI) -> None:

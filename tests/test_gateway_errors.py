@@ -158,8 +158,26 @@ def test_non_text_content_parts_are_unsupported(url: str) -> None:
 
 def test_supported_defaults_of_unsupported_fields_are_fine(url: str) -> None:
     body = {**CHAT, "max_tokens": 2, "response_format": {"type": "text"}, "tool_choice": "none",
-            "modalities": ["text"], "user": "u", "unknown_field": [1, 2]}
+            "modalities": ["text"], "user": "u", "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+            "stream_options": None}
     assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body", "named"), [
+    ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2, "stream": True,
+                              "stream_options": {"include_usage": True, "usage": 1}}, "stream_options.usage"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "args": {}}}]},
+     "tools[0].function.args"),
+    ("/v1/completions", {**COMPLETION, "use_beam_search": True, "length_penalty": 1.0},
+     "use_beam_search, length_penalty"),
+    ("/tokenize", {"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
+])
+def test_unknown_fields_are_400_naming_them(url: str, path: str, body: dict, named: str) -> None:
+    """A misspelt or unimplemented field is refused by name (OpenAI's answer), not silently dropped."""
+    param = named.split(", ")[0]
+    assert_error(httpx.post(f"{url}{path}", json=body), 400, param=param,
+                 message_has=(f"Unrecognized request argument supplied: {named}",))
 
 
 # ---------------------------------------------------------------------- context length

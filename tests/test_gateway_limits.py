@@ -294,8 +294,9 @@ def test_a_template_error_raised_in_the_tokenizer_pool_is_still_a_400(smollm2_di
                "{{ messages[0].content }}"
     with FakeSchedulerServer() as scheduler, \
             BackgroundGateway(scheduler.address, smollm2_dir, options=GatewayOptions(chat_template=template)) as gw:
-        body = {**CHAT, "messages": [{"role": "system", "content": "hi"}]}
-        for path in ("/v1/chat/completions", "/tokenize"):
+        messages = [{"role": "system", "content": "hi"}]
+        for path, body in (("/v1/chat/completions", {**CHAT, "messages": messages}),
+                           ("/tokenize", {"messages": messages})):
             assert_error(httpx.post(f"{gw.url}{path}", json=body, timeout=10), 400, param="messages",
                          message_has=("Could not apply the chat template", "no system role here"))
         assert httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=10).status_code == 200

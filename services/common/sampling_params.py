@@ -1,12 +1,14 @@
 """vLLM-compatible `SamplingParams`: the user-facing knobs of one generation.
 
-Validation lives here once, for the offline `LLM` and the HTTP gateway alike: a bad
-value raises `SamplingParamsError` whose `param` names the field (the gateway turns it
-into an OpenAI 400 with that `param`).
+The rules for their values live here once, with vLLM's semantics, for the offline `LLM`, the
+HTTP gateway and the scheduler (which reads a raw gRPC client's proto back into this class,
+`from_proto`) alike: a bad value raises `SamplingParamsError` whose `param` names the field
+(the gateway turns it into an OpenAI 400 with that `param`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,12 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+MAX_ABS_PENALTY = 2.0        # frequency / presence penalties, as OpenAI and vLLM bound them
+MAX_ABS_LOGIT_BIAS = 100.0
+# Below this temperature a request samples greedily (the argmax), as in vLLM; so does top_k 1
+# (the worker's sampling metadata applies the rule).
+GREEDY_TEMPERATURE = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], allow_none: bool = False) -> None:
@@ -77,9 +85,10 @@ class SamplingParams:
         _check_type("n", self.n, (int,))
         if self.n < 1:
             raise SamplingParamsError("n", f"n must be at least 1, got {self.n}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
+        for name in _FLOAT_FIELDS:
             _check_type(name, getattr(self, name), (float, int))
+            if not math.isfinite(getattr(self, name)):
+                raise SamplingParamsError(name, f"{name} must be a finite number, got {getattr(self, name)}")
         _check_type("top_k", self.top_k, (int,))
         _check_type("seed", self.seed, (int,), allow_none=True)
         _check_type("max_tokens", self.max_tokens, (int,), allow_none=True)
@@ -90,16 +99,17 @@ class SamplingParams:
             raise SamplingParamsError("temperature", f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:
-            raise SamplingParamsError("top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        if self.top_k < -1:  # -1 and 0 both turn it off (vLLM prefers 0)
+            raise SamplingParamsError("top_k", f"top_k must be 0 (disable), or at least 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise SamplingParamsError(
                 "repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise SamplingParamsError(name, f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], "
+                                                f"got {getattr(self, name)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise SamplingParamsError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -123,16 +133,37 @@ class SamplingParams:
         for k, v in self.logit_bias.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise SamplingParamsError("logit_bias", f"logit_bias value for {k!r} must be a number")
-            if not -100 <= v <= 100:
-                raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {v}")
+            if not (math.isfinite(v) and -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS):
+                raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                                                        f"{MAX_ABS_LOGIT_BIAS:g}], got {v}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise SamplingParamsError("structured_outputs",
                                           "structured_outputs must be a StructuredOutputsParams")
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+    @classmethod
+    def from_proto(cls, sp: pb.SamplingParams) -> SamplingParams:
+        """The engine-level settings a proto carries (what `to_proto` writes; its structured
+        outputs are left out: the scheduler checks those when it compiles them), validated:
+        raises SamplingParamsError naming the first bad field."""
+        return cls(
+            temperature=sp.temperature,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            seed=sp.seed if sp.HasField("seed") else None,
+            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+            min_tokens=sp.min_tokens,
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+            logprobs=None if sp.logprobs == -1 else sp.logprobs,  # -1: none
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+            logit_bias=dict(sp.logit_bias),
+            bad_words_token_ids=[list(words.ids) for words in sp.bad_words],
+        )
 
     def to_proto(self, vocab_size: int | None = None) -> pb.SamplingParams:
         """The engine-level part of these params, as sent to the scheduler."""
@@ -153,7 +184,6 @@ class SamplingParams:
             repetition_penalty=float(self.repetition_penalty),
             frequency_penalty=float(self.frequency_penalty),
             presence_penalty=float(self.presence_penalty),
-            max_tokens=int(self.max_tokens or 0),
             min_tokens=int(self.min_tokens),
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=bool(self.ignore_eos),
@@ -163,6 +193,8 @@ class SamplingParams:
         )
         if self.seed is not None:
             msg.seed = int(self.seed)
+        if self.max_tokens is not None:
+            msg.max_tokens = int(self.max_tokens)
         if self.prompt_logprobs is not None:
             msg.prompt_logprobs = int(self.prompt_logprobs)
         if self.structured_outputs is not None:

@@ -37,8 +37,9 @@ class EngineCore:
         message if it cannot run."""
         validate_generate_request(req, self.model_info.vocab_size, self.max_model_len)
         prompt = list(req.prompt_token_ids)
+        # Absent: vLLM's default, whatever context the prompt leaves.
         room = self.max_model_len - len(prompt)
-        max_tokens = req.sampling.max_tokens or room
+        max_tokens = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else room
         resumed = list(req.resumed_output_token_ids)
         self._check_resumed(resumed, max_tokens)
         request = Request(

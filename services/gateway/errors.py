@@ -127,6 +127,10 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if not errors:
         return invalid_request("Invalid request body")
     first = errors[0]
+    unknown = [_param_from_location(e.get("loc", ())) or repr(e.get("loc", ("",))[-1])
+               for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:  # OpenAI's answer to a field it does not know
+        return invalid_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0])
     if first.get("type") == "json_invalid":
         return invalid_request(f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
     param = _param_from_location(first.get("loc", ()))

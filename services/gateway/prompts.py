@@ -13,7 +13,7 @@ from typing import Any
 
 from services.gateway.errors import invalid_request, unsupported
 from services.gateway.protocol import ChatMessage, PromptInput
-from services.gateway.sampling import resolve_max_tokens
+from services.gateway.sampling import check_context_length
 from services.text.tokenizer import Tokenizer
 
 
@@ -45,7 +45,7 @@ class PromptBound:
         """Token ids that fill the whole context leave no room for a completion (the later
         check would say the same, after every id was checked and the prompt decoded)."""
         if num_tokens >= self.max_model_len:
-            resolve_max_tokens(None, num_tokens, self.max_model_len, prompt_name)
+            check_context_length(None, num_tokens, self.max_model_len, prompt_name)
 
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:

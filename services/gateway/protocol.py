@@ -1,9 +1,11 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Field names and defaults follow OpenAI, plus vLLM's extensions (top_k, min_p,
-repetition_penalty, stop_token_ids, ...). Unknown fields are ignored, as vLLM does;
-known-but-unimplemented features are declared so that setting them gives a clear 400
-instead of being silently dropped.
+repetition_penalty, stop_token_ids, ...). A field no model here declares is a 400 naming it
+("Unrecognized request argument supplied: ...", OpenAI's answer; vLLM logs and ignores it),
+so a setting is never silently dropped: known-but-unimplemented features are declared to be
+refused by name, and the few OpenAI fields that change nothing here (`user`, `store`,
+`metadata`, ...) are declared and ignored.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # with include_usage: usage so far on every chunk (vLLM)
+    include_obfuscation: bool | None = None  # OpenAI's padding of stream events: accepted, none is added
 
 
 class ContentPart(BaseModel):
@@ -56,6 +59,7 @@ class FunctionDefinition(OpenAIBaseModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # OpenAI's exact-schema flag: accepted; arguments are not constrained
     strict: bool | None = None
 
 
@@ -98,7 +102,13 @@ class GenerationRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    # OpenAI fields that change nothing here: accepted and ignored.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefix-cache routing needs no hint
+    safety_identifier: str | None = None
     priority: Int32 = 0
     cache_salt: str | None = None
 

@@ -19,12 +19,11 @@ _NULLABLE_DEFAULTS = {
 }
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_name: str) -> int:
-    """The completion budget: as requested, else whatever context is left.
-
-    Raises a 400 `context_length_exceeded` naming both numbers when prompt plus
-    completion do not fit (`prompt_name` is "messages" or "prompt").
-    """
+def check_context_length(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                         prompt_name: str) -> None:
+    """A 400 `context_length_exceeded` naming both numbers when prompt plus completion do not
+    fit (`prompt_name` is "messages" or "prompt"). An unset `requested` stays unset: the engine
+    gives it the rest of the context (vLLM's default, computed there alone)."""
     intro = f"This model's maximum context length is {max_model_len} tokens. However, "
     if requested is None:
         if num_prompt_tokens >= max_model_len:
@@ -32,13 +31,11 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
                 f"{intro}your request has {num_prompt_tokens} input tokens, which leaves no room for a "
                 f"completion. Please reduce the length of the {prompt_name}.",
                 param=prompt_name, code="context_length_exceeded")
-        return max_model_len - num_prompt_tokens
-    if num_prompt_tokens + requested > max_model_len:
+    elif num_prompt_tokens + requested > max_model_len:
         raise invalid_request(
             f"{intro}you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
             f"{prompt_name}, {requested} in the completion). Please reduce the length of the {prompt_name} "
             f"or completion.", param=prompt_name, code="context_length_exceeded")
-    return requested
 
 
 def check_prompt_logprobs_not_streamed(request: GenerationRequest) -> None:
@@ -47,7 +44,7 @@ def check_prompt_logprobs_not_streamed(request: GenerationRequest) -> None:
         raise invalid_request("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
 
 
-def build_sampling_params(request: GenerationRequest, tokenizer: Tokenizer, max_tokens: int,
+def build_sampling_params(request: GenerationRequest, tokenizer: Tokenizer, max_tokens: int | None,
                           logprobs: int | None, prompt_logprobs: int | None = None,
                           structured_outputs: StructuredOutputsParams | None = None,
                           skip_special_tokens: bool | None = None) -> tuple[SamplingParams, pb.SamplingParams]:

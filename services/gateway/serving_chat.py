@@ -31,7 +31,7 @@ from services.gateway.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from services.gateway.sampling import build_sampling_params, check_prompt_logprobs_not_streamed, resolve_max_tokens
+from services.gateway.sampling import build_sampling_params, check_context_length, check_prompt_logprobs_not_streamed
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
 from services.gateway.structured_outputs import request_structured_outputs
 from services.gateway.tool_parsers import StreamPiece, ToolCallParser
@@ -86,8 +86,8 @@ def _prompt_and_sampling(ctx: GatewayContext, request: ChatCompletionRequest, to
                          request.continue_final_message, request.chat_template_kwargs,
                          tools.tools if tools is not None else None, bound=ctx.prompt_bound(max_model_len))
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), max_model_len, "messages")
-    return prompt, build_sampling_params(request, ctx.tokenizer, max_tokens, num_top,
+    check_context_length(requested, len(prompt.token_ids), max_model_len, "messages")
+    return prompt, build_sampling_params(request, ctx.tokenizer, requested, num_top,
                                          structured_outputs=structured_outputs,
                                          skip_special_tokens=tools.skip_special_tokens if tools else None)
 

@@ -26,7 +26,7 @@ from services.gateway.protocol import (
     PromptLogprobs,
     UsageInfo,
 )
-from services.gateway.sampling import build_sampling_params, check_prompt_logprobs_not_streamed, resolve_max_tokens
+from services.gateway.sampling import build_sampling_params, check_context_length, check_prompt_logprobs_not_streamed
 from services.gateway.sse import DONE, json_response, sse_event, sse_response
 from services.gateway.structured_outputs import request_structured_outputs
 from services.text.output_processor import ChoiceDelta
@@ -69,8 +69,8 @@ def _prompts_and_sampling(ctx: GatewayContext, request: CompletionRequest,
     sampled = []
     for prompt in prompts:
         # max_tokens defaults to 16; null lets each prompt use whatever context it leaves.
-        max_tokens = resolve_max_tokens(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
-        params, sampling = build_sampling_params(request, ctx.tokenizer, max_tokens, request.logprobs,
+        check_context_length(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
+        params, sampling = build_sampling_params(request, ctx.tokenizer, request.max_tokens, request.logprobs,
                                                  prompt_logprobs=engine_prompt_logprobs,
                                                  structured_outputs=structured_outputs)
         sampled.append(PromptSampling(prompt.token_ids, params, sampling))

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
+from services.common.sampling_params import GREEDY_TEMPERATURE
 from services.worker.penalties import PenaltyState
 
-_GREEDY_EPS = 1e-5
 # top_k at most this goes the "candidates" way (topk + work on k values); larger top_k: full sort.
 MAX_TOP_K_CANDIDATES = 1024
 # top_p-only rows on CPU first try the nucleus inside this many most likely tokens.
@@ -138,7 +138,7 @@ def build_sampling_metadata(
     top_k = np.where(top_k_raw > 0, np.minimum(top_k_raw, vocab_size), vocab_size)
     top_p = np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in params], dtype=np.float32)
     min_p = np.array([p.min_p for p in params], dtype=np.float32)
-    greedy = (temperature < _GREEDY_EPS) | (top_k_raw == 1)
+    greedy = (temperature < GREEDY_TEMPERATURE) | (top_k_raw == 1)
     logprobs_k = np.array([p.logprobs for p in params], dtype=np.int64)
     random_rows = ~greedy
     temp = np.where(greedy, 1.0, temperature).astype(np.float32)
