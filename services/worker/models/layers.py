@@ -21,6 +21,7 @@ from torch import nn
 from services.worker.attention.base import AttentionLayer, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
 from services.worker.cpu.decode_step import CpuDecodeStep, load_library
+from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps
 from services.worker.parallel import (
     all_gather_last_dim,
     all_reduce,
@@ -143,32 +144,15 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.attn = AttentionLayer(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                rope: RotaryEmbedding) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        q, k = rope(cos_sin, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
-
-    def forward_fused(self, ops: CpuOps, positions: torch.Tensor, x: torch.Tensor,
-                      rope: RotaryEmbedding) -> torch.Tensor:
-        """`forward` with RoPE applied in place by one C pass (CPU, `cpu_ops`)."""
+    def forward(self, ops: LayerOps, rope_state: object, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
+        qk = qkv  # q and k: its first q_size + kv_size columns (a backend may rotate them in place)
         if self.q_norm is not None:
             qk = qkv[:, :self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
             qk = qk.flatten(1)
-        else:
-            qk = qkv  # rotated in place: its first q_size + kv_size columns
-        ops.rope_neox_(qk, heads, self.head_dim, positions, rope.cos, rope.sin)
-        q = qk[:, :self.q_size].unflatten(-1, (self.num_heads, self.head_dim))
-        k = qk[:, self.q_size:self.q_size + self.kv_size].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = ops.rope(qk, heads, self.head_dim, rope_state).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -185,11 +169,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-    def forward_fused(self, ops: CpuOps, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, ops: LayerOps, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -201,25 +181,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                rope: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(self, ops: CpuOps, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                      rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's residual form with the fused CPU ops: `h` is the previous layer's MLP output
-        (the embedding, with `residual` None, for the first layer); returns this layer's MLP
-        output and the residual stream before it. The adds are HF's, in the same order."""
-        norm = self.input_layernorm
+    def forward(self, ops: LayerOps, rope_state: object, h: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual form: `h` is the previous layer's MLP output (the embedding, with
+        `residual` None, for the first layer); returns this layer's MLP output and the residual
+        stream before it. The adds are HF's, in the same order."""
         if residual is None:
-            residual, h = h, ops.rms_norm(h, norm.weight, norm.eps)
+            residual, h = h, ops.rms_norm(h, self.input_layernorm)
         else:
-            ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
-        h = self.self_attn.forward_fused(ops, positions, h, rope)
-        norm = self.post_attention_layernorm
-        ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp.forward_fused(ops, h), residual
+            h, residual = ops.add_rms_norm(h, residual, self.input_layernorm)
+        h = self.self_attn(ops, rope_state, h)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(ops, h), residual
 
 
 # HF checkpoint names → (our fused parameter, which shard of it).
@@ -265,8 +238,8 @@ class DecoderForCausalLM(nn.Module):
                                           _plain_rope_scaling(config))
         # The LM head over the tied embedding table, when `pack_for_cpu` gave it a packed copy.
         self.tied_head: nn.Module | None = None
-        # The fused CPU elementwise ops, when `use_cpu_ops` enabled them.
-        self.cpu_ops: CpuOps | None = None
+        # The fused CPU elementwise ops, when `use_cpu_ops` enabled them (else torch's).
+        self.cpu_ops: FusedCpuOps | None = None
         # Small decode steps as one C call, when `use_cpu_decode_step` enabled it.
         self.decode_step: CpuDecodeStep | None = None
 
@@ -285,33 +258,25 @@ class DecoderForCausalLM(nn.Module):
             meta = current_metadata()
             if meta is not None and self.decode_step.applies(meta):
                 return self.decode_step.forward(x, positions, meta)
-        if self.cpu_ops is not None and not torch.compiler.is_compiling():
-            return self._forward_fused(self.cpu_ops, positions, x)
-        cos_sin = self.rotary_emb.lookup(positions, x.dtype)
+        # torch.compile traces the torch ops (it fuses them itself).
+        ops = self.cpu_ops if self.cpu_ops is not None and not torch.compiler.is_compiling() else TORCH_OPS
+        rope_state = ops.rope_state(self.rotary_emb, positions, x.dtype)
+        # An in-place backend writes the residual stream: never into a tensor we were handed.
+        h, residual = (x.clone() if ops.in_place and not self.is_first_stage else x), None
         for layer in self._stage():
-            x = layer(cos_sin, x, self.rotary_emb)
-        return self.norm(x) if self.is_last_stage else x
-
-    def _forward_fused(self, ops: CpuOps, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        positions = positions.to(torch.int64).contiguous()
-        # The fused adds write the residual stream in place: never into a tensor we were handed.
-        h, residual = (x if self.is_first_stage else x.clone()), None
-        for layer in self._stage():
-            h, residual = layer.forward_fused(ops, positions, h, residual, self.rotary_emb)
+            h, residual = layer(ops, rope_state, h, residual)
         if residual is None:  # a stage without layers
             return self.norm(h) if self.is_last_stage else h
         if self.is_last_stage:
-            ops.fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
-            return h
-        return residual + h  # the residual stream, as the unfused forward hands the next stage
+            return ops.add_rms_norm(h, residual, self.norm)[0]
+        return residual + h  # the residual stream, which the next stage continues
 
     def use_cpu_ops(self) -> bool:
         """Run the elementwise ops through the fused C kernels (services/worker/cpu/cpu_ops.c);
         False where they do not apply (not on CPU, another dtype, no C compiler)."""
-        from services.worker.cpu.cpu_ops import CpuOps
-
         param = next(self.parameters())
-        self.cpu_ops = CpuOps.load() if CpuOps.supports(param) else None
+        ops = CpuOps.load() if CpuOps.supports(param) else None
+        self.cpu_ops = FusedCpuOps(ops) if ops is not None else None
         return self.cpu_ops is not None
 
     def use_cpu_decode_step(self, max_extra_bytes: int) -> bool:
