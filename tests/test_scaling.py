@@ -3,7 +3,8 @@
 worker ranks each over gloo: two stages of two tensor-parallel ranks, one gateway discovering
 them), driven by the official `openai` client.
 
-Greedy text through the cluster equals HF transformers' on the same weights, requests land on
+Greedy text through the cluster equals the offline `LLM`'s on the same parallel layout (and HF
+transformers' token ids), a constrained (structured-outputs) request included; requests land on
 both replicas (the gateway's per-replica counter), and every replica frees every block."""
 
 from __future__ import annotations
@@ -23,13 +24,36 @@ from mesh import Mesh
 
 from services.common.redis_registry import ENGINES_KEY, REDIS_URL_ENV
 from services.common.sampling_params import SamplingParams
+from services.common.structured_outputs import StructuredOutputsParams
 from services.sdk.llm import LLM
 
 MAX_TOKENS = 12
+PROMPTS = [[5 + i, 900 + 7 * i, 4000 + i, 33, 2000 + 11 * i] for i in range(8)]
+# Masked at every step (a regex, not a single choice): each step's bitmask crosses the stages.
+CONSTRAINT = {"regex": "[a-z]{2,6}( [a-z]{2,6}){1,5}"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_qwen2_dir: str):
+def offline(tiny_qwen2_dir: str) -> dict:
+    """The offline LLM's greedy answers on the cluster's layout (2 tensor-parallel ranks x 2
+    pipeline stages, spawned ranks), computed before the cluster starts: close() joins the ranks,
+    so the two never hold memory at once."""
+    llm = LLM(tiny_qwen2_dir, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=512,
+              kv_cache_memory_bytes=32 << 20)
+    try:
+        plain = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                             SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        constrained = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(**CONSTRAINT)),
+            use_tqdm=False)
+    finally:
+        llm.close()
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in plain], "text": [o.outputs[0].text for o in plain],
+            "constrained": constrained[0].outputs[0].text}
+
+
+@pytest.fixture(scope="module")
+def cluster(offline: dict, tiny_qwen2_dir: str):
     mesh = Mesh(["--model", tiny_qwen2_dir, "--dtype", "float32", "--data-parallel-size", "2",
                  "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--max-model-len", "512",
                  "--kv-cache-memory", str(32 << 20)],
@@ -41,9 +65,6 @@ def cluster(tiny_qwen2_dir: str):
 def _routed(metrics_text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in
             re.finditer(r'^myvllm:replica_requests_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)$', metrics_text, re.M)}
-
-
-PROMPTS = [[5 + i, 900 + 7 * i, 4000 + i, 33, 2000 + 11 * i] for i in range(8)]
 
 
 def _complete_all(cluster: Mesh, prompts: list[list[int]]) -> list[str]:
@@ -61,20 +82,21 @@ def _complete_all(cluster: Mesh, prompts: list[list[int]]) -> list[str]:
         return list(pool.map(complete, prompts))
 
 
-def test_serve_data_tensor_and_pipeline_parallel_answers_openai_like_hf(cluster: Mesh, tiny_qwen2_dir: str) -> None:
+def test_serve_data_tensor_and_pipeline_parallel_answers_like_the_offline_llm_and_hf(
+        cluster: Mesh, offline: dict, tiny_qwen2_dir: str) -> None:
     assert any(line.startswith("topology: 2 engine replicas (data parallel), 4 worker ranks each (2 tensor "
                                "parallel x 2 pipeline stages)") for line in cluster.banner), cluster.banner
     prompts = PROMPTS
-    want = hf_greedy(tiny_qwen2_dir, prompts, MAX_TOKENS)
+    assert offline["token_ids"] == hf_greedy(tiny_qwen2_dir, prompts, MAX_TOKENS)
+    assert _complete_all(cluster, prompts) == offline["text"]  # the same ids, through the gateway's detokenizer
 
-    # The same ids as text, through the offline engine's detokenizer (the gateway's own pipeline).
-    llm = LLM(tiny_qwen2_dir, dtype="float32", max_model_len=512, kv_cache_memory_bytes=32 << 20)
-    offline = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in offline] == want
-    want_text = [o.outputs[0].text for o in offline]
+    from openai import OpenAI
 
-    assert _complete_all(cluster, prompts) == want_text
+    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="none", max_retries=0)
+    reply = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0], temperature=0,
+                                      max_tokens=MAX_TOKENS, extra_body={"structured_outputs": CONSTRAINT})
+    assert reply.choices[0].text == offline["constrained"]
+    assert re.fullmatch(CONSTRAINT["regex"], offline["constrained"]) or reply.choices[0].finish_reason == "length"
 
     routed = _routed(httpx.get(f"{cluster.base_url}/metrics", timeout=5).text)
     assert len(routed) == 2 and all(count >= 1 for count in routed.values()), routed
@@ -117,17 +139,14 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_killed_rank_fails_over_and_its_replica_comes_back(cluster: Mesh, tiny_qwen2_dir: str) -> None:
+def test_a_killed_rank_fails_over_and_its_replica_comes_back(cluster: Mesh, offline: dict) -> None:
     """kill -9 of one worker rank (the last stage's second TP rank) of replica 1: the replica
     leaves redis, requests are answered right by the other one meanwhile; serve restarts the
     rank, the scheduler sets all four ranks up again as a new process group, the replica
     rejoins and answers right again. (And serve's redis refuses a client without its password.)"""
     import redis
 
-    want_text = [o.outputs[0].text for o in LLM(tiny_qwen2_dir, dtype="float32", max_model_len=512,
-                                                  kv_cache_memory_bytes=32 << 20).generate(
-        [{"prompt_token_ids": p} for p in PROMPTS],
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
+    want_text = offline["text"]
     port = int(re.search(r"redis on 127\.0\.0\.1:(\d+)", "".join(cluster.banner)).group(1))
     services = _children(cluster.proc.pid)
     # serve's redis-server wants the password serve made for it, which only its schedulers and
