@@ -83,12 +83,12 @@ class Scheduler:
         # Speculative decoding (None: off): drafts come back from the worker with each step.
         self.speculative_config = speculative_config
         self.num_lookahead_slots = lookahead_slots(speculative_config)
-        self.spec_stats = SpecDecodeStats(speculative_config.num_speculative_tokens if speculative_config else 0)
+        num_drafts = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.spec_stats = SpecDecodeStats(num_drafts)
         # Each step's message stays within STEP_BUDGET_BYTES, what the worker reads (a step with
         # many new requests of long prompts or big sampling parameters, as after a worker
         # restart, is spread over several); the first request of a step always goes, so one
         # request's data must fit.
-        num_drafts = speculative_config.num_speculative_tokens if speculative_config else 0
         self.bitmask_row_bytes = message_limits.bitmask_row_bytes(structured_output.vocab_size) \
             if structured_output is not None else 0
         largest = message_limits.new_request_bytes(
