@@ -3,8 +3,8 @@
 Stages (python scripts/gpu_check.py STAGE [options]); exit 0 pass, 1 fail, 77 skipped:
 
   probe       what this python has: torch/CUDA, triton, and every package the engine needs.
-  kernels     tests/test_triton_kernels.py on CUDA (under TRITON_INTERPRET=1 on the CPU without
-              CUDA), through pytest, or through the module's own runner where pytest is missing.
+  kernels     tests/test_triton_kernels.py and test_fused_moe_triton.py on CUDA (under TRITON_INTERPRET=1
+              on the CPU without CUDA), through pytest, or (attention only) the module's own runner.
   greedy      (1) model level, needing only torch + triton + numpy: our model classes (random
               Qwen3- and Llama-shaped weights, fp32) driven step by step over the paged KV cache
               with the Triton backend (chunked prefills mixed with decodes, shuffled block ids)
@@ -109,9 +109,11 @@ def stage_kernels(args: argparse.Namespace) -> int:
     test_file = REPO_ROOT / "tests" / "test_triton_kernels.py"
     if try_import("pytest")[0]:
         say(f"kernel tests on {where} (pytest)")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(test_file)]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(test_file),
+               str(REPO_ROOT / "tests" / "test_fused_moe_triton.py")]  # and the fused-MoE kernels
         return subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
-    say(f"pytest is missing: kernel cases on {where} through the test module's own runner")
+    say(f"pytest is missing: attention kernel cases on {where} through the test module's own runner "
+        "(the fused-MoE kernel tests need pytest)")
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import test_triton_kernels as t; "
             "n, bad = t.run_cases(t.DEVICE); print(f'{n - len(bad)} passed, {len(bad)} failed'); "
             "sys.exit(1 if bad or t.DEVICE is None else 0)")

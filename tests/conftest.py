@@ -125,7 +125,7 @@ TOKENIZER_FILES = (
     "merges.txt",
 )
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe")
 FINAL_NORM_SCALE = 8.0
 
 
@@ -154,7 +154,7 @@ def smollm2_dir() -> str:
 
 
 def _tiny_config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         hidden_size=64,
@@ -179,6 +179,18 @@ def _tiny_config(arch: str):
         return Qwen3Config(
             **common, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True, use_sliding_window=False
         )
+    # Mixture of experts: 8 experts, top-2, narrow experts.
+    if arch == "qwen3_moe":  # three layers, the middle one dense (mlp_only_layers), renormalised top-k
+        return Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, rope_theta=10000.0,
+                              tie_word_embeddings=False, use_sliding_window=False, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[1])
+    if arch == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 48}, rope_theta=1000000.0, tie_word_embeddings=False,
+                             num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    if arch == "olmoe":  # whole-projection q/k norms, clipped q/k/v, top-k weights not renormalised
+        return OlmoeConfig(**{**common, "intermediate_size": 32}, rope_theta=10000.0, tie_word_embeddings=False,
+                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=3.0)
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
 
 
@@ -186,7 +198,7 @@ def _build_tiny_model(arch: str, out_dir: Path, tokenizer_src: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    seed = {"llama": 1234, "qwen2": 2345, "qwen3": 3456}[arch]
+    seed = {"llama": 1234, "qwen2": 2345, "qwen3": 3456, "qwen3_moe": 4567, "mixtral": 5678, "olmoe": 6789}[arch]
     torch.manual_seed(seed)
     config = _tiny_config(arch)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -202,6 +214,8 @@ def _build_tiny_model(arch: str, out_dir: Path, tokenizer_src: Path) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.2)  # the router (some inits zero it: every expert tied)
     out_dir.mkdir(parents=True, exist_ok=True)
     # qwen2 is written sharded so that model.safetensors.index.json is exercised.
     shard = "2MB" if arch == "qwen2" else "10GB"

@@ -139,6 +139,9 @@ def check_divisible(config, size: int) -> None:
                          "the other (KV heads are split across ranks, or replicated when there are fewer)")
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
+    expert_width = getattr(config, "moe_intermediate_size", None)  # each routed expert's columns split too
+    if expert_width and expert_width % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide moe_intermediate_size={expert_width}")
 
 
 def stage_layers(num_layers: int, pp: PipelineParallel) -> range:

@@ -55,7 +55,7 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # UPCAST: the interpreter multiplies bf16 operands as their raw uint16 bits, so there the
     # operands go to fp32 first (values unchanged; on a GPU the native bf16 MMA runs).
     if UPCAST:
@@ -126,7 +126,7 @@ def _paged_attention_kernel(
         kv_off = blk * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None],
                     mask=key_valid[None, :] & d_valid[:, None], other=0.0)  # [DIM_PAD, TILE_N]
-        s = _dot(q, k.to(q.dtype), PRECISION, UPCAST) * scale_log2      # [BLOCK_M, TILE_N] fp32
+        s = dot(q, k.to(q.dtype), PRECISION, UPCAST) * scale_log2      # [BLOCK_M, TILE_N] fp32
         causal = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -138,7 +138,7 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :],
                     mask=key_valid[:, None] & d_valid[None, :], other=0.0)  # [TILE_N, DIM_PAD]
         v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -157,12 +157,12 @@ def interpreter_consistent() -> bool:
     return is_interpreted() == (type(tl.zeros).__name__ == "InterpretedFunction")
 
 
-def _check_device(*tensors: torch.Tensor) -> None:
+def check_device(*tensors: torch.Tensor) -> None:
     if not interpreter_consistent():
         raise RuntimeError("TRITON_INTERPRET was set after triton was imported: set it before the first "
                            "`import triton` (in a fresh process)")
     if not is_interpreted() and any(t.device.type != "cuda" for t in tensors):
-        raise RuntimeError("the triton attention kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
+        raise RuntimeError("the triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
                            "triton kernels are first imported, to run them on the CPU)")
 
 
@@ -172,7 +172,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_device(k, v, k_cache, v_cache, slot_mapping)
+    check_device(k, v, k_cache, v_cache, slot_mapping)
     if k.stride(2) != 1:
         k = k.contiguous()
     if v.stride(2) != 1:
@@ -212,7 +212,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    _check_device(q, k_cache, v_cache, block_table, query_start_loc, context_lens)
+    check_device(q, k_cache, v_cache, block_table, query_start_loc, context_lens)
     if q.stride(2) != 1:
         q = q.contiguous()
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:

@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder-only architectures (Llama, Qwen2, Qwen3).
+"""Building blocks shared by the decoder-only architectures (Llama, Qwen2, Qwen3, and the
+mixture-of-experts Qwen3-MoE, Mixtral and OLMoE, whose MLP is a `moe.SparseMoeBlock`).
 
 Projections are fused where HF keeps them apart (q/k/v into one `qkv_proj`, gate/up into
 one `gate_up_proj`): one matmul instead of three or two per layer. `load_weights` maps
@@ -22,6 +23,7 @@ from services.worker.attention.base import AttentionLayer, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
 from services.worker.cpu.decode_step import CpuDecodeStep, load_library
 from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps
+from services.worker.models.moe import MoeSpec, SparseMoeBlock
 from services.worker.parallel import (
     all_gather_last_dim,
     all_reduce,
@@ -42,8 +44,10 @@ class DecoderSpec:
     """What distinguishes one architecture's decoder layer from another's."""
 
     qkv_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False  # an RMSNorm over each q and k head (Qwen3)
+    full_qk_norm: bool = False  # an RMSNorm over the whole q and the whole k projection (OLMoE)
     mlp_bias: bool = False
+    moe: MoeSpec | None = None  # the MLP of some or all layers is made of routed experts
 
 
 class RMSNorm(nn.Module):
@@ -140,22 +144,46 @@ class SelfAttention(nn.Module):
         bias = spec.qkv_bias or getattr(config, "attention_bias", False)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.full_qk_norm = spec.full_qk_norm
+        q_norm_size, k_norm_size = (self.q_size, self.kv_size) if spec.full_qk_norm else (self.head_dim,) * 2
+        qk_norm = spec.qk_norm or spec.full_qk_norm
+        self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if qk_norm else None
+        self.clip_qkv = getattr(config, "clip_qkv", None)
         self.attn = AttentionLayer(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, ops: LayerOps, rope_state: object, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv  # q and k: its first q_size + kv_size columns (a backend may rotate them in place)
-        if self.q_norm is not None:
+        if self.full_qk_norm:
+            qk = torch.cat((_full_width_norm(qkv[:, :self.q_size], self.q_norm),
+                            _full_width_norm(qkv[:, self.q_size:self.q_size + self.kv_size], self.k_norm)), dim=1)
+        elif self.q_norm is not None:
             qk = qkv[:, :self.q_size + self.kv_size].unflatten(-1, (heads, self.head_dim))
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
             qk = qk.flatten(1)
+        v = qkv[:, self.q_size + self.kv_size:]
+        if self.clip_qkv is not None:  # OLMoE: after the norms, before RoPE
+            qk = qk[:, :self.q_size + self.kv_size].clamp(-self.clip_qkv, self.clip_qkv)
+            v = v.clamp(-self.clip_qkv, self.clip_qkv)
         q, k = ops.rope(qk, heads, self.head_dim, rope_state).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+def _full_width_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """RMSNorm over a whole projection (all heads). Under tensor parallelism each rank holds some
+    heads: the sum of squares is all-reduced. With KV heads replicated over r ranks the sum
+    counts each head r times and the ranks' widths add up to r times the width, so dividing by
+    tp_size * local width is right in both cases."""
+    tp_size = get_tp().size
+    if tp_size == 1:
+        return norm(x)
+    x32 = x.float()
+    variance = all_reduce(x32.pow(2).sum(-1, keepdim=True)) / (x.shape[-1] * tp_size)
+    return norm.weight * (x32 * torch.rsqrt(variance + norm.eps)).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -177,7 +205,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, spec: DecoderSpec) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config, layer_idx, spec)
-        self.mlp = MLP(config, spec)
+        moe = spec.moe is not None and spec.moe.is_moe_layer(config, layer_idx)
+        self.mlp = SparseMoeBlock(config, spec.moe) if moe else MLP(config, spec)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -284,9 +313,11 @@ class DecoderForCausalLM(nn.Module):
         Call before `pack_for_cpu`: the step keeps the row-major weights, which costs their
         bytes again beside the packed copies, so it is left off when that exceeds
         `max_extra_bytes`; also off where it does not apply (not CPU, tensor or pipeline
-        parallel, another dtype, no C compiler)."""
+        parallel, another dtype, no C compiler, a layer it does not implement: routed experts,
+        whole-projection q/k norms, clipped q/k/v)."""
         if (not CpuOps.supports(next(self.parameters())) or get_tp().size > 1
-                or not (self.is_first_stage and self.is_last_stage)):
+                or not (self.is_first_stage and self.is_last_stage)
+                or self.spec.moe is not None or self.spec.full_qk_norm or getattr(self.config, "clip_qkv", None)):
             return False
         extra = CpuDecodeStep.plain_weight_bytes(self)
         if extra > max_extra_bytes:
@@ -350,6 +381,11 @@ class DecoderForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings) \
                     or not self._holds(name):
                 continue
+            moe = self._moe_block_of(name)
+            if moe is not None:  # a router or expert tensor: the block puts it in place
+                block, prefix, relative = moe
+                loaded.update(prefix + key for key in block.load(relative, tensor))
+                continue
             target, shard = name, None
             for hf_name, (fused, idx) in _FUSED_SHARDS.items():
                 if f".{hf_name}." in name:
@@ -371,13 +407,28 @@ class DecoderForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
+    def _layer_of(self, name: str) -> DecoderLayer:
+        """The layer a checkpoint name belongs to (the stage's first for a name outside the layers)."""
+        layer = re.match(r"layers\.(\d+)\.", name)
+        return self.layers[int(layer.group(1)) if layer else self.layer_range.start]
+
+    def _moe_block_of(self, name: str) -> tuple[SparseMoeBlock, str, str] | None:
+        """(block, our prefix, name relative to the block) for a router or expert tensor."""
+        match = re.match(r"layers\.(\d+)\.(\w+)\.(.+)", name)
+        if match is None or self.spec.moe is None:
+            return None
+        mlp = self.layers[int(match.group(1))].mlp
+        if not isinstance(mlp, SparseMoeBlock) or match.group(2) not in ("mlp", self.spec.moe.checkpoint_module):
+            return None
+        return mlp, f"layers.{match.group(1)}.mlp.", match.group(3)
+
     def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (the whole tensor with one rank)."""
         tp = get_tp()
         if tp.size == 1:
             return tensor
-        first = self.layers[self.layer_range.start]
-        attn, mlp = first.self_attn, first.mlp
+        layer = self._layer_of(name)
+        attn, mlp = layer.self_attn, layer.mlp
         d = attn.head_dim
         if "embed_tokens." in name or "lm_head." in name:
             start, rows = vocab_range(self.config.vocab_size, tp)
@@ -388,6 +439,10 @@ class DecoderForCausalLM(nn.Module):
             return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
         if ".o_proj.weight" in name:
             return tensor.narrow(1, attn.head_start * d, attn.q_size)
+        if attn.full_qk_norm and ".q_norm." in name:
+            return tensor.narrow(0, attn.head_start * d, attn.q_size)
+        if attn.full_qk_norm and ".k_norm." in name:
+            return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
         if ".gate_proj." in name or ".up_proj." in name:
             return tensor.narrow(0, mlp.intermediate_start, mlp.intermediate_size)
         if ".down_proj.weight" in name:
@@ -395,6 +450,9 @@ class DecoderForCausalLM(nn.Module):
         return tensor  # norms and row-parallel biases: every rank holds them whole
 
     def _shards_of(self, name: str) -> tuple:
+        moe = self._moe_block_of(name)
+        if moe is not None:
+            return moe[0].pieces(moe[2])
         if "qkv_proj" in name:
             return (0, 1, 2)
         if "gate_up_proj" in name:
@@ -402,11 +460,11 @@ class DecoderForCausalLM(nn.Module):
         return (None,)
 
     def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
-        first = self.layers[self.layer_range.start]
+        layer = self._layer_of(name)
         if "qkv_proj" in name:
-            sizes = [first.self_attn.q_size, first.self_attn.kv_size, first.self_attn.kv_size]
+            sizes = [layer.self_attn.q_size, layer.self_attn.kv_size, layer.self_attn.kv_size]
         else:
-            sizes = [first.mlp.intermediate_size] * 2
+            sizes = [layer.mlp.intermediate_size] * 2
         return sum(sizes[:shard]), sizes[shard]
 
 

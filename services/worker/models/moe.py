@@ -1,0 +1,187 @@
+"""Mixture-of-experts feed-forward: a router picks each token's top-k experts and the experts run
+as one fused layer.
+
+- `route`: softmax over the router logits in fp32, top-k, optionally renormalised over the k
+  (each architecture says whether: `MoeSpec.renormalize`).
+- `fused_experts`: the (token, slot) pairs are grouped by expert and each expert's two GEMMs
+  (gate/up, then down) run once on its whole group; the results, scaled by the routing
+  weights, are summed back per token. On CUDA one Triton kernel per GEMM covers every expert
+  (`fused_moe_triton.py`); elsewhere torch runs a GEMM pair per expert that has tokens (a loop
+  over experts, never over tokens). Both add each token's expert outputs in ascending expert
+  order, as HF's reference does, so fp32 results match it.
+- `SparseMoeBlock`: router + experts as a decoder layer's MLP. Under tensor parallelism every
+  rank holds every expert's slice of the intermediate columns (like the dense MLP) and one
+  all-reduce sums the partial outputs; the router is whole on every rank.
+
+The experts are one opaque custom op (`myvllm::moe_experts`): torch.compile keeps the
+data-dependent grouping outside its graph and compiles the rest of the layer around it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.parallel import all_reduce, column_range, get_tp
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """How an architecture names and routes its experts."""
+
+    num_experts_attr: str = "num_experts"  # config field with the expert count
+    intermediate_attr: str = "moe_intermediate_size"  # config field with each expert's width
+    renormalize: bool | None = None  # renormalise the top-k weights; None: config.norm_topk_prob
+    fp32_weights: bool = False  # routing weights stay fp32 (Mixtral) instead of the model dtype
+    checkpoint_module: str = "mlp"  # the block's name in checkpoints (Mixtral: block_sparse_moe)
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+
+    def is_moe_layer(self, config, layer_idx: int) -> bool:
+        """Qwen-MoE's rule (`mlp_only_layers`, `decoder_sparse_step`); every layer elsewhere."""
+        if layer_idx in (getattr(config, "mlp_only_layers", None) or ()):
+            return False
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return getattr(config, self.num_experts_attr) > 0 and (layer_idx + 1) % step == 0
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k] in `weights_dtype`, expert ids [T, k] int64)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), ids
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """The torch path: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], weights and
+    ids [T, k] → [T, H] = sum over k of weight * down(silu(gate(x)) * up(x)) of that expert.
+    An id outside [0, E) (an expert another rank holds) contributes nothing."""
+    num_tokens, top_k = ids.shape
+    num_experts = w13.shape[0]
+    flat_ids = ids.reshape(-1)
+    # The (token, slot) pairs sorted by expert, stable: within an expert, in token order.
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids.clamp(-1, num_experts) + 1, minlength=num_experts + 2).tolist()
+    token_of = order // top_k
+    rows = x.index_select(0, token_of)
+    out_rows = torch.empty_like(rows)
+    lo = start = counts[0]  # ids below 0 sort first and are skipped
+    for expert, n in enumerate(counts[1:num_experts + 1]):
+        if n:
+            gate, up = F.linear(rows[start:start + n], w13[expert]).chunk(2, dim=-1)
+            out_rows[start:start + n] = F.linear(F.silu(gate) * up, w2[expert])
+        start += n
+    held = slice(lo, start)
+    scaled = (out_rows[held] * weights.reshape(-1)[order[held], None]).to(x.dtype)
+    # index_add_ adds rows in order: each token's experts in ascending order, as HF's loop does.
+    return torch.zeros_like(x).index_add_(0, token_of[held], scaled)
+
+
+@torch.library.custom_op("myvllm::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """`grouped_experts`, or the Triton kernels on CUDA; opaque to torch.compile."""
+    if x.is_cuda:
+        from services.worker.models import fused_moe_triton
+
+        return fused_moe_triton.fused_experts(x, w13, w2, weights, ids)
+    return grouped_experts(x, w13, w2, weights, ids)
+
+
+@moe_experts.register_fake
+def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+      ids: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class FusedExperts(nn.Module):
+    """Every local expert's weights as two stacked tensors: w13 [E, 2I, H] (gate and up fused,
+    as the dense MLP's gate_up_proj) and w2 [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x, self.w13, self.w2, weights, ids)
+
+
+# A checkpoint's expert tensor, relative to the block: experts.<e>.<name>.weight (HF's saved
+# format) or experts.gate_up_proj / experts.down_proj (transformers' in-memory stacked format).
+_EXPERT = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
+_STACKED = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2"}
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP made of routed experts."""
+
+    def __init__(self, config, spec: MoeSpec) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"activation {config.hidden_act!r} is not supported")
+        self.spec = spec
+        self.num_experts = getattr(config, spec.num_experts_attr)
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = bool(config.norm_topk_prob) if spec.renormalize is None else spec.renormalize
+        # This rank's slice of every expert's intermediate columns (all of them with one rank).
+        self.intermediate_start, self.intermediate_size = column_range(getattr(config, spec.intermediate_attr),
+                                                                       get_tp())
+        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)  # the router
+        self.experts = FusedExperts(self.num_experts, config.hidden_size, self.intermediate_size)
+
+    def forward(self, ops: object, x: torch.Tensor) -> torch.Tensor:
+        weights_dtype = torch.float32 if self.spec.fp32_weights else x.dtype
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        y = self.experts(x, weights, ids)
+        return all_reduce(y) if get_tp().size > 1 else y
+
+    # ------------------------------------------------------------------ loading
+
+    def pieces(self, param: str) -> tuple[str, ...]:
+        """The pieces a checkpoint fills of `param` (relative name): one per expert and shard."""
+        if param == "experts.w13":
+            return tuple(f"{e}.{s}" for e in range(self.num_experts) for s in (0, 1))
+        if param == "experts.w2":
+            return tuple(str(e) for e in range(self.num_experts))
+        return ("",)
+
+    def load(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """Copy checkpoint tensor `name` (relative to the block) into place; returns the
+        "param#piece" keys it filled. Raises KeyError for a name that is not this block's."""
+        if name == "gate.weight":
+            self.gate.weight.copy_(tensor)
+            return ["gate.weight#"]
+        if name in _STACKED:
+            return self._load_stacked(_STACKED[name], tensor)
+        match = _EXPERT.fullmatch(name)
+        gate_name, up_name, down_name = self.spec.expert_names
+        if match is None or match.group(2) not in (gate_name, up_name, down_name) \
+                or int(match.group(1)) >= self.num_experts:
+            raise KeyError(f"unexpected weight {name!r} in checkpoint")
+        expert, which = int(match.group(1)), match.group(2)
+        start, width = self.intermediate_start, self.intermediate_size
+        if which == down_name:
+            self.experts.w2[expert].copy_(tensor.narrow(1, start, width))
+            return [f"experts.w2#{expert}"]
+        shard = 0 if which == gate_name else 1
+        self.experts.w13[expert].narrow(0, shard * width, width).copy_(tensor.narrow(0, start, width))
+        return [f"experts.w13#{expert}.{shard}"]
+
+    def _load_stacked(self, param: str, tensor: torch.Tensor) -> list[str]:
+        start, width = self.intermediate_start, self.intermediate_size
+        if param == "w2":  # [E, H, I]
+            self.experts.w2.copy_(tensor.narrow(2, start, width))
+            return [f"experts.w2#{key}" for key in self.pieces("experts.w2")]
+        full = tensor.shape[1] // 2  # [E, 2I, H]: gate rows, then up rows
+        for shard in (0, 1):
+            self.experts.w13.narrow(1, shard * width, width).copy_(tensor.narrow(1, shard * full + start, width))
+        return [f"experts.w13#{key}" for key in self.pieces("experts.w13")]

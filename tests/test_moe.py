@@ -1,0 +1,130 @@
+"""Mixture-of-experts models: routing, the fused experts' torch path (the Triton kernel is in
+test_fused_moe_triton.py), loading both checkpoint layouts, and greedy token ids equal to HF
+transformers for tiny random Qwen3-MoE (one dense layer among the MoE ones, renormalised
+top-k), Mixtral (fp32 routing weights, `block_sparse_moe` names) and OLMoE (whole-projection
+q/k norms, clipped q/k/v, top-k not renormalised): one rank under chunked prefill and
+preemption, and two tensor-parallel ranks (each expert's columns split, one all-reduce).
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+
+from services.common.sampling_params import SamplingParams
+from services.sdk.llm import LLM
+from services.worker.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, route
+
+MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe"]
+MAX_NEW_TOKENS = 24
+BLOCK_SIZE = 16
+
+
+def _per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The definition, one token and one slot at a time (fine for a test's few tokens)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            if 0 <= e < w13.shape[0]:
+                gate, up = (w13[e] @ x[t]).chunk(2)
+                out[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def test_grouped_experts_equal_the_per_token_definition() -> None:
+    """Ids outside [0, E) (experts held by another rank) add nothing; experts without tokens are skipped."""
+    g = torch.Generator().manual_seed(0)
+    num_tokens, top_k, experts, hidden, width = 37, 3, 6, 24, 10
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * width, hidden, generator=g) / 5
+    w2 = torch.randn(experts, hidden, width, generator=g) / 5
+    ids = torch.stack([torch.randperm(experts + 2, generator=g)[:top_k] - 1 for _ in range(num_tokens)])
+    ids[ids == 4] = 5  # expert 4 gets no token
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    got = grouped_experts(x, w13, w2, weights, ids)
+    assert (ids == -1).any() and (ids == experts).any()
+    torch.testing.assert_close(got, _per_token_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_route_softmax_top_k_and_renormalisation() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 0.5, 1.0, 0.0]])
+    probs = torch.softmax(logits, -1)
+    weights, ids = route(logits, 2, renormalize=False, weights_dtype=torch.float32)
+    assert ids.tolist() == [[3, 2], [0, 2]]
+    torch.testing.assert_close(weights[0], probs[0, [3, 2]])
+    weights, _ = route(logits.bfloat16(), 2, renormalize=True, weights_dtype=torch.bfloat16)
+    assert weights.dtype == torch.bfloat16
+    torch.testing.assert_close(weights.float().sum(-1), torch.ones(2), atol=1e-2, rtol=0)
+
+
+def test_a_block_loads_per_expert_and_stacked_checkpoints_alike() -> None:
+    """HF's saved layout (experts.<e>.gate_proj/up_proj/down_proj) and transformers' in-memory
+    stacked one (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) fill the same weights."""
+    config = SimpleNamespace(hidden_size=8, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=4,
+                             norm_topk_prob=True, hidden_act="silu")
+    g = torch.Generator().manual_seed(1)
+    gate, up, down = (torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, 8, generator=g),
+                      torch.randn(3, 8, 4, generator=g))
+    per_expert, stacked = SparseMoeBlock(config, MoeSpec()), SparseMoeBlock(config, MoeSpec())
+    keys = set()
+    with torch.no_grad():
+        for e in range(3):
+            keys.update(per_expert.load(f"experts.{e}.gate_proj.weight", gate[e]))
+            keys.update(per_expert.load(f"experts.{e}.up_proj.weight", up[e]))
+            keys.update(per_expert.load(f"experts.{e}.down_proj.weight", down[e]))
+        stacked_keys = set(stacked.load("experts.gate_up_proj", torch.cat((gate, up), dim=1)))
+        stacked_keys |= set(stacked.load("experts.down_proj", down))
+        with pytest.raises(KeyError, match="experts.3.gate_proj"):
+            per_expert.load("experts.3.gate_proj.weight", gate[0])
+    assert keys == stacked_keys == {f"experts.w13#{p}" for p in per_expert.pieces("experts.w13")} | {
+        f"experts.w2#{p}" for p in per_expert.pieces("experts.w2")}
+    assert torch.equal(per_expert.experts.w13, stacked.experts.w13)
+    assert torch.equal(per_expert.experts.w2, stacked.experts.w2)
+    assert torch.equal(per_expert.experts.w13[1, :4], gate[1]) and torch.equal(per_expert.experts.w13[1, 4:], up[1])
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 7, 40, 150, 17, 300, 64, 96)]
+
+
+def _greedy(model_dir: str, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], dict]:
+    llm = LLM(model_dir, dtype="float32", seed=0, block_size=BLOCK_SIZE, **engine_args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm.stats()
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_model_dir) -> dict[str, tuple[str, list[list[int]]]]:
+    """arch -> (checkpoint dir, HF's greedy continuations of `_prompts()`), computed once."""
+    return {arch: (tiny_model_dir(arch), hf_greedy(tiny_model_dir(arch), _prompts(), MAX_NEW_TOKENS))
+            for arch in MOE_ARCHS}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_greedy_equals_hf_under_chunked_prefill_and_preemption(moe_reference, arch: str) -> None:
+    model_dir, want = moe_reference[arch]
+    prompts = _prompts()
+    # Every request fits alone, not all together: the later ones are preempted as they grow.
+    need = sum(-(-(len(p) + MAX_NEW_TOKENS) // BLOCK_SIZE) for p in prompts)
+    got, stats = _greedy(model_dir, prompts, max_num_batched_tokens=32, num_gpu_blocks_override=need * 2 // 3)
+    assert got == want
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_tensor_parallel_greedy_equals_hf(moe_reference, arch: str) -> None:
+    model_dir, want = moe_reference[arch]
+    got, stats = _greedy(model_dir, _prompts(), tensor_parallel_size=2, max_num_batched_tokens=64)
+    assert got == want
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
