@@ -19,7 +19,7 @@ from services.common.config import (
 )
 
 MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
-              "pipeline_parallel_size", "compile_model")
+              "pipeline_parallel_size", "enable_expert_parallel", "compile_model")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
                    "speculative_config", "structured_outputs_compile_timeout")
@@ -50,6 +50,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="stages that split the model's layers, T ranks each; the scheduler keeps P steps in "
                         "flight so that no stage idles")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts across the tensor-parallel ranks (each holds whole experts) "
+                        "instead of every expert's columns; dense models ignore it")
 
 
 def add_scheduling_args(p: argparse.ArgumentParser) -> None:

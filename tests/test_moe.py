@@ -3,7 +3,8 @@ test_fused_moe_triton.py), loading both checkpoint layouts, and greedy token ids
 transformers for tiny random Qwen3-MoE (one dense layer among the MoE ones, renormalised
 top-k), Mixtral (fp32 routing weights, `block_sparse_moe` names) and OLMoE (whole-projection
 q/k norms, clipped q/k/v, top-k not renormalised): one rank under chunked prefill and
-preemption, and two tensor-parallel ranks (each expert's columns split, one all-reduce).
+preemption, and two tensor-parallel ranks, with each expert's columns split or, with
+`enable_expert_parallel`, the experts themselves (each rank runs its own on every token).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hf_reference import hf_greedy
 from services.common.sampling_params import SamplingParams
 from services.sdk.llm import LLM
 from services.worker.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, route
+from services.worker.parallel import ExpertParallel, expert_range
 
 MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe"]
 MAX_NEW_TOKENS = 24
@@ -88,6 +90,40 @@ def test_a_block_loads_per_expert_and_stacked_checkpoints_alike() -> None:
     assert torch.equal(per_expert.experts.w13[1, :4], gate[1]) and torch.equal(per_expert.experts.w13[1, 4:], up[1])
 
 
+def test_experts_split_contiguously_the_first_ranks_taking_the_remainder() -> None:
+    assert [expert_range(8, ExpertParallel(r, 2)) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [expert_range(10, ExpertParallel(r, 4)) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    with pytest.raises(ValueError, match="at least as many experts"):
+        expert_range(2, ExpertParallel(0, 4))
+
+
+def test_an_expert_parallel_rank_holds_loads_and_runs_only_its_experts(monkeypatch) -> None:
+    from services.worker import parallel
+
+    monkeypatch.setattr(parallel, "_ep_state", ExpertParallel(1, 2))  # the second of two ranks
+    config = SimpleNamespace(hidden_size=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4,
+                             norm_topk_prob=False, hidden_act="silu")
+    block = SparseMoeBlock(config, MoeSpec())
+    assert (block.expert_start, block.num_local_experts, block.experts.w13.shape[0]) == (2, 2, 2)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        assert block.load("experts.0.gate_proj.weight", torch.randn(4, 8, generator=g)) == []  # rank 0's
+        weight = torch.randn(4, 8, generator=g)
+        assert block.load("experts.3.up_proj.weight", weight) == ["experts.w13#3.1"]
+        assert torch.equal(block.experts.w13[1, 4:], weight)
+        block.load("gate.weight", torch.randn(4, 8, generator=g))
+        block.experts.w13.normal_(generator=g)
+        block.experts.w2.normal_(generator=g)
+    x = torch.randn(5, 8, generator=g)
+    weights, ids = route(block.gate(x), 2, False, torch.float32)
+    local = ids.clone()
+    local[ids < 2] = -1  # rank 0's experts add nothing here
+    want = grouped_experts(x, torch.cat((torch.zeros_like(block.experts.w13), block.experts.w13)),
+                           torch.cat((torch.zeros_like(block.experts.w2), block.experts.w2)), weights, ids)
+    torch.testing.assert_close(block(None, x), want)
+    assert (local >= 2).any() and (local == -1).any()
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(11)
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 7, 40, 150, 17, 300, 64, 96)]
@@ -123,8 +159,10 @@ def test_moe_greedy_equals_hf_under_chunked_prefill_and_preemption(moe_reference
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_moe_tensor_parallel_greedy_equals_hf(moe_reference, arch: str) -> None:
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["columns", "experts"])
+def test_moe_tensor_parallel_greedy_equals_hf(moe_reference, arch: str, expert_parallel: bool) -> None:
     model_dir, want = moe_reference[arch]
-    got, stats = _greedy(model_dir, _prompts(), tensor_parallel_size=2, max_num_batched_tokens=64)
+    got, stats = _greedy(model_dir, _prompts(), tensor_parallel_size=2, max_num_batched_tokens=64,
+                         enable_expert_parallel=expert_parallel)
     assert got == want
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats

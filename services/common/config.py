@@ -140,6 +140,9 @@ class EngineConfig:
     # Pipeline stages per engine, each holding 1/P of the layers (T x P ranks in all); the
     # scheduler keeps P steps in flight so no stage idles.
     pipeline_parallel_size: int = 1
+    # MoE models: the experts are split across the tensor-parallel ranks (each rank holds whole
+    # experts) instead of every expert's columns; ignored by dense models, as in vLLM.
+    enable_expert_parallel: bool = False
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
     compile_model: bool = False
@@ -214,7 +217,8 @@ class EngineConfig:
                                         num_gpu_blocks_override=self.num_gpu_blocks_override or 0,
                                         kv_cache_memory_bytes=self.kv_cache_memory_bytes or 0),
             parallel_config=pb.ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                              pipeline_parallel_size=self.pipeline_parallel_size),
+                                              pipeline_parallel_size=self.pipeline_parallel_size,
+                                              enable_expert_parallel=self.enable_expert_parallel),
             scheduler_config=pb.SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                                 scheduling_policy=self.scheduling_policy,
@@ -233,6 +237,7 @@ class EngineConfig:
                    num_gpu_blocks_override=c.num_gpu_blocks_override or None,
                    kv_cache_memory_bytes=c.kv_cache_memory_bytes or None,
                    tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
+                   enable_expert_parallel=p.enable_expert_parallel,
                    max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                    scheduling_policy=s.scheduling_policy,
                    async_scheduling=s.async_scheduling if s.HasField("async_scheduling") else None,

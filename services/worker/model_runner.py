@@ -90,7 +90,8 @@ class ModelRunner:
                  max_model_len: int | None = None, attention_backend: str | None = None,
                  device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
                  distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,
-                 pipeline_parallel_size: int = 1, speculative_config: pb.SpeculativeConfig | None = None) -> None:
+                 pipeline_parallel_size: int = 1, speculative_config: pb.SpeculativeConfig | None = None,
+                 enable_expert_parallel: bool = False) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         num_ranks = tensor_parallel_size * pipeline_parallel_size
         if self.device.type == "cpu":
@@ -110,7 +111,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         # Joins the process group (if any) first: the model builds only this rank's shard / stage.
         init_parallel(tensor_parallel_rank, tensor_parallel_size, distributed_init_method, self.device,
-                      pipeline_parallel_rank, pipeline_parallel_size)
+                      pipeline_parallel_rank, pipeline_parallel_size, enable_expert_parallel)
         self.pp = get_pp()
         # Hidden states sent to the next stage and not yet known to have left (kept alive till then).
         self._pending_sends: deque[tuple[torch.distributed.Work, torch.Tensor]] = deque()

@@ -17,6 +17,12 @@ next (point-to-point, one transfer per step; the residual stream is the hidden s
 this model code, so there is nothing else to send). T x P ranks make one engine, stage-major:
 global rank = pp_rank * T + tp_rank, and the T ranks of one stage form its TP group.
 
+Expert parallelism (`enable_expert_parallel`, MoE models): the experts split across the TP
+ranks instead of their columns; each rank runs its own experts on every token (the tokens are
+the same on all TP ranks) and the same all-reduce that ends a dense MLP sums the experts'
+outputs. (Across data-parallel replicas, whose tokens differ, the dispatch needs an
+all-to-all; that is not built yet.)
+
 Rendezvous: the ranks join the store their engine's owner hosts (services/common/rendezvous.py)
 under the generation's key prefix that `distributed_init_method` names.
 """
@@ -54,8 +60,15 @@ class PipelineParallel:
         return self.rank == self.size - 1
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    rank: int = 0
+    size: int = 1
+
+
 _state = TensorParallel()
 _pp_state = PipelineParallel()
+_ep_state = ExpertParallel()
 # The TP group's handle (None: the default group, i.e. every rank of the engine).
 _tp_group = None
 
@@ -68,15 +81,22 @@ def get_pp() -> PipelineParallel:
     return _pp_state
 
 
+def get_ep() -> ExpertParallel:
+    """This rank's place among the ranks that split an MoE layer's experts (size 1: every rank
+    holds every expert, TP splits their columns)."""
+    return _ep_state
+
+
 def _global_rank() -> int:
     return _pp_state.rank * _state.size + _state.rank
 
 
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device, pp_rank: int = 0,
-                  pp_size: int = 1) -> None:
+                  pp_size: int = 1, expert_parallel: bool = False) -> None:
     """Join the engine's process group of tp_size x pp_size ranks (blocks until all have joined)."""
-    global _state, _pp_state, _tp_group
+    global _state, _pp_state, _tp_group, _ep_state
     tp_size, pp_size = max(tp_size, 1), max(pp_size, 1)
+    _ep_state = ExpertParallel(tp_rank, tp_size) if expert_parallel and tp_size > 1 else ExpertParallel()
     world = tp_size * pp_size
     if world == 1:
         _state, _pp_state, _tp_group = TensorParallel(), PipelineParallel(), None
@@ -111,10 +131,10 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
 
 
 def destroy_parallel() -> None:
-    global _state, _pp_state, _tp_group
+    global _state, _pp_state, _tp_group, _ep_state
     if dist.is_initialized():
         dist.destroy_process_group()
-    _state, _pp_state, _tp_group = TensorParallel(), PipelineParallel(), None
+    _state, _pp_state, _tp_group, _ep_state = TensorParallel(), PipelineParallel(), None, ExpertParallel()
 
 
 def threads_per_rank(num_ranks: int) -> int:
@@ -140,7 +160,7 @@ def check_divisible(config, size: int) -> None:
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
     expert_width = getattr(config, "moe_intermediate_size", None)  # each routed expert's columns split too
-    if expert_width and expert_width % size:
+    if expert_width and expert_width % size and get_ep().size == 1:
         raise ValueError(f"tensor_parallel_size={size} does not divide moe_intermediate_size={expert_width}")
 
 
@@ -170,6 +190,16 @@ def kv_head_range(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
         per_rank = num_kv_heads // tp.size
         return tp.rank * per_rank, per_rank
     return tp.rank // (tp.size // num_kv_heads), 1
+
+
+def expert_range(num_experts: int, ep: ExpertParallel) -> tuple[int, int]:
+    """(first expert, how many) this rank holds: contiguous, the first num_experts % size ranks
+    one more (vLLM's split)."""
+    per_rank, extra = divmod(num_experts, ep.size)
+    if per_rank == 0:
+        raise ValueError(f"expert parallelism over {ep.size} ranks needs at least as many experts "
+                         f"(the model has {num_experts})")
+    return ep.rank * per_rank + min(ep.rank, extra), per_rank + (ep.rank < extra)
 
 
 def column_range(size: int, tp: TensorParallel) -> tuple[int, int]:

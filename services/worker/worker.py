@@ -60,6 +60,7 @@ class Worker:
             distributed_init_method=req.distributed_init_method, compile_model=model.compile_model,
             pipeline_parallel_rank=req.pipeline_parallel_rank,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
+            enable_expert_parallel=parallel.enable_expert_parallel,
             speculative_config=c.speculative_config if c.HasField("speculative_config") else None)
         r = self.runner
         self._loaded_key = weights_key(req)

@@ -10,8 +10,9 @@ as one fused layer.
   over experts, never over tokens). Both add each token's expert outputs in ascending expert
   order, as HF's reference does, so fp32 results match it.
 - `SparseMoeBlock`: router + experts as a decoder layer's MLP. Under tensor parallelism every
-  rank holds every expert's slice of the intermediate columns (like the dense MLP) and one
-  all-reduce sums the partial outputs; the router is whole on every rank.
+  rank holds every expert's slice of the intermediate columns (like the dense MLP), or with
+  expert parallelism its share of the experts whole (an id it does not hold adds nothing
+  there); either way one all-reduce sums the partial outputs. The router is whole on every rank.
 
 The experts are one opaque custom op (`myvllm::moe_experts`): torch.compile keeps the
 data-dependent grouping outside its graph and compiles the rest of the layer around it.
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.parallel import all_reduce, column_range, get_tp
+from services.worker.parallel import all_reduce, column_range, expert_range, get_ep, get_tp
 
 
 @dataclass(frozen=True)
@@ -132,15 +133,21 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = getattr(config, spec.num_experts_attr)
         self.top_k = config.num_experts_per_tok
         self.renormalize = bool(config.norm_topk_prob) if spec.renormalize is None else spec.renormalize
-        # This rank's slice of every expert's intermediate columns (all of them with one rank).
-        self.intermediate_start, self.intermediate_size = column_range(getattr(config, spec.intermediate_attr),
-                                                                       get_tp())
+        width = getattr(config, spec.intermediate_attr)
+        if get_ep().size > 1:  # whole experts, this rank's share of them
+            self.expert_start, self.num_local_experts = expert_range(self.num_experts, get_ep())
+            self.intermediate_start, self.intermediate_size = 0, width
+        else:  # every expert, this rank's slice of their columns (all of them with one rank)
+            self.expert_start, self.num_local_experts = 0, self.num_experts
+            self.intermediate_start, self.intermediate_size = column_range(width, get_tp())
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)  # the router
-        self.experts = FusedExperts(self.num_experts, config.hidden_size, self.intermediate_size)
+        self.experts = FusedExperts(self.num_local_experts, config.hidden_size, self.intermediate_size)
 
     def forward(self, ops: object, x: torch.Tensor) -> torch.Tensor:
         weights_dtype = torch.float32 if self.spec.fp32_weights else x.dtype
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        if self.num_local_experts < self.num_experts:  # local ids; another rank's experts fall outside
+            ids = ids - self.expert_start
         y = self.experts(x, weights, ids)
         return all_reduce(y) if get_tp().size > 1 else y
 
@@ -148,10 +155,11 @@ class SparseMoeBlock(nn.Module):
 
     def pieces(self, param: str) -> tuple[str, ...]:
         """The pieces a checkpoint fills of `param` (relative name): one per expert and shard."""
+        local = range(self.expert_start, self.expert_start + self.num_local_experts)
         if param == "experts.w13":
-            return tuple(f"{e}.{s}" for e in range(self.num_experts) for s in (0, 1))
+            return tuple(f"{e}.{s}" for e in local for s in (0, 1))
         if param == "experts.w2":
-            return tuple(str(e) for e in range(self.num_experts))
+            return tuple(str(e) for e in local)
         return ("",)
 
     def load(self, name: str, tensor: torch.Tensor) -> list[str]:
@@ -168,16 +176,20 @@ class SparseMoeBlock(nn.Module):
                 or int(match.group(1)) >= self.num_experts:
             raise KeyError(f"unexpected weight {name!r} in checkpoint")
         expert, which = int(match.group(1)), match.group(2)
+        local = expert - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return []  # another rank's expert
         start, width = self.intermediate_start, self.intermediate_size
         if which == down_name:
-            self.experts.w2[expert].copy_(tensor.narrow(1, start, width))
+            self.experts.w2[local].copy_(tensor.narrow(1, start, width))
             return [f"experts.w2#{expert}"]
         shard = 0 if which == gate_name else 1
-        self.experts.w13[expert].narrow(0, shard * width, width).copy_(tensor.narrow(0, start, width))
+        self.experts.w13[local].narrow(0, shard * width, width).copy_(tensor.narrow(0, start, width))
         return [f"experts.w13#{expert}.{shard}"]
 
     def _load_stacked(self, param: str, tensor: torch.Tensor) -> list[str]:
         start, width = self.intermediate_start, self.intermediate_size
+        tensor = tensor.narrow(0, self.expert_start, self.num_local_experts)  # this rank's experts
         if param == "w2":  # [E, H, I]
             self.experts.w2.copy_(tensor.narrow(2, start, width))
             return [f"experts.w2#{key}" for key in self.pieces("experts.w2")]
