@@ -21,7 +21,7 @@ from services.common.spec_config import SpeculativeConfig
 from services.common.structured_outputs import StructuredOutputsError
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
-from services.engine.spec_decode import SpecDecodeStats, lookahead_slots, max_drafts
+from services.engine.spec_decode import SpecDecodeStats, drafts_per_step, lookahead_slots, max_drafts
 from services.engine.structured_output import STEP_FILL_WAIT_S, RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Scheduler:
         # Speculative decoding (None: off): drafts come back from the worker with each step.
         self.speculative_config = speculative_config
         self.num_lookahead_slots = lookahead_slots(speculative_config)
-        num_drafts = speculative_config.num_speculative_tokens if speculative_config else 0
+        num_drafts = drafts_per_step(speculative_config)
         self.spec_stats = SpecDecodeStats(num_drafts)
         # Each step's message stays within STEP_BUDGET_BYTES, what the worker reads (a step with
         # many new requests of long prompts or big sampling parameters, as after a worker

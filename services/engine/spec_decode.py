@@ -45,6 +45,11 @@ class SpecDecodeStats:
                 "spec_decode_accepted_per_pos": list(self.accepted_per_pos)}
 
 
+def drafts_per_step(config: SpeculativeConfig | None) -> int:
+    """Draft tokens a request may carry into a step (0: speculation off)."""
+    return config.num_speculative_tokens if config is not None else 0
+
+
 def lookahead_slots(config: SpeculativeConfig | None) -> int:
     """KV slots to allocate past a step's tokens: a draft model writes its own KV for the k-1
     draft positions it runs after the step (an n-gram proposer writes none)."""

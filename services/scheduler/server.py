@@ -29,6 +29,7 @@ from services.common.message_limits import generate_request_bytes, receive_limit
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.engine.engine_core import EngineCore
+from services.engine.spec_decode import drafts_per_step
 from services.engine.step_loop import StepLoop
 from services.engine.worker_setup import set_up_workers
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
@@ -309,9 +310,8 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     # Several workers are one engine's ranks (tensor parallel x pipeline stages), stage-major; they
     # rendezvous at a store this scheduler hosts, on the host they reach it by.
     try:
-        num_drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         answer_bytes = receive_limit(runner_output_bytes(config.max_num_seqs, config.max_num_batched_tokens,
-                                                         num_drafts))
+                                                         drafts_per_step(config.speculative_config)))
         worker = WorkerGroup([WorkerLink(a, answer_bytes, token=token, engine_timeout=engine_timeout)
                               for a in worker_addresses],
                              config.tensor_parallel_size, config.pipeline_parallel_size,
