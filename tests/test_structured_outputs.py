@@ -308,6 +308,11 @@ def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_di
               SamplingParams(temperature=0, max_tokens=60, structured_outputs=regex_spec)]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     overlapped = LLM(smollm2_dir, dtype="float32", seed=0, async_scheduling=True, max_num_seqs=8)
+    # Both grammars compiled (and cached) first: on a loaded machine the low-priority compiles
+    # finish at different times, and a request waits for its own, so the two constrained requests
+    # would not share steps. Cached, both start in the counted run's first step.
+    overlapped.generate([prompts[1], prompts[3]], [SamplingParams(temperature=0, max_tokens=1, structured_outputs=spec)
+                                                   for spec in (json_spec, regex_spec)], use_tqdm=False)
     followups = []
     scheduler_followup = overlapped.engine.scheduler.grammar_followup
 
