@@ -414,8 +414,10 @@ class DecoderForCausalLM(nn.Module):
 
     def _moe_block_of(self, name: str) -> tuple[SparseMoeBlock, str, str] | None:
         """(block, our prefix, name relative to the block) for a router or expert tensor."""
+        if self.spec.moe is None:
+            return None
         match = re.match(r"layers\.(\d+)\.(\w+)\.(.+)", name)
-        if match is None or self.spec.moe is None:
+        if match is None:
             return None
         mlp = self.layers[int(match.group(1))].mlp
         if not isinstance(mlp, SparseMoeBlock) or match.group(2) not in ("mlp", self.spec.moe.checkpoint_module):

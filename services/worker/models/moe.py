@@ -3,7 +3,7 @@ as one fused layer.
 
 - `route`: softmax over the router logits in fp32, top-k, optionally renormalised over the k
   (each architecture says whether: `MoeSpec.renormalize`).
-- `fused_experts`: the (token, slot) pairs are grouped by expert and each expert's two GEMMs
+- `moe_experts` (the op; `grouped_experts` its torch path): the (token, slot) pairs are grouped by expert and each expert's two GEMMs
   (gate/up, then down) run once on its whole group; the results, scaled by the routing
   weights, are summed back per token. On CUDA one Triton kernel per GEMM covers every expert
   (`fused_moe_triton.py`); elsewhere torch runs a GEMM pair per expert that has tokens (a loop
