@@ -20,8 +20,8 @@ global rank = pp_rank * T + tp_rank, and the T ranks of one stage form its TP gr
 Expert parallelism (`enable_expert_parallel`, MoE models): the experts split across the TP
 ranks instead of their columns; each rank runs its own experts on every token (the tokens are
 the same on all TP ranks) and the same all-reduce that ends a dense MLP sums the experts'
-outputs. (Across data-parallel replicas, whose tokens differ, the dispatch needs an
-all-to-all; that is not built yet.)
+outputs. (Across data-parallel replicas, whose tokens differ, each pair goes to its expert's
+rank and back by all-to-all: models/expert_dispatch.py, not wired into the engine yet.)
 
 Rendezvous: the ranks join the store their engine's owner hosts (services/common/rendezvous.py)
 under the generation's key prefix that `distributed_init_method` names.
