@@ -19,7 +19,7 @@ from services.common.config import (
 )
 
 MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
-              "pipeline_parallel_size", "enable_expert_parallel", "compile_model")
+              "pipeline_parallel_size", "enable_expert_parallel", "data_parallel_size", "compile_model")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
                    "speculative_config", "structured_outputs_compile_timeout")
@@ -51,8 +51,14 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="stages that split the model's layers, T ranks each; the scheduler keeps P steps in "
                         "flight so that no stage idles")
     p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: split the experts across the tensor-parallel ranks (each holds whole experts) "
-                        "instead of every expert's columns; dense models ignore it")
+                   help="MoE models: split the experts across the ranks (each holds whole experts) instead of every "
+                        "expert's columns: the tensor-parallel ranks, or with --data-parallel-size D > 1 all D x T "
+                        "ranks of the D engines, which then step in lockstep; dense models ignore it with one engine")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (each a scheduler and its worker ranks); serve starts a redis-server for "
+                        "their load (or uses --redis) and the gateway routes between them. With "
+                        "--enable-expert-parallel the replicas are one group (data-parallel attention, "
+                        "expert-parallel MoE layers)")
 
 
 def add_scheduling_args(p: argparse.ArgumentParser) -> None:

@@ -75,8 +75,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(f"worker: {e}")
     own = pb.LoadModelRequest(config=config.to_proto())
-    # A tensor- or pipeline-parallel rank loads its shard once its scheduler says which rank it is.
-    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    # A tensor-, pipeline- or data-parallel expert-parallel rank loads its shard once its scheduler
+    # says which rank it is.
+    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1 or config.expert_parallel_group
     return _run_async(serve_worker(args.host, args.port, own, device=args.device,
                                    preload=not parallel, token=token_from_env(args.internal_token),
                                    allowed_model_root=root))
@@ -427,9 +428,6 @@ def add_subcommands(sub) -> None:
     v.add_argument("--worker-port", type=int, default=None,
                    help="the worker's port (rank 0's with tensor parallelism; the other ranks take the next ones)")
     v.add_argument("--scheduler-port", type=int, default=None)
-    v.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine replicas (each a scheduler and its worker ranks); with more than one, serve starts "
-                        "a redis-server for their load (or uses --redis) and the gateway routes between them")
     v.add_argument("--redis", default=None, help=f"redis URL for the replicas' load (default: ${REDIS_URL_ENV}, else "
                                                  "an embedded redis-server with a random password when "
                                                  "--data-parallel-size > 1)")

@@ -43,7 +43,8 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
         mine = slice(int(starts[rank]), int(starts[rank]) + 3)
         for step, tokens in enumerate((TOKENS, {0: 5, 1: 9})):
             x, weights, ids = _problem(tokens[rank], seed=10 * step + rank)
-            out = dispatch_and_combine(x, weights, ids, w13[mine], w2[mine], starts, NUM_EXPERTS)
+            experts = lambda rows, w, i: grouped_experts(rows, w13[mine], w2[mine], w, i)  # noqa: E731
+            out = dispatch_and_combine(x, weights, ids, experts, starts, NUM_EXPERTS)
             torch.save(out, f"{out_dir}/{rank}-{step}.pt")
     finally:
         dist.destroy_process_group()

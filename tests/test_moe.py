@@ -166,3 +166,32 @@ def test_moe_tensor_parallel_greedy_equals_hf(moe_reference, arch: str, expert_p
                          enable_expert_parallel=expert_parallel)
     assert got == want
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_data_parallel_expert_parallel_greedy_equals_hf(moe_reference, arch: str) -> None:
+    """Two engines as one expert-parallel group (each holds half of the experts; its tokens go to
+    the other's experts and back), under chunked prefill and preemption: HF's tokens, every
+    block of both engines free afterwards. The last request leaves one engine idle while the
+    other still works: the idle one runs dummy steps."""
+    model_dir, want = moe_reference[arch]
+    prompts = _prompts()
+    need = sum(-(-(len(p) + MAX_NEW_TOKENS) // BLOCK_SIZE) for p in prompts)
+    llm = LLM(model_dir, dtype="float32", seed=0, block_size=BLOCK_SIZE, data_parallel_size=2,
+              enable_expert_parallel=True, max_num_batched_tokens=32, num_gpu_blocks_override=need // 2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        stats = [engine.scheduler.stats() for engine in llm.engines]
+        assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats), stats
+        assert sum(s["num_preemptions"] for s in stats) > 0, stats
+        assert [e.num_steps > 0 for e in llm.engines] == [True, True]
+        assert sum(e.num_dummy_steps for e in llm.engines) > 0
+        # One more request: engine 0 takes it, engine 1 only runs dummy steps.
+        dummies = llm.engines[1].num_dummy_steps
+        out = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == want[1]
+        assert llm.engines[1].num_dummy_steps - dummies >= MAX_NEW_TOKENS
+    finally:
+        llm.close()

@@ -143,6 +143,11 @@ class EngineConfig:
     # MoE models: the experts are split across the tensor-parallel ranks (each rank holds whole
     # experts) instead of every expert's columns; ignored by dense models, as in vLLM.
     enable_expert_parallel: bool = False
+    # Engine replicas. Dense models (or MoE without enable_expert_parallel): independent replicas
+    # behind the gateway's load-based routing. With enable_expert_parallel: one group whose MoE
+    # layers split the experts over all D x T ranks and whose engines step in lockstep (an idle
+    # engine runs dummy steps; services/engine/step_loop.py, DESIGN.md "DP waves").
+    data_parallel_size: int = 1
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
     compile_model: bool = False
@@ -182,6 +187,25 @@ class EngineConfig:
                              "pipeline_parallel_size steps in flight instead")
         if self.pipeline_parallel_size > 1 and self.compile_model:
             raise ValueError("compile_model is not supported with pipeline_parallel_size > 1")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
+        if self.expert_parallel_group:
+            self._check_expert_parallel_group()
+
+    @property
+    def expert_parallel_group(self) -> bool:
+        """The data-parallel engines form one expert-parallel group that steps in lockstep."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    def _check_expert_parallel_group(self) -> None:
+        """Refuse what the lockstep group does not run (yet), naming the flag."""
+        refused = [(self.pipeline_parallel_size > 1, "pipeline_parallel_size > 1 (--pipeline-parallel-size)"),
+                   (bool(self.async_scheduling), "async_scheduling (--async-scheduling)"),
+                   (self.compile_model, "compile_model (--compile)")]
+        for hit, what in refused:
+            if hit:
+                raise ValueError(f"data_parallel_size > 1 with enable_expert_parallel does not combine with {what}: "
+                                 "the engines step in lockstep, one step in flight, eager forward")
 
     def _check_speculation(self) -> None:
         """Refuse the combinations speculative decoding does not make exact (yet), naming the flag."""
@@ -192,6 +216,9 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config does not combine with pipeline_parallel_size > 1 "
                              "(--pipeline-parallel-size)")
+        if self.expert_parallel_group and self.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config method draft_model does not combine with data_parallel_size > 1 and "
+                             "enable_expert_parallel (the engines' forwards must match step for step; ngram does)")
         if self.tensor_parallel_size > 1 and self.speculative_config.method == "draft_model":
             raise ValueError("speculative_config method draft_model does not combine with tensor_parallel_size > 1 "
                              "(--tensor-parallel-size): the draft's own random draws are not synchronised across "
@@ -201,7 +228,7 @@ class EngineConfig:
         """Fix the automatic choice once the worker's device is known."""
         if self.async_scheduling is None:
             self.async_scheduling = (device == "cuda" and self.pipeline_parallel_size == 1
-                                     and self.speculative_config is None)
+                                     and self.speculative_config is None and not self.expert_parallel_group)
         return self.async_scheduling
 
     def to_proto(self, with_model_config: bool = True) -> pb.VllmConfig:
@@ -218,7 +245,8 @@ class EngineConfig:
                                         kv_cache_memory_bytes=self.kv_cache_memory_bytes or 0),
             parallel_config=pb.ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                               pipeline_parallel_size=self.pipeline_parallel_size,
-                                              enable_expert_parallel=self.enable_expert_parallel),
+                                              enable_expert_parallel=self.enable_expert_parallel,
+                                              data_parallel_size=self.data_parallel_size),
             scheduler_config=pb.SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                                 max_num_batched_tokens=self.max_num_batched_tokens,
                                                 scheduling_policy=self.scheduling_policy,
@@ -237,7 +265,7 @@ class EngineConfig:
                    num_gpu_blocks_override=c.num_gpu_blocks_override or None,
                    kv_cache_memory_bytes=c.kv_cache_memory_bytes or None,
                    tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
-                   enable_expert_parallel=p.enable_expert_parallel,
+                   enable_expert_parallel=p.enable_expert_parallel, data_parallel_size=p.data_parallel_size or 1,
                    max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                    scheduling_policy=s.scheduling_policy,
                    async_scheduling=s.async_scheduling if s.HasField("async_scheduling") else None,

@@ -7,9 +7,10 @@ from __future__ import annotations
 from services.common.proto import myvllm_pb2 as pb
 
 
-def per_rank_load_requests(request: pb.LoadModelRequest, init_method: str) -> list[pb.LoadModelRequest]:
-    """`request` for every rank of its configuration's T x P, each naming its TP rank, its stage
-    and the rendezvous of this set-up."""
+def per_rank_load_requests(request: pb.LoadModelRequest, init_method: str,
+                           data_parallel_rank: int = 0) -> list[pb.LoadModelRequest]:
+    """`request` for every rank of its configuration's T x P, each naming its TP rank, its stage,
+    its engine's data-parallel rank and the rendezvous of this set-up."""
     parallel = request.config.parallel_config
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     per_rank = []
@@ -18,6 +19,7 @@ def per_rank_load_requests(request: pb.LoadModelRequest, init_method: str) -> li
         r.CopyFrom(request)
         r.tensor_parallel_rank, r.pipeline_parallel_rank = rank % tp_size, rank // tp_size
         r.distributed_init_method = init_method
+        r.data_parallel_rank = data_parallel_rank
         per_rank.append(r)
     return per_rank
 

@@ -31,4 +31,9 @@ class RendezvousStore:
 
     def next_init_method(self) -> str:
         """The init method for one set-up of the ranks (a fresh key prefix each time)."""
-        return f"tcp://{self.advertise_host}:{self.store.port}/{next(self._generations)}"
+        return self.init_method(next(self._generations))
+
+    def init_method(self, generation: int) -> str:
+        """The init method of set-up number `generation` (owners that set up several engines'
+        ranks as one group count their set-ups themselves, and agree on the number)."""
+        return f"tcp://{self.advertise_host}:{self.store.port}/{generation}"

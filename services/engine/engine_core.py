@@ -31,6 +31,7 @@ class EngineCore:
             async_scheduling=config.async_scheduling, pipeline_parallel=config.pipeline_parallel_size > 1,
             structured_output=self.structured_output, speculative_config=config.speculative_config)
         self.num_steps = 0
+        self.num_dummy_steps = 0  # lockstep steps with nothing scheduled (services/engine/step_loop.py)
 
     def add_request(self, req: pb.GenerateRequest) -> None:
         """Queue a request; raises ValueError (InvalidRequest for a bad request) with a clear
@@ -109,7 +110,7 @@ class EngineCore:
                         grammar_compile_seconds=self.structured_output.compile_seconds,
                         grammar_cache_hits=self.structured_output.cache_hits,
                         grammar_compile_timeouts=self.structured_output.num_compile_timeouts,
-                        grammar_row_waits=self.scheduler.num_row_waits, **s)
+                        grammar_row_waits=self.scheduler.num_row_waits, num_dummy_steps=self.num_dummy_steps, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

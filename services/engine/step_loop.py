@@ -10,6 +10,13 @@ it; its bitmask (a follow-up message) goes out once the step before it is proces
 Who the ranks are is the `WorkerHandle`'s business: gRPC streams to worker processes
 (services/scheduler/worker_group.py) or workers in this process and its children
 (services/sdk/local_workers.py). Who the outputs go to is the `emit` callback's.
+
+Lockstep (data-parallel engines whose MoE layers are one expert-parallel group): every engine's
+ranks must enter every MoE layer's exchange together, so while the group's wave runs each engine
+steps even with nothing to do (a dummy step: the ranks join the exchanges with no tokens). Each
+step tells the ranks whether this engine has unfinished requests; they all-reduce it over the
+group and answer with the result, so every engine learns after the same step that none has
+any, and they all pause there (vLLM's DP wave: DESIGN.md). One step in flight.
 """
 
 from __future__ import annotations
@@ -51,11 +58,17 @@ class StepLoop:
         self.emit = emit
         self.after_step = after_step or (lambda: None)
         self.depth = core.config.steps_in_flight
+        self.lockstep = core.config.expert_parallel_group
+        # Lockstep: whether the group's wave runs (this engine steps, dummy steps if need be).
+        self.group_running = False
 
     async def run_while_busy(self) -> int:
         """Run steps until none is in flight and none can be scheduled (nothing to do, or nothing
         that fits right now: a grammar still compiling, blocks an abort will free). Returns how
-        many steps ran. Raises whatever a step raised; `fail_all` then makes a clean slate."""
+        many steps ran. Raises whatever a step raised; `fail_all` then makes a clean slate.
+        Lockstep: until the group pauses (see the module's docstring)."""
+        if self.lockstep:
+            return await self._run_in_lockstep()
         core, workers = self.core, self.workers
         in_flight: deque[pb.SchedulerOutput] = deque()
         steps = 0
@@ -77,6 +90,31 @@ class StepLoop:
             self.emit(outputs)
             self.after_step()
             await asyncio.sleep(0)  # let the owner's other tasks (gateway streams) run between steps
+
+    async def _run_in_lockstep(self) -> int:
+        """Step while the group's wave runs or this engine has work (its steps then wait in the
+        exchanges until the others start: whoever owns the wave wakes them); returns the number
+        of steps, with `group_running` False: the group paused after the last one."""
+        core, workers = self.core, self.workers
+        steps = 0
+        while self.group_running or core.has_unfinished_requests():
+            so = core.schedule()  # (possibly empty: a dummy step)
+            so.dp_local_unfinished = core.has_unfinished_requests()
+            await workers.submit(so)
+            answer = await workers.collect()
+            steps += 1
+            if so.num_scheduled_tokens:
+                outputs = core.process(so, answer)
+            else:
+                if answer.error:
+                    raise RuntimeError(f"worker failed: {answer.error}")
+                core.num_dummy_steps += 1
+                outputs = core.take_failed_outputs()
+            self.group_running = answer.dp_global_unfinished
+            self.emit(outputs)
+            self.after_step()
+            await asyncio.sleep(0)
+        return steps
 
     async def fail_all(self, message: str, kind: int = pb.ENGINE_FAULT) -> None:
         """A step failed: neither the ranks' batch nor the KV a step was writing can be trusted.

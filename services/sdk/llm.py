@@ -2,7 +2,10 @@
 
 It runs the engine (services/engine/: EngineCore and the one step loop the scheduler service
 also runs) over workers in this process and its children (services/sdk/local_workers.py): the
-same classes the service mesh runs, minus gRPC.
+same classes the service mesh runs, minus gRPC. With data_parallel_size D and
+enable_expert_parallel (MoE models) it runs D engines as one expert-parallel group: each its own
+requests (placed on the least loaded engine) and KV cache, their ranks one process group, their
+step loops in lockstep (services/engine/step_loop.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from transformers import AutoTokenizer
 
 from services.common.config import EngineConfig
 from services.common.proto import myvllm_pb2 as pb
+from services.common.rendezvous import RendezvousStore
 from services.common.sampling_params import SamplingParams, sampling_for_choice
 from services.engine.engine_core import EngineCore
 from services.engine.step_loop import StepLoop
@@ -26,7 +30,8 @@ from services.sdk.local_workers import LocalWorkers
 from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
 from services.text.output_processor import ChoiceOutputProcessor
 from services.text.tokenizer import Tokenizer
-from services.worker.rank_workers import make_workers
+from services.worker.rank_workers import ParallelWorkers, make_workers
+from services.worker.worker import Worker
 
 PromptType = str | dict[str, Any]
 
@@ -43,21 +48,32 @@ class LLM:
     max_model_len, block_size, enable_prefix_caching, num_gpu_blocks_override,
     kv_cache_memory_bytes, dtype, seed, scheduling_policy, attention_backend,
     tensor_parallel_size, pipeline_parallel_size (T x P ranks: rank 0 here, the rest as
-    local processes; `close()` stops them).
+    local processes; `close()` stops them), enable_expert_parallel, data_parallel_size (with
+    enable_expert_parallel: D engines of T ranks each, one expert-parallel group).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.config = EngineConfig(model=model, **engine_args)
-        self.worker = make_workers(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
-        self._workers = LocalWorkers(self.worker, pipelined=self.config.pipeline_parallel_size > 1)
+        self.config = c = EngineConfig(model=model, **engine_args)
+        if c.data_parallel_size > 1 and not c.expert_parallel_group:
+            raise ValueError("LLM(data_parallel_size > 1) runs its engines as one expert-parallel group: add "
+                             "enable_expert_parallel=True (MoE models); independent replicas are `myvllm serve "
+                             "--data-parallel-size`")
+        self._groups = self._make_rank_groups()
+        self.worker = self._groups[0]
+        self._handles = [LocalWorkers(group, pipelined=c.pipeline_parallel_size > 1, threaded=c.expert_parallel_group)
+                         for group in self._groups]
+        self._workers = self._handles[0]
         self._loop = asyncio.new_event_loop()  # runs the set-up and the step loop, within each call
         try:
-            info, num_blocks = self._run_coroutine(set_up_workers(self._workers, self.config))
+            set_ups = self._run_coroutine(_gather(*(set_up_workers(h, c) for h in self._handles)))
         except BaseException:
             self.close()
             raise
-        self.engine = EngineCore(self.config, info, num_blocks)
-        self._workers.set_steps_in_flight(self.config.steps_in_flight)
+        self.engines = [EngineCore(c, info, num_blocks) for info, num_blocks in set_ups]
+        self.engine = self.engines[0]
+        info = self.engine.model_info
+        for handle in self._handles:
+            handle.set_steps_in_flight(c.steps_in_flight)
         # Text, stop strings and bad words go through the gateway's pieces (services/text), so
         # offline and served completions of the same request read the same.
         self.text_tokenizer = Tokenizer(AutoTokenizer.from_pretrained(self.config.model),
@@ -65,15 +81,27 @@ class LLM:
         self.tokenizer = self.text_tokenizer.hf_tokenizer
         self._ids = itertools.count()
 
+    def _make_rank_groups(self) -> list[Worker | ParallelWorkers]:
+        """One engine's ranks; or, for a data-parallel expert-parallel group, each engine's, all
+        meeting at one store (engine 0's rank 0 in this process, every other rank a child)."""
+        c = self.config
+        if not c.expert_parallel_group:
+            return [make_workers(c.tensor_parallel_size, c.pipeline_parallel_size)]
+        store = RendezvousStore()
+        return [ParallelWorkers(c.tensor_parallel_size, data_parallel_rank=rank, rendezvous=store, local=rank == 0)
+                for rank in range(c.data_parallel_size)]
+
     def close(self) -> None:
-        """Stop the tensor-parallel rank processes, if any (they also die with this process), and
-        the grammar compiler (its helper process and threads)."""
-        if getattr(self, "_workers", None) is not None:
-            self._workers.close()
+        """Stop the model-parallel rank processes, if any (they also die with this process), and
+        the grammar compilers (their helper processes and threads)."""
+        for handle in getattr(self, "_handles", ()):
+            handle.close()
+        if getattr(self, "_loop", None) is not None:
             self._loop.close()
-        self.worker.close()
-        if getattr(self, "engine", None) is not None:
-            self.engine.structured_output.close()
+        for group in reversed(getattr(self, "_groups", ())):  # engine 0's, with this process's rank, last
+            group.close()
+        for engine in getattr(self, "engines", ()):
+            engine.structured_output.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -104,6 +132,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput, ChoiceOutputProcessor]] = {}
+        per_engine = [e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines]
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 text, token_ids = self._tokenize_prompt(prompt)
@@ -121,13 +150,15 @@ class LLM:
                     msg = sampling_for_choice(sp.to_proto(self.engine.model_info.vocab_size), index)
                     if index > 0:
                         msg.ClearField("prompt_logprobs")  # the prompt is the same: choice 0 scores it
-                    self.engine.add_request(pb.GenerateRequest(
+                    engine = min(range(len(self.engines)), key=per_engine.__getitem__)  # the least loaded
+                    self.engines[engine].add_request(pb.GenerateRequest(
                         request_id=rid, prompt_token_ids=token_ids, sampling=msg,
                         priority=priority[i] if priority else 0))
+                    per_engine[engine] += 1
                     children[rid] = (result, child,
                                      ChoiceOutputProcessor(index, self.text_tokenizer, token_ids, sp))
         except BaseException:
-            self.engine.abort(list(children))  # a bad prompt must not strand the ones before it
+            self._abort(list(children))  # a bad prompt must not strand the ones before it
             raise
         self._run(children, results, use_tqdm)
         return results
@@ -156,6 +187,10 @@ class LLM:
 
     def stats(self) -> dict[str, float]:
         return self.engine.scheduler.stats()
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for engine in self.engines:
+            engine.abort(request_ids)
 
     # ------------------------------------------------------------------ internals
 
@@ -186,17 +221,17 @@ class LLM:
                             for token_id, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs, strict=True)]
                 if child.finish_reason is not None:
                     if not out.finish_reason:  # a stop string ended it: free its blocks now
-                        self.engine.abort([out.request_id])
+                        self._abort([out.request_id])
                     pending.discard(out.request_id)
                     bar.update(1)
 
-        steps = StepLoop(self.engine, self._workers, emit)
+        loops = [StepLoop(engine, handle, emit) for engine, handle in zip(self.engines, self._handles, strict=True)]
         try:
-            self._run_coroutine(self._steps(steps, pending))
+            self._run_coroutine(self._waves(loops, pending) if len(loops) > 1 else self._steps(loops[0], pending))
         except BaseException:
-            self.engine.abort(list(pending))  # never leave blocks behind on an exception (Ctrl-C included)
-            if self._workers.drain():  # a step nobody waited for failed: the same clean slate
-                self._run_coroutine(steps.fail_all("engine step failed"))
+            self._abort(list(pending))  # never leave blocks behind on an exception (Ctrl-C included)
+            if any([handle.drain() for handle in self._handles]):  # a step nobody waited for failed: a clean slate
+                self._run_coroutine(self._fail_all(loops))
             raise
         finally:
             bar.close()
@@ -225,6 +260,40 @@ class LLM:
             raise EngineFault(f"engine step failed ({type(e).__name__}: {e}); every request of this call "
                               "was ended and the engine reset, the next call starts clean") from e
 
+    async def _waves(self, loops: list[StepLoop], pending: set[str]) -> None:
+        """A data-parallel expert-parallel group: waves of lockstep steps until every request of
+        the call has finished (each wave ends when no engine has work left). A failed step ends
+        every request and sets the whole group up again, then raises `EngineFault`."""
+        try:
+            while pending:
+                if not any(loop.core.has_unfinished_requests() for loop in loops):
+                    raise RuntimeError(f"{len(pending)} request(s) of this call are on no engine")
+                for loop in loops:
+                    loop.group_running = True  # every engine steps, dummy steps where it has nothing
+                tasks = [asyncio.ensure_future(loop.run_while_busy()) for loop in loops]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                if any(not task.cancelled() and task.exception() is not None for task in done):
+                    # The other engines wait in an exchange with the failed one: stop every child
+                    # rank, and their steps fail too.
+                    for group in self._groups:
+                        if isinstance(group, ParallelWorkers):
+                            group.stop_children()
+                    await asyncio.wait(tasks)
+                for task in tasks:
+                    task.result()  # the first failure raises
+        except Exception as e:
+            await self._fail_all(loops)
+            raise EngineFault(f"engine step failed ({type(e).__name__}: {e}); every request of this call "
+                              "was ended and the engines set up again, the next call starts clean") from e
+
+    async def _fail_all(self, loops: list[StepLoop]) -> None:
+        """Every engine's clean slate; a data-parallel group's ranks are set up again together
+        (one process group: a rank that failed broke it for all)."""
+        if len(loops) > 1:
+            for group in self._groups:
+                group.break_group()
+        await asyncio.gather(*(loop.fail_all("engine step failed") for loop in loops))
+
     def _run_coroutine(self, coroutine: Coroutine) -> Any:
         """Run `coroutine` on this LLM's event loop, here; from inside a running event loop (a
         notebook's, say) on a helper thread, since a thread runs one loop at a time."""
@@ -246,6 +315,11 @@ class LLM:
         if delta.finish_reason:
             child.finish_reason = delta.finish_reason
             child.stop_reason = delta.stop_reason
+
+
+async def _gather(*coroutines: Coroutine) -> list:
+    """asyncio.gather on the loop that runs it (the engines of a group set up together)."""
+    return await asyncio.gather(*coroutines)
 
 
 def _logprob_entry(token_id: int, lp: pb.TokenLogprobs) -> dict[int, Logprob]:

@@ -20,24 +20,35 @@ from services.worker.worker import Worker
 
 
 class LocalWorkers:
-    def __init__(self, workers: Worker | ParallelWorkers, pipelined: bool) -> None:
+    """`threaded`: every call, set-up included, runs on the compute thread (the engines of a
+    data-parallel group set up and step together, so none may block the others' event loop)."""
+
+    def __init__(self, workers: Worker | ParallelWorkers, pipelined: bool, threaded: bool = False) -> None:
         self.workers = workers
         self.pipelined = pipelined
         self._compute: ThreadPoolExecutor | None = None
+        if threaded:
+            self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-compute")
+        self.threaded = threaded
         # Per submitted message, in order: a Future (the compute thread's), None (a pipeline step,
         # collected from the ranks), or the answer itself (a step run here).
         self._pending: deque[Future | pb.ModelRunnerOutput | None] = deque()
 
+    async def _call(self, method, *args):
+        if self.threaded:
+            return await asyncio.wrap_future(self._compute.submit(method, *args))
+        return method(*args)
+
     # ------------------------------------------------------------ set-up (engine/worker_setup.py)
 
     async def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
-        return self.workers.load_model(request)
+        return await self._call(self.workers.load_model, request)
 
     async def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:
-        return self.workers.get_kv_capacity(request)
+        return await self._call(self.workers.get_kv_capacity, request)
 
     async def init_kv_cache(self, request: pb.InitKVCacheRequest) -> None:
-        self.workers.init_kv_cache(request)
+        await self._call(self.workers.init_kv_cache, request)
 
     # ------------------------------------------------------------ the step loop's WorkerHandle
 
@@ -90,7 +101,7 @@ class LocalWorkers:
 
     async def reset(self) -> None:
         self.drain()
-        self.workers.reset_batch()
+        await self._call(self.workers.reset_batch)
 
     def close(self) -> None:
         self.drain()

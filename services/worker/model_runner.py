@@ -28,7 +28,9 @@ from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.loader import load_model, resolve_dtype
 from services.worker.parallel import (
+    any_engine_unfinished,
     broadcast_from_first,
+    get_dp,
     get_pp,
     get_tp,
     init_parallel,
@@ -91,9 +93,13 @@ class ModelRunner:
                  device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
                  distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,
                  pipeline_parallel_size: int = 1, speculative_config: pb.SpeculativeConfig | None = None,
-                 enable_expert_parallel: bool = False) -> None:
+                 enable_expert_parallel: bool = False, data_parallel_rank: int = 0,
+                 data_parallel_size: int = 1) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        num_ranks = tensor_parallel_size * pipeline_parallel_size
+        # Data-parallel engines join one process group only as an expert-parallel group.
+        dp_size = data_parallel_size if enable_expert_parallel else 1
+        dp_rank = data_parallel_rank if dp_size > 1 else 0
+        num_ranks = tensor_parallel_size * pipeline_parallel_size * dp_size  # ranks sharing this host's cores
         if self.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(num_ranks))
             keep_freed_memory()  # activations reused between steps instead of re-faulted
@@ -106,16 +112,21 @@ class ModelRunner:
                              "forward takes the previous stage's hidden states); leave --compile out")
         if self.device.type == "cuda" and num_ranks > 1 and self.device.index is None:
             # One GPU per rank on a machine with several (NCCL refuses two ranks on one device).
-            global_rank = pipeline_parallel_rank * tensor_parallel_size + tensor_parallel_rank
+            global_rank = (dp_rank + pipeline_parallel_rank) * tensor_parallel_size + tensor_parallel_rank
             self.device = torch.device("cuda", global_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         # Joins the process group (if any) first: the model builds only this rank's shard / stage.
         init_parallel(tensor_parallel_rank, tensor_parallel_size, distributed_init_method, self.device,
-                      pipeline_parallel_rank, pipeline_parallel_size, enable_expert_parallel)
+                      pipeline_parallel_rank, pipeline_parallel_size, enable_expert_parallel, dp_rank, dp_size)
         self.pp = get_pp()
+        self.lockstep = get_dp().size > 1  # a data-parallel expert-parallel group's engine
         # Hidden states sent to the next stage and not yet known to have left (kept alive till then).
         self._pending_sends: deque[tuple[torch.distributed.Work, torch.Tensor]] = deque()
         self.model, self.config = load_model(model_dir, self.dtype, self.device)
+        if self.lockstep and not self.model.moe_blocks():
+            raise ValueError(f"{model_dir} is a dense model: data_parallel_size > 1 with enable_expert_parallel "
+                             "needs a mixture-of-experts model (leave --enable-expert-parallel out for independent "
+                             "replicas)")
         self.vocab_size = self.config.vocab_size
         model_max = int(self.config.max_position_embeddings)
         self.max_model_len = min(max_model_len or model_max, model_max)
@@ -364,7 +375,11 @@ class ModelRunner:
             return self._sample(*pending, so)
         rows = self._apply_scheduler_output(so)
         out = pb.ModelRunnerOutput(step_id=so.step_id)
+        if self.lockstep:  # every engine's ranks, once per step: does the group go on after it?
+            out.dp_global_unfinished = any_engine_unfinished(so.dp_local_unfinished)
         if rows.size == 0:
+            if self.lockstep:
+                self.model.dummy_step()
             return out
         num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)

@@ -20,8 +20,12 @@ global rank = pp_rank * T + tp_rank, and the T ranks of one stage form its TP gr
 Expert parallelism (`enable_expert_parallel`, MoE models): the experts split across the TP
 ranks instead of their columns; each rank runs its own experts on every token (the tokens are
 the same on all TP ranks) and the same all-reduce that ends a dense MLP sums the experts'
-outputs. (Across data-parallel replicas, whose tokens differ, each pair goes to its expert's
-rank and back by all-to-all: models/expert_dispatch.py, not wired into the engine yet.)
+outputs. With D data-parallel engines as one group (`data_parallel_size` > 1) the world is
+D x T ranks, data-parallel-major (global rank = dp_rank * T + tp_rank), each engine's T ranks
+its TP group; the experts split over the whole world, and since the engines' tokens differ each
+(token, expert) pair goes to its expert's rank and back by all-to-all
+(models/expert_dispatch.py). The engines step in lockstep: every step all-reduces whether any
+engine has unfinished requests (`any_engine_unfinished`).
 
 Rendezvous: the ranks join the store their engine's owner hosts (services/common/rendezvous.py)
 under the generation's key prefix that `distributed_init_method` names.
@@ -66,9 +70,18 @@ class ExpertParallel:
     size: int = 1
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This engine's place in its expert-parallel group of data-parallel engines (size 1: an
+    engine of its own)."""
+    rank: int = 0
+    size: int = 1
+
+
 _state = TensorParallel()
 _pp_state = PipelineParallel()
 _ep_state = ExpertParallel()
+_dp_state = DataParallel()
 # The TP group's handle (None: the default group, i.e. every rank of the engine).
 _tp_group = None
 
@@ -87,17 +100,36 @@ def get_ep() -> ExpertParallel:
     return _ep_state
 
 
+def get_dp() -> DataParallel:
+    return _dp_state
+
+
+def _engine_first_rank() -> int:
+    """Global rank of this engine's first rank (0 unless data-parallel engines share the world)."""
+    return _dp_state.rank * _state.size * _pp_state.size
+
+
 def _global_rank() -> int:
-    return _pp_state.rank * _state.size + _state.rank
+    return _engine_first_rank() + _pp_state.rank * _state.size + _state.rank
 
 
 def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.device, pp_rank: int = 0,
-                  pp_size: int = 1, expert_parallel: bool = False) -> None:
-    """Join the engine's process group of tp_size x pp_size ranks (blocks until all have joined)."""
-    global _state, _pp_state, _tp_group, _ep_state
-    tp_size, pp_size = max(tp_size, 1), max(pp_size, 1)
-    _ep_state = ExpertParallel(tp_rank, tp_size) if expert_parallel and tp_size > 1 else ExpertParallel()
-    world = tp_size * pp_size
+                  pp_size: int = 1, expert_parallel: bool = False, dp_rank: int = 0, dp_size: int = 1) -> None:
+    """Join the engine's process group of tp_size x pp_size ranks (blocks until all have joined);
+    with dp_size > 1 (expert parallel only) the group of every data-parallel engine's ranks."""
+    global _state, _pp_state, _tp_group, _ep_state, _dp_state
+    tp_size, pp_size, dp_size = max(tp_size, 1), max(pp_size, 1), max(dp_size, 1)
+    if dp_size > 1 and not expert_parallel:
+        raise ValueError("data-parallel engines share a process group only with expert parallelism")
+    if dp_size > 1 and pp_size > 1:
+        raise ValueError("data-parallel expert parallelism does not combine with pipeline_parallel_size > 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data_parallel_rank={dp_rank} is outside [0, data_parallel_size={dp_size})")
+    world = tp_size * pp_size * dp_size
+    ep_size = world if dp_size > 1 else tp_size
+    _ep_state = ExpertParallel(dp_rank * tp_size + tp_rank, ep_size) if expert_parallel and ep_size > 1 \
+        else ExpertParallel()
+    _dp_state = DataParallel(dp_rank, dp_size)
     if world == 1:
         _state, _pp_state, _tp_group = TensorParallel(), PipelineParallel(), None
         return
@@ -116,25 +148,27 @@ def init_parallel(tp_rank: int, tp_size: int, init_method: str, device: torch.de
         raise ValueError(f"distributed_init_method must be tcp://host:port/generation, got {init_method!r}")
     store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=rank_timeout())
     backend = "nccl" if device.type == "cuda" else "gloo"
-    global_rank = pp_rank * tp_size + tp_rank
+    global_rank = dp_rank * tp_size + pp_rank * tp_size + tp_rank  # (dp_size > 1 only with pp_size 1)
     dist.init_process_group(backend, store=dist.PrefixStore(url.path or "/", store), rank=global_rank,
                             world_size=world, timeout=rank_timeout())
     _tp_group = None
-    if pp_size > 1 and tp_size > 1:
-        # Every rank creates every stage's group, in the same order (torch.distributed's rule).
-        for stage in range(pp_size):
-            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)), timeout=rank_timeout())
-            if stage == pp_rank:
+    if (pp_size > 1 or dp_size > 1) and tp_size > 1:
+        # Every rank creates every TP group (each stage's, each engine's), in the same order
+        # (torch.distributed's rule).
+        for index in range(pp_size * dp_size):
+            group = dist.new_group(list(range(index * tp_size, (index + 1) * tp_size)), timeout=rank_timeout())
+            if index == dp_rank * pp_size + pp_rank:
                 _tp_group = group
     _state = TensorParallel(tp_rank, tp_size, init_method)
     _pp_state = PipelineParallel(pp_rank, pp_size)
 
 
 def destroy_parallel() -> None:
-    global _state, _pp_state, _tp_group, _ep_state
+    global _state, _pp_state, _tp_group, _ep_state, _dp_state
     if dist.is_initialized():
         dist.destroy_process_group()
     _state, _pp_state, _tp_group, _ep_state = TensorParallel(), PipelineParallel(), None, ExpertParallel()
+    _dp_state = DataParallel()
 
 
 def threads_per_rank(num_ranks: int) -> int:
@@ -228,16 +262,34 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Every TP rank's x side by side along the last dimension, in rank order."""
     if _state.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_state.size)]
-    dist.all_gather(parts, x.contiguous(), group=_tp_group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(all_gather_tp(x), dim=-1)
 
 
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """TP rank 0's x on every rank of the TP group (in place)."""
     if _state.size > 1:
-        dist.broadcast(x, src=_pp_state.rank * _state.size, group=_tp_group)  # global rank of TP rank 0
+        src = _engine_first_rank() + _pp_state.rank * _state.size  # global rank of TP rank 0
+        dist.broadcast(x, src=src, group=_tp_group)
     return x
+
+
+def all_gather_tp(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's x (same shape on all), in rank order."""
+    parts = [torch.empty_like(x) for _ in range(_state.size)]
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
+    return parts
+
+
+def any_engine_unfinished(local: bool) -> bool:
+    """Whether any data-parallel engine of the group has unfinished requests (every rank of the
+    group calls this once per step, with its engine's answer)."""
+    if _dp_state.size == 1:
+        return local
+    flag = torch.tensor([int(local)], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def send_to_next_stage(x: torch.Tensor) -> dist.Work:

@@ -16,6 +16,10 @@ turns into a RuntimeError naming its rank (the LLM reports it, never hangs on it
 group itself times out after MYVLLM_TP_TIMEOUT_S). After any rank's failure the group cannot be
 trusted (some ranks may sit in a collective the others never reach): every child is stopped,
 and `reset_batch` starts fresh ones and sets them up again as the last load did.
+
+Data-parallel expert parallelism (an offline `LLM` with data_parallel_size D): D of these, one
+per engine, share one rendezvous store and one process group of D x T ranks; only engine 0's
+rank 0 runs in this process (`local`), the other engines' ranks are all children.
 """
 
 from __future__ import annotations
@@ -105,19 +109,25 @@ class _Child:
 
 
 class ParallelWorkers:
-    """`Worker`'s calls over T x P ranks: rank 0 here, the others in child processes."""
+    """`Worker`'s calls over T x P ranks: rank 0 here (unless `local` is False), the others in
+    child processes."""
 
-    def __init__(self, tensor_parallel_size: int, pipeline_parallel_size: int = 1, device: str | None = None) -> None:
+    def __init__(self, tensor_parallel_size: int, pipeline_parallel_size: int = 1, device: str | None = None,
+                 data_parallel_rank: int = 0, rendezvous: RendezvousStore | None = None, local: bool = True) -> None:
         self.tp_size, self.pp_size = tensor_parallel_size, pipeline_parallel_size
         self.size = tensor_parallel_size * pipeline_parallel_size
         self.output_rank = output_rank(tensor_parallel_size, pipeline_parallel_size)
         self.device = device
-        self.rendezvous = RendezvousStore()
+        self.data_parallel_rank = data_parallel_rank
+        # Shared by the engines of a data-parallel group: each set-up is the same generation on all.
+        self.rendezvous = rendezvous or RendezvousStore()
+        self._generation = 0
+        self.first_child_rank = 1 if local else 0
         self.children: list[_Child] = []
         self._spawn()
-        self.local = Worker(device)
+        self.local = Worker(device) if local else None
         # Rank 0's answers of submitted steps whose other answers are not collected yet.
-        self._submitted: deque[pb.ModelRunnerOutput] = deque()
+        self._submitted: deque[pb.ModelRunnerOutput | None] = deque()
         # The last set-up, replayed on fresh children after a failure.
         self._load_request: pb.LoadModelRequest | None = None
         self._kv_request: pb.InitKVCacheRequest | None = None
@@ -125,7 +135,7 @@ class ParallelWorkers:
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
-        self.children = [_Child(ctx, self.device) for _ in range(1, self.size)]
+        self.children = [_Child(ctx, self.device) for _ in range(self.first_child_rank, self.size)]
 
     @property
     def procs(self) -> list[mp.process.BaseProcess]:
@@ -133,43 +143,59 @@ class ParallelWorkers:
 
     @property
     def runner(self):
-        return self.local.runner
+        return self.local.runner if self.local is not None else None
 
-    def _start(self, method: str, requests: list, local_request):
-        """Send each child its request, then run rank 0's here (the children start on theirs at once)."""
-        for child, request in zip(self.children, requests, strict=True):
+    def _start(self, method: str, requests: list):
+        """Send each child its request (`requests`: one per rank), then run rank 0's here (the
+        children start on theirs at once)."""
+        local_request = requests[0]
+        for child, request in zip(self.children, requests[self.first_child_rank:], strict=True):
             child.send(method, request)
+        if self.local is None:
+            return None
         try:
             call = getattr(self.local, method)
             return call() if local_request is None else call(local_request)
         except BaseException:
             # The children may be blocked in a collective rank 0 never reached: they cannot
             # be trusted to answer, and the group is broken anyway.
-            self._break()
+            self.break_group()
             raise
 
-    def _break(self) -> None:
+    def break_group(self) -> None:
+        """Stop every child at once (the group cannot be trusted); `reset_batch` starts afresh."""
         self.close(graceful=False)
         self.broken = True
+
+    def stop_children(self) -> None:
+        """Kill the child ranks now (a rank of this process blocked in a collective with them
+        then fails instead of waiting for the group's timeout); `break_group` follows."""
+        for child in self.children:
+            child.stop(graceful=False)
+        self.children = []
 
     def _finish(self, method: str) -> list:
         """Every child's answer to its oldest outstanding call, parsed (None for no result)."""
         _, answer_type = _TYPES[method]
         answers, errors = [], []
-        for rank, child in enumerate(self.children, start=1):
+        for rank, child in enumerate(self.children, start=self.first_child_rank):
             error, payload = child.receive()
             if error is not None:
                 errors.append(f"rank {rank}: {error}")
             answers.append(None if payload is None else answer_type.FromString(payload))
         if errors:
-            self._break()
+            self.break_group()
             raise RuntimeError(f"model-parallel {method} failed on {'; '.join(errors)}")
         return answers
 
-    def _mirror(self, method: str, requests: list, local_request) -> list:
+    def _answers(self, local, method: str) -> list:
+        """Every rank's answer, in rank order."""
+        children = self._finish(method)
+        return [local, *children] if self.local is not None else children
+
+    def _mirror(self, method: str, requests: list) -> list:
         """Run one call on every rank and wait for all: the answers of rank 0, 1, ..."""
-        local = self._start(method, requests, local_request)
-        return [local, *self._finish(method)]
+        return self._answers(self._start(method, requests), method)
 
     def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
         parallel = request.config.parallel_config
@@ -177,28 +203,28 @@ class ParallelWorkers:
             raise ValueError(f"LoadModel asks for {parallel.tensor_parallel_size} x {parallel.pipeline_parallel_size} "
                              f"ranks; these are {self.tp_size} x {self.pp_size}")
         self._load_request = request
-        per_rank = per_rank_load_requests(request, self.rendezvous.next_init_method())
-        return self._mirror("load_model", per_rank[1:], per_rank[0])[0]
+        init_method = self.rendezvous.init_method(self._generation)
+        self._generation += 1
+        return self._mirror("load_model", per_rank_load_requests(request, init_method, self.data_parallel_rank))[0]
 
     def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:
-        return fullest_rank_capacity(self._mirror("get_kv_capacity", [request] * len(self.children), request))
+        return fullest_rank_capacity(self._mirror("get_kv_capacity", [request] * self.size))
 
     def init_kv_cache(self, request: pb.InitKVCacheRequest) -> pb.Empty:
         self._kv_request = request
-        return self._mirror("init_kv_cache", [request] * len(self.children), request)[0]
+        return self._mirror("init_kv_cache", [request] * self.size)[0]
 
     def submit(self, so: pb.SchedulerOutput) -> None:
         """Start a step on every rank (rank 0's part runs now); `collect` returns its answer."""
         if self.broken:
             raise RuntimeError("model-parallel ranks failed earlier and were not set up again (reset_batch does)")
-        self._submitted.append(self._start("execute", [so] * len(self.children), so))
+        self._submitted.append(self._start("execute", [so] * self.size))
 
     def collect(self) -> pb.ModelRunnerOutput:
         """The oldest submitted step's answer (waits for every rank to finish it)."""
         if self.broken or not self._submitted:
             raise RuntimeError("no step to collect: model-parallel ranks failed, or nothing was submitted")
-        local = self._submitted.popleft()
-        return [local, *self._finish("execute")][self.output_rank]
+        return self._answers(self._submitted.popleft(), "execute")[self.output_rank]
 
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
         """The step's answer; None for a step that waits for its grammar bitmask (see Worker.execute)."""
@@ -216,14 +242,15 @@ class ParallelWorkers:
             return
         while self._submitted:  # answers of steps nobody collected come first on the pipes
             self.collect()
-        self._mirror("reset_batch", [None] * len(self.children), None)
+        self._mirror("reset_batch", [None] * self.size)
 
     def close(self, graceful: bool = True) -> None:
         for child in self.children:
             child.stop(graceful)
         self.children = []
         self._submitted.clear()
-        destroy_parallel()  # rank 0's side of the group lives in this process
+        if self.local is not None:
+            destroy_parallel()  # rank 0's side of the group lives in this process
 
 
 def make_workers(tensor_parallel_size: int, pipeline_parallel_size: int = 1,

@@ -26,6 +26,7 @@ def weights_key(req: pb.LoadModelRequest) -> bytes:
     c = req.config
     key = pb.LoadModelRequest(tensor_parallel_rank=req.tensor_parallel_rank,
                               pipeline_parallel_rank=req.pipeline_parallel_rank,
+                              data_parallel_rank=req.data_parallel_rank,
                               distributed_init_method=req.distributed_init_method,
                               config=pb.VllmConfig(model_config=c.model_config, parallel_config=c.parallel_config,
                                                    speculative_config=c.speculative_config
@@ -61,6 +62,7 @@ class Worker:
             pipeline_parallel_rank=req.pipeline_parallel_rank,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             enable_expert_parallel=parallel.enable_expert_parallel,
+            data_parallel_rank=req.data_parallel_rank, data_parallel_size=parallel.data_parallel_size or 1,
             speculative_config=c.speculative_config if c.HasField("speculative_config") else None)
         r = self.runner
         self._loaded_key = weights_key(req)

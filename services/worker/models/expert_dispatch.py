@@ -11,10 +11,14 @@ fp32 results match one rank holding every expert.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from services.worker.models.moe import grouped_experts
+# This rank's experts on the pairs sent to it: (rows [N, H], weights [N, 1], local ids [N, 1]) →
+# the weighted outputs [N, H] (services/worker/models/moe.py's op over the local w13 / w2).
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def expert_owners(ids: torch.Tensor, expert_starts: torch.Tensor) -> torch.Tensor:
@@ -22,11 +26,11 @@ def expert_owners(ids: torch.Tensor, expert_starts: torch.Tensor) -> torch.Tenso
     return torch.bucketize(ids, expert_starts, right=True) - 1
 
 
-def dispatch_and_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                         w2: torch.Tensor, expert_starts: torch.Tensor, num_experts: int,
+def dispatch_and_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: LocalExperts,
+                         expert_starts: torch.Tensor, num_experts: int,
                          group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's MoE output [T, H] for its tokens x [T, H] routed to global expert `ids` [T, k]
-    (of `num_experts`) with `weights` [T, k]; w13 / w2 hold this rank's experts, the ones from
+    (of `num_experts`) with `weights` [T, k]; `experts` runs this rank's experts, the ones from
     expert_starts[rank] on."""
     world = dist.get_world_size(group)
     num_tokens, top_k = ids.shape
@@ -48,7 +52,7 @@ def dispatch_and_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     # Each received pair is a token of its own with one expert (ids < 2^24: exact in fp32).
     local_ids = got_meta[:, :1].to(torch.int64)
     pair_weights = got_meta[:, 1:].to(weights.dtype)
-    computed = grouped_experts(got_rows, w13, w2, pair_weights, local_ids) if len(got_rows) else got_rows
+    computed = experts(got_rows, pair_weights, local_ids) if len(got_rows) else got_rows
     returned = x.new_empty((sum(send), x.shape[1]))
     dist.all_to_all_single(returned, computed, send, recv, group=group)
     # returned[i] belongs to pair order[i]; add each token's pairs in ascending expert order.

@@ -278,6 +278,16 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[AttentionLayer]:
         return [layer.self_attn.attn for layer in self._stage()]
 
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """This stage's MoE layers' blocks, in layer order."""
+        return [layer.mlp for layer in self._stage() if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def dummy_step(self) -> None:
+        """A step in which this engine has no tokens, while data-parallel engines of its
+        expert-parallel group have: every MoE layer's exchange, in the order a forward runs them."""
+        for block in self.moe_blocks():
+            block.dummy_step()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The first stage embeds `input_ids`; later stages continue from the previous stage's

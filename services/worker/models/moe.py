@@ -13,6 +13,9 @@ as one fused layer.
   rank holds every expert's slice of the intermediate columns (like the dense MLP), or with
   expert parallelism its share of the experts whole (an id it does not hold adds nothing
   there); either way one all-reduce sums the partial outputs. The router is whole on every rank.
+  With data-parallel engines as one expert-parallel group the engines' tokens differ: each
+  (token, expert) pair travels to its expert's rank and back (expert_dispatch.py), every engine
+  taking part in every layer's exchange, with no tokens on a dummy step.
 
 The experts are one opaque custom op (`myvllm::moe_experts`): torch.compile keeps the
 data-dependent grouping outside its graph and compiles the rest of the layer around it.
@@ -27,7 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.parallel import all_reduce, column_range, expert_range, get_ep, get_tp
+from services.worker.models.expert_dispatch import dispatch_and_combine
+from services.worker.parallel import (
+    ExpertParallel,
+    all_gather_tp,
+    all_reduce,
+    column_range,
+    expert_range,
+    get_dp,
+    get_ep,
+    get_tp,
+)
 
 
 @dataclass(frozen=True)
@@ -142,14 +155,46 @@ class SparseMoeBlock(nn.Module):
             self.intermediate_start, self.intermediate_size = column_range(width, get_tp())
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)  # the router
         self.experts = FusedExperts(self.num_local_experts, config.hidden_size, self.intermediate_size)
+        # Data-parallel engines in one group: every rank's first expert, for the dispatch.
+        ep = get_ep()
+        self.dispatch_starts: list[int] | None = [
+            expert_range(self.num_experts, ExpertParallel(rank, ep.size))[0] for rank in range(ep.size)
+        ] if get_dp().size > 1 else None
+        self._starts_tensor: torch.Tensor | None = None
 
     def forward(self, ops: object, x: torch.Tensor) -> torch.Tensor:
         weights_dtype = torch.float32 if self.spec.fp32_weights else x.dtype
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        if self.dispatch_starts is not None:
+            return self._dispatch(x, weights, ids)
         if self.num_local_experts < self.num_experts:  # local ids; another rank's experts fall outside
             ids = ids - self.expert_start
         y = self.experts(x, weights, ids)
         return all_reduce(y) if get_tp().size > 1 else y
+
+    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This engine's tokens through the group's experts. The engine's T ranks hold the same
+        tokens: each sends a contiguous 1/T share (at least one row's room, so an empty step's
+        gather has something to carry) and the shares are gathered back."""
+        if self._starts_tensor is None or self._starts_tensor.device != ids.device:
+            self._starts_tensor = torch.tensor(self.dispatch_starts, device=ids.device)
+        tp, num_tokens = get_tp(), x.shape[0]
+        if tp.size == 1:
+            return dispatch_and_combine(x, weights, ids, self.experts, self._starts_tensor, self.num_experts)
+        share = max(-(-num_tokens // tp.size), 1)
+        lo, hi = min(tp.rank * share, num_tokens), min((tp.rank + 1) * share, num_tokens)
+        part = dispatch_and_combine(x[lo:hi], weights[lo:hi], ids[lo:hi], self.experts, self._starts_tensor,
+                                    self.num_experts)
+        padded = x.new_zeros((share, x.shape[1]))
+        padded[:hi - lo] = part
+        return torch.cat(all_gather_tp(padded))[:num_tokens]
+
+    def dummy_step(self) -> None:
+        """This engine has no tokens this step: take part in the layer's exchange anyway (the
+        other engines' pairs may need this rank's experts)."""
+        x = self.experts.w13.new_empty((0, self.experts.w13.shape[2]))  # (the router may be packed on CPU)
+        ids = torch.empty((0, self.top_k), dtype=torch.int64, device=x.device)
+        self._dispatch(x, x.new_empty((0, self.top_k)), ids)
 
     # ------------------------------------------------------------------ loading
 
