@@ -24,6 +24,9 @@ import numpy as np
 from services.bench.serve_levels import run_level, start_mesh, stop_mesh
 from services.bench.workload import SAFE_TOKEN_ID_MIN, BenchRequest, format_table, log, write_json
 
+# Replicas per deployment when --data-parallel-size is left at its engine default of 1.
+DEFAULT_REPLICAS = 2
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", type=int, default=16)
@@ -32,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-len", type=int, default=16, help="tokens of each user's question")
     p.add_argument("--tenant-output-len", type=int, default=8, help="tokens generated per request")
     p.add_argument("--routing-policies", default="cache-aware,load,round-robin",
-                   help="the gateway --routing values to compare, each on a fresh deployment")
-    p.add_argument("--data-parallel-size", type=int, default=2, help="engine replicas per deployment (at least 2)")
+                   help="the gateway --routing values to compare, each on a fresh deployment of "
+                        f"--data-parallel-size replicas ({DEFAULT_REPLICAS} when not given)")
 
 
 def tenant_requests(num_tenants: int, users_per_tenant: int, system_len: int, question_len: int, output_len: int,
@@ -71,15 +74,15 @@ def run(args: argparse.Namespace, vocab_size: int, warmup: BenchRequest) -> int:
         raise ValueError("--workload multi-tenant starts its own deployments (one per policy): drop --base-url")
     policies = [p.strip() for p in args.routing_policies.split(",") if p.strip()]
     concurrency = int(str(args.concurrency).split(",")[0])
+    if args.data_parallel_size == 1:
+        args.data_parallel_size = DEFAULT_REPLICAS
     dp = args.data_parallel_size
-    if dp < 2:
-        raise ValueError(f"--workload multi-tenant compares routing over replicas: --data-parallel-size {dp} < 2")
     requests = tenant_requests(args.tenants, args.users_per_tenant, args.system_prompt_len, args.question_len,
                                args.tenant_output_len, vocab_size, args.seed)
     rows, figures = [], {}
     for policy in policies:
         log(f"routing {policy}: starting myvllm serve --data-parallel-size {dp}")
-        proc, base_url = start_mesh(args, ["--data-parallel-size", str(dp), "--routing", policy])
+        proc, base_url = start_mesh(args, ["--routing", policy])
         try:
             asyncio.run(run_level(base_url, [warmup], 1))
             queries0, hits0 = _prefix_counters(base_url)

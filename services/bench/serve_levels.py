@@ -117,6 +117,10 @@ def start_mesh(args: argparse.Namespace, extra: list[str] | tuple[str, ...] = ()
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory_bytes)]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.data_parallel_size > 1:
+        cmd += ["--data-parallel-size", str(args.data_parallel_size)]
+    if args.enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
     cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
