@@ -37,7 +37,7 @@ from services.engine_args import (
     engine_kwargs,
 )
 from services.gateway.options import CREDENTIAL_OPTIONS, add_gateway_options
-from services.supervisor import ServiceProcess, stop_all
+from services.supervisor import ServiceGroup, ServiceProcess, stop_all
 
 
 def _fail(message: str) -> int:
@@ -95,7 +95,9 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     return _run_async(serve_scheduler(args.host, args.port, config, workers, redis_url=redis_url_from_env(args.redis),
                                       engine_id=args.engine_id, advertise_address=args.advertise_address,
                                       token=token_from_env(args.internal_token), engine_timeout=args.engine_timeout,
-                                      max_waiting_requests=args.max_waiting_requests))
+                                      max_waiting_requests=args.max_waiting_requests,
+                                      data_parallel_rank=args.data_parallel_rank,
+                                      data_parallel_address=args.data_parallel_address, dp_group=args.dp_group))
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -212,11 +214,13 @@ def _redis_config(password: str) -> bytes:
 
 
 def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[list[int]],
-                    scheduler_ports: list[int], redis_port: int | None, redis_url: str | None = None) -> list[tuple]:
+                    scheduler_ports: list[int], redis_port: int | None, redis_url: str | None = None,
+                    group_port: int | None = None) -> list[tuple]:
     """(name, command, health check) of each service, in start order: an embedded redis when
     there are several replicas, then each replica's worker ranks and scheduler, then the gateway.
     `redis_url` (credentials and all) is the one scheduler and gateway get in $MYVLLM_REDIS_URL
-    (default: `--redis`, else the embedded redis-server's): no command carries it."""
+    (default: `--redis`, else the embedded redis-server's): no command carries it. `group_port`:
+    the replicas are one expert-parallel group, whose rendezvous DP rank 0's scheduler hosts there."""
     py = [sys.executable, "-m", "services.cli"]
     services: list[tuple] = []
     if redis_port is not None:
@@ -237,6 +241,8 @@ def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[lis
         scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
                           "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
             + (["--engine-id", f"replica-{replica}"] if redis_url else []) \
+            + (["--data-parallel-rank", str(replica), "--data-parallel-address", f"127.0.0.1:{group_port}"]
+               if group_port is not None else []) \
             + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_scheduler_service_args) \
             + _forwarded_flags(args, add_parallel_args)
         services.append((f"scheduler{suffix}", scheduler,
@@ -290,6 +296,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                      for rank in range(num_ranks)] for _ in range(args.data_parallel_size)]
     scheduler_ports = [args.scheduler_port or free_port() for _ in range(args.data_parallel_size)]
     redis_port = free_port() if args.data_parallel_size > 1 and not args.redis else None
+    expert_parallel_group = args.enable_expert_parallel and args.data_parallel_size > 1
+    group_port = free_port() if expert_parallel_group else None
     # One secret per run, shared by the three services (and this process's health checks)
     # through the environment, so it never shows in `ps`.
     os.environ[TOKEN_ENV] = args.internal_token or token_from_env() or secrets.token_urlsafe(32)
@@ -303,13 +311,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     gateway_env = dict(redis_env or os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else redis_env
     services: list[ServiceProcess] = []
     *engine_commands, (gateway_name, gateway_command, gateway_healthy) = _serve_commands(
-        args, model, worker_ports, scheduler_ports, redis_port, redis_url)  # the gateway comes last
+        args, model, worker_ports, scheduler_ports, redis_port, redis_url, group_port)  # the gateway comes last
     # The gateway waits for its schedulers by itself (as after a scheduler restart), so it starts
     # with the first worker: its imports and tokenizer load overlap the model load instead of
     # following it. It stays last in `services` (stopped first, supervised last).
     gateway = ServiceProcess(gateway_name, gateway_command, env=gateway_env)
     try:
         print(_topology(args, redis_port), flush=True)
+        if expert_parallel_group:  # a scheduler sets its ranks up only once every engine's ranks are up
+            engine_commands.sort(key=lambda command: command[0].startswith("scheduler"))
+        starting: list[tuple[str, object]] = []
         for name, command, healthy in engine_commands:
             env = redis_env if name.startswith("scheduler") else None
             services.append(ServiceProcess(name, command, env=env,
@@ -317,7 +328,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             services[-1].start()
             if gateway.proc is None and name.startswith("worker"):
                 gateway.start()
-            _wait_healthy(services + ([gateway] if gateway.proc else []), healthy, name, args.startup_timeout)
+            starting.append((name, healthy))
+            if not (expert_parallel_group and name.startswith("scheduler")):  # (those all start, then are waited for)
+                _wait_healthy(services + ([gateway] if gateway.proc else []), healthy, name, args.startup_timeout)
+                starting.clear()
+        for name, healthy in starting:
+            _wait_healthy(services + [gateway], healthy, name, args.startup_timeout)
         services.append(gateway)
         _wait_healthy(services, gateway_healthy, gateway_name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
@@ -328,9 +344,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"-d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
         print("Press Ctrl-C to stop.", flush=True)
+        units: list[ServiceProcess | ServiceGroup] = services
+        if expert_parallel_group:  # its engines' workers and schedulers restart together
+            members = [s for s in services if s.name.startswith(("worker", "scheduler"))]
+            units = [s for s in services if s not in members]
+            units.insert(len(units) - 1, ServiceGroup("expert-parallel group", members))  # (the gateway stays last)
         while True:  # a service that exits is restarted: a single-host deployment heals itself
-            for service in services:
-                service.supervise()
+            for unit in units:
+                unit.supervise()
             time.sleep(0.5)
     except StartupError as e:
         return _fail(str(e))
@@ -399,6 +420,14 @@ def add_subcommands(sub) -> None:
                         "credentials as redis-py takes them: redis://:PASSWORD@host:port/0 (the env var keeps "
                         "them out of `ps`)")
     s.add_argument("--engine-id", default=None, help="this replica's name in redis (default: its address)")
+    s.add_argument("--data-parallel-rank", type=int, default=0,
+                   help="with --data-parallel-size D > 1 and --enable-expert-parallel: this engine's rank in the "
+                        "group (0 hosts the group's rendezvous and its DP coordinator)")
+    s.add_argument("--data-parallel-address", default=None,
+                   help="HOST:PORT where DP rank 0's scheduler hosts the expert-parallel group's rendezvous (every "
+                        "engine of the group gives the same)")
+    s.add_argument("--dp-group", default="default",
+                   help="the expert-parallel group's name in redis (its wave state: myvllm:dp:NAME:wave)")
     s.add_argument("--advertise-address", default=None,
                    help="host:port gateways should dial, published in redis (default: host:port, with a wildcard "
                         "host replaced by this machine's hostname)")

@@ -95,3 +95,44 @@ def stop_all(services: list[ServiceProcess], grace_s: float = 10.0) -> None:
     deadline = time.monotonic() + grace_s
     for service in services:
         service.wait_or_kill(deadline)
+
+
+class ServiceGroup:
+    """Services that live and die together: a data-parallel expert-parallel group's workers and
+    schedulers, whose ranks share one process group (one that exits leaves the others blocked in
+    a collective it will never join). One exits: every member is stopped, and after the backoff
+    all start again, in order."""
+
+    def __init__(self, name: str, members: list[ServiceProcess]) -> None:
+        self.name = name
+        self.members = members
+        self.backoff_s = INITIAL_BACKOFF_S
+        self.restart_at: float | None = None
+        self.restarts = 0
+        self.started_at = time.monotonic()
+
+    def supervise(self) -> None:
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.restarts += 1
+                self.started_at = now
+                for member in self.members:
+                    member.start()
+            return
+        exited = [m for m in self.members if m.exit_code is not None]
+        if not exited:
+            if now - self.started_at > STABLE_AFTER_S:
+                self.backoff_s = INITIAL_BACKOFF_S
+            return
+        first = exited[0]
+        log(f"{first.name} (pid {first.proc.pid}) exited with code {first.exit_code}; stopping the {self.name} "
+            f"({len(self.members)} services) and restarting it in {self.backoff_s:g}s")
+        for member in self.members:
+            member.stop()
+        deadline = now + 10.0
+        for member in self.members:
+            member.wait_or_kill(deadline)
+        self.restart_at = time.monotonic() + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, MAX_BACKOFF_S)

@@ -140,6 +140,12 @@ def parse_entry(raw: bytes | str) -> dict:
     usage = entry.get("kv_cache_usage", 0.0)
     if not _number(usage) or not 0.0 <= usage <= 1.0:
         raise BadEntry("kv_cache_usage is not a fraction")
+    group = entry.get("dp_group")  # an engine of a data-parallel expert-parallel group (common/dp_wave.py)
+    if group is not None and (not isinstance(group, str) or not group or len(group) > 64 or not group.isprintable()
+                              or any(c.isspace() for c in group)):
+        raise BadEntry("dp_group is not a name")
+    if group is not None and (not _count(entry.get("dp_rank")) or entry["dp_rank"] >= 4096):
+        raise BadEntry("dp_rank is not a rank")
     return entry
 
 

@@ -24,8 +24,9 @@ def rank_timeout() -> timedelta:
 class RendezvousStore:
     """The key-value store the ranks meet at, hosted by the engine's owner on a free port."""
 
-    def __init__(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=rank_timeout())
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        """`port` 0: a free one."""
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=rank_timeout())
         self.advertise_host = advertise_host or host
         self._generations = itertools.count()
 

@@ -59,8 +59,11 @@ class StepLoop:
         self.after_step = after_step or (lambda: None)
         self.depth = core.config.steps_in_flight
         self.lockstep = core.config.expert_parallel_group
-        # Lockstep: whether the group's wave runs (this engine steps, dummy steps if need be).
+        # Lockstep: whether the group's wave runs (this engine steps, dummy steps if need be), and
+        # what the wave's owner is told: the group paused; this engine holds work while paused.
         self.group_running = False
+        self.on_group_pause: Callable[[], None] = lambda: None
+        self.on_work_while_paused: Callable[[], None] = lambda: None
 
     async def run_while_busy(self) -> int:
         """Run steps until none is in flight and none can be scheduled (nothing to do, or nothing
@@ -98,6 +101,8 @@ class StepLoop:
         core, workers = self.core, self.workers
         steps = 0
         while self.group_running or core.has_unfinished_requests():
+            if not self.group_running:
+                self.on_work_while_paused()
             so = core.schedule()  # (possibly empty: a dummy step)
             so.dp_local_unfinished = core.has_unfinished_requests()
             await workers.submit(so)
@@ -110,7 +115,9 @@ class StepLoop:
                     raise RuntimeError(f"worker failed: {answer.error}")
                 core.num_dummy_steps += 1
                 outputs = core.take_failed_outputs()
-            self.group_running = answer.dp_global_unfinished
+            was_running, self.group_running = self.group_running, answer.dp_global_unfinished
+            if was_running and not self.group_running:
+                self.on_group_pause()  # (it may start the next wave at once)
             self.emit(outputs)
             self.after_step()
             await asyncio.sleep(0)

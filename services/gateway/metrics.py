@@ -144,6 +144,13 @@ class GatewayMetrics:
             lines += _single("myvllm:grammar_row_waits_total", "counter", "Steps a constrained request sat out "
                              "because its allowed-token row was not filled yet.", stats.grammar_row_waits, labels)
             lines += self._spec_decode(stats, labels)
+            lines += _single("myvllm:dp_dummy_steps_total", "counter", "Steps an engine of a data-parallel "
+                             "expert-parallel group ran with nothing scheduled, so the group's MoE exchanges "
+                             "matched.", stats.num_dummy_steps, labels)
+            lines += _single("myvllm:dp_wave", "gauge", "The data-parallel expert-parallel group's current wave "
+                             "(0 without such a group).", stats.dp_wave, labels)
+            lines += _single("myvllm:dp_engines_running", "gauge", "1 while the data-parallel expert-parallel "
+                             "group's wave runs, 0 while it is paused.", int(stats.dp_engines_running), labels)
         lines += _single("myvllm:scheduler_up", "gauge", "1 if the scheduler answered this scrape.",
                          int(stats is not None), labels)
         lines += ["# HELP myvllm:request_success_total Finished requests, by finish reason.",

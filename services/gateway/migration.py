@@ -114,7 +114,7 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
         outputs = replica.client.generate(
             request.prompt_token_ids, request.resume_sampling(), request_id=request.attempt_id,
             priority=request.priority, cache_salt=request.cache_salt,
-            resumed_output_token_ids=request.output_token_ids)
+            resumed_output_token_ids=request.output_token_ids, dp_wave=router.dp_wave_for(replica))
         try:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from services.common import redis_registry
 from services.common.proto import myvllm_pb2 as pb
+from services.gateway.dp_waves import GroupWaves
 from services.gateway.kv_subscriber import follow_kv_events
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.routing import Candidate, RoutePrompt, RoutingConfig, RoutingPolicy, choose_cache_aware
@@ -61,6 +62,8 @@ class Replica:
     load_ts: float = field(default=0.0)
     last_published: float = field(default_factory=time.monotonic)  # last seen in Redis (monotonic)
     index: PrefixIndex = field(default_factory=PrefixIndex)       # its cached blocks (cache-aware routing)
+    dp_group: str | None = None   # its data-parallel expert-parallel group (from its Redis entry), if any
+    dp_rank: int = 0
     events_task: asyncio.Task | None = None                       # keeps `index` following its KV events
 
     @property
@@ -98,10 +101,12 @@ class ReplicaRouter:
         for address in addresses:
             self._add(address, static=True)
         self._redis = None
+        self.waves: GroupWaves | None = None
         if redis_url:
             import redis.asyncio as aioredis
 
             self._redis = aioredis.from_url(redis_url)
+            self.waves = GroupWaves(self._redis, self._token)
         if not self.replicas and self._redis is None:
             raise ValueError("the gateway needs at least one scheduler address or a redis URL to discover them")
         self._task: asyncio.Task | None = None
@@ -152,6 +157,13 @@ class ReplicaRouter:
             chosen = min(healthy, key=lambda r: r.score)
         self.note_sent(chosen)
         return chosen
+
+    def dp_wave_for(self, replica: Replica) -> int:
+        """The wave a request sent to `replica` carries (0 outside an expert-parallel group); a
+        paused group is told to start (FIRST_REQ)."""
+        if replica.dp_group is None or self.waves is None:
+            return 0
+        return self.waves.before_send(replica.dp_group, replica.dp_rank)
 
     def cached_tokens(self, replica: Replica, prompt: RoutePrompt) -> int:
         """Tokens of `prompt`'s longest prefix that `replica` has cached, as its KV events tell
@@ -236,7 +248,11 @@ class ReplicaRouter:
                     replica.update_load(int(entry["num_waiting"]), int(entry["num_running"]), float(entry["ts"]),
                                         float(entry.get("kv_cache_usage", 0.0)))
                     replica.last_published = now
+                    replica.dp_group, replica.dp_rank = entry.get("dp_group"), int(entry.get("dp_rank", 0))
                     published.add(address)
+                groups = {r.dp_group for r in self.replicas.values() if r.dp_group is not None}
+                if groups:
+                    await self.waves.refresh(groups)
                 # A replica missing from Redis is polled directly for a while before it is dropped:
                 # a Redis that restarts empty must not cut off (and break the streams of) live
                 # replicas in the second before they publish again.
@@ -292,6 +308,9 @@ class ReplicaRouter:
             total.grammar_cache_hits += s.grammar_cache_hits
             total.grammar_compile_timeouts += s.grammar_compile_timeouts
             total.grammar_row_waits += s.grammar_row_waits
+            total.num_dummy_steps += s.num_dummy_steps
+            total.dp_wave = max(total.dp_wave, s.dp_wave)
+            total.dp_engines_running |= s.dp_engines_running
         if total.num_total_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
         return total

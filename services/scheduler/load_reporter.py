@@ -1,7 +1,8 @@
 """Publishes this engine replica's load to Redis for the gateways' DP routing.
 
 Redis hash `myvllm:engines`: field = engine id, value = JSON {address, num_waiting,
-num_running, kv_cache_usage, ts, mac}, `mac` signing the rest with the internal token when
+num_running, kv_cache_usage, ts, mac} (plus dp_group, dp_rank for an engine of a data-parallel
+expert-parallel group: services/common/dp_wave.py), `mac` signing the rest with the internal token when
 there is one (services/common/redis_registry.py: gateways with a token route only to entries
 whose MAC checks out). Writes are throttled and never awaited by the engine
 loop: a slow or absent Redis must not slow down a step. A change is published at once,
@@ -33,8 +34,9 @@ def _load_key(load: pb.Load) -> tuple[int, int, float]:
 
 class LoadReporter:
     def __init__(self, redis_url: str, engine_id: str, address: str, min_interval_s: float = 0.1,
-                 token: str | None = None) -> None:
+                 token: str | None = None, extra: dict | None = None) -> None:
         self.client = aioredis.from_url(redis_url)
+        self.extra = extra or {}  # fields every entry carries (a lockstep group's engine: dp_group, dp_rank)
         self.engine_id = engine_id
         self.address = address
         self.token = token  # signs every entry (None: unsigned)
@@ -73,7 +75,7 @@ class LoadReporter:
             self.report(load)  # (re-checks pause, interval and the write on the wire)
 
     async def _send(self, key: tuple[int, int, float]) -> None:
-        entry = {"address": self.address, "num_waiting": key[0], "num_running": key[1],
+        entry = {**self.extra, "address": self.address, "num_waiting": key[0], "num_running": key[1],
                  "kv_cache_usage": key[2], "ts": time.time()}
         value = json.dumps(sign_entry(entry, self.engine_id, self.token))
         try:

@@ -10,11 +10,19 @@ request ends with error_kind=ENGINE_FAULT (gateways migrate them), the prefix ca
 dropped, the replica reports itself unhealthy and leaves Redis, and the loop keeps trying
 to set the worker up again (LoadModel, KV capacity, InitKVCache). Requests that arrive
 meanwhile end at once with error_kind=UNAVAILABLE.
+
+An engine of a data-parallel expert-parallel group (--data-parallel-size D with
+--enable-expert-parallel) steps in lockstep with the others while the group's wave runs
+(dp_wave.py); its ranks share a process group with every other engine's, hosted by DP rank 0's
+scheduler at --data-parallel-address:--data-parallel-rpc-port. A failed worker breaks that
+group for all, so such an engine cannot set its worker up again alone: it fails its requests
+(gateways migrate them) and exits with the reason; `serve` restarts the whole group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -32,6 +40,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.spec_decode import drafts_per_step
 from services.engine.step_loop import StepLoop
 from services.engine.worker_setup import set_up_workers
+from services.scheduler.dp_wave import EngineWave, WaveCoordinator
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
 from services.scheduler.load_reporter import LoadReporter
 from services.scheduler.worker_group import WorkerGroup
@@ -58,8 +67,11 @@ IDLE_PROBE_S = 2.0
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def __init__(self, config: EngineConfig, worker: WorkerGroup, load_reporter: LoadReporter | None = None,
-                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, wave: EngineWave | None = None) -> None:
         self.config = config
+        self.wave = wave  # a data-parallel expert-parallel group's engine: its part of the wave protocol
+        # Set when this engine can no longer serve (a lockstep group's worker failed): why.
+        self.group_fault: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.max_waiting_requests = max_waiting_requests
         self.worker = worker
         self.core: EngineCore | None = None
@@ -101,6 +113,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.core = EngineCore(self.config, info, num_blocks)
         self.core.scheduler.kv_cache_manager.block_pool.events = self.kv_events
         self.steps = StepLoop(self.core, self.worker, self._route, self._after_step)
+        if self.wave is not None:
+            self.wave.attach(self.steps)
         # A request waiting only for its grammar (or its allowed-token row) must not wait for the idle probe.
         loop = asyncio.get_running_loop()
         self.core.structured_output.on_ready = lambda: loop.call_soon_threadsafe(self.work_available.set)
@@ -134,6 +148,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             except Exception as e:  # a bug in a step: the same clean slate, with the traceback logged
                 logger.exception("engine step failed")
                 await self._worker_lost(f"engine step failed: {type(e).__name__}: {e}")
+            if self.wave is not None:
+                # The group's process group is broken for every engine: it restarts as a whole.
+                self.group_fault.set_result(
+                    f"data-parallel expert-parallel engine {self.wave.dp_rank} lost its worker ({self.worker_down}); "
+                    "the group's ranks share every MoE exchange, so the group stops (serve restarts it)")
+                return
             await self._reconnect()
 
     def _after_step(self) -> None:
@@ -207,6 +227,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 self.core.add_request(req)
             except ValueError as e:  # every refusal of add_request is about the request itself
                 error = str(e)
+            else:
+                if self.wave is not None:
+                    self.wave.note_request(req.dp_wave)
         if error is not None:
             stream.queue.put_nowait(pb.StepOutputs(outputs=[pb.RequestOutput(
                 request_id=req.request_id, finish_reason="abort", error=error, error_kind=kind, stop_token_id=-1)]))
@@ -277,7 +300,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def GetStats(self, request: pb.Empty, context) -> pb.Stats:
         if self.core is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is still starting")
-        return self.core.stats()
+        stats = self.core.stats()
+        if self.wave is not None:
+            stats.dp_wave, stats.dp_engines_running = self.wave.wave, self.wave.running
+        return stats
 
     async def SubscribeKvEvents(self, request: pb.Empty, context: grpc.aio.ServicerContext):
         try:
@@ -299,7 +325,8 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
                           redis_url: str | None = None, engine_id: str | None = None,
                           connect_timeout: float = 120.0, advertise_address: str | None = None,
                           token: str | None = None, engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S,
-                          max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS) -> None:
+                          max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, data_parallel_rank: int = 0,
+                          data_parallel_address: str | None = None, dp_group: str = "default") -> None:
     if not worker_addresses:
         raise StartupError("scheduler: give at least one worker address (several = tensor/pipeline-parallel ranks)")
     if engine_timeout <= 0:
@@ -307,20 +334,41 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     if max_waiting_requests < 1:
         raise StartupError(f"scheduler: --max-waiting-requests must be positive, got {max_waiting_requests}")
     address = advertise_address or advertised_address(host, port)
+    group_init_method = _check_group(config, redis_url, data_parallel_rank, data_parallel_address)
     # Several workers are one engine's ranks (tensor parallel x pipeline stages), stage-major; they
-    # rendezvous at a store this scheduler hosts, on the host they reach it by.
+    # rendezvous at a store this scheduler hosts, on the host they reach it by (a data-parallel
+    # expert-parallel group's ranks: at the one DP rank 0's scheduler hosts).
+    store = None
     try:
+        if group_init_method and data_parallel_rank == 0:
+            from services.common.rendezvous import RendezvousStore
+
+            group_host, _, group_port = data_parallel_address.rpartition(":")
+            store = RendezvousStore(group_host, int(group_port))
         answer_bytes = receive_limit(runner_output_bytes(config.max_num_seqs, config.max_num_batched_tokens,
                                                          drafts_per_step(config.speculative_config)))
         worker = WorkerGroup([WorkerLink(a, answer_bytes, token=token, engine_timeout=engine_timeout)
                               for a in worker_addresses],
                              config.tensor_parallel_size, config.pipeline_parallel_size,
-                             rendezvous_host=host, advertise_host=address.rpartition(":")[0])
-    except ValueError as e:
+                             rendezvous_host=host, advertise_host=address.rpartition(":")[0],
+                             group_init_method=group_init_method, data_parallel_rank=data_parallel_rank)
+    except (ValueError, RuntimeError) as e:
         raise StartupError(f"scheduler: {e}") from None
     await worker.connect(connect_timeout)
-    reporter = LoadReporter(redis_url, engine_id or address, address, token=token) if redis_url else None
-    servicer = SchedulerServicer(config, worker, reporter, max_waiting_requests)
+    extra = {"dp_group": dp_group, "dp_rank": data_parallel_rank} if group_init_method else {}
+    reporter = LoadReporter(redis_url, engine_id or address, address, token=token, extra=extra) if redis_url else None
+    wave = None
+    if group_init_method:
+        import redis.asyncio as aioredis
+
+        client = aioredis.from_url(redis_url)
+        size = config.data_parallel_size
+        coordinator = WaveCoordinator(client, dp_group, size, token) if data_parallel_rank == 0 else None
+        wave = EngineWave(client, dp_group, data_parallel_rank, size, token, coordinator, wake=lambda: None)
+        await wave.start()  # subscribed before the engine can step
+    servicer = SchedulerServicer(config, worker, reporter, max_waiting_requests, wave)
+    if wave is not None:
+        wave.wake = servicer.work_available.set
     started = time.monotonic()
     await servicer.start()
     # A client's message is one request (or an abort): its largest legal size follows from the
@@ -332,4 +380,35 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     await server.start()
     logger.warning("scheduler serving on %s:%d (ready in %.1fs)%s", host, port, time.monotonic() - started,
                    " (internal token required)" if token else "")
-    await grpc_utils.serve_until_cancelled(server)
+    serving = asyncio.ensure_future(grpc_utils.serve_until_cancelled(server))
+    try:
+        await asyncio.wait({serving, servicer.group_fault}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        if wave is not None:
+            await wave.close()
+        del store  # (the group's rendezvous lives as long as this scheduler)
+    if servicer.group_fault.done():
+        raise StartupError(f"scheduler: {servicer.group_fault.result()}")
+
+
+def _check_group(config: EngineConfig, redis_url: str | None, rank: int, address: str | None) -> str | None:
+    """For an engine of a data-parallel expert-parallel group: the init method its workers join
+    the group's process group by (None for an engine of its own). Raises StartupError naming the
+    flag that is missing or wrong."""
+    if not config.expert_parallel_group:
+        return None
+    size = config.data_parallel_size
+    if not 0 <= rank < size:
+        raise StartupError(f"scheduler: --data-parallel-rank {rank} is outside [0, --data-parallel-size {size})")
+    if not redis_url:
+        raise StartupError("scheduler: --data-parallel-size > 1 with --enable-expert-parallel needs --redis (the DP "
+                           "coordinator's wave state lives there)")
+    host, _, port = (address or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise StartupError("scheduler: --data-parallel-size > 1 with --enable-expert-parallel needs "
+                           "--data-parallel-address HOST:PORT (where DP rank 0's scheduler hosts the group's "
+                           f"rendezvous), got {address!r}")
+    return f"tcp://{host}:{port}/0"

@@ -39,7 +39,11 @@ class WorkerGroup:
     """The engine's ranks over gRPC: the step loop's `WorkerHandle` (services/engine/step_loop.py)."""
 
     def __init__(self, links: list[WorkerLink], tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 rendezvous_host: str = "127.0.0.1", advertise_host: str | None = None) -> None:
+                 rendezvous_host: str = "127.0.0.1", advertise_host: str | None = None,
+                 group_init_method: str | None = None, data_parallel_rank: int = 0) -> None:
+        """`group_init_method`: a data-parallel expert-parallel group's rendezvous, shared with the
+        other engines' ranks (this engine is DP rank `data_parallel_rank`); else this scheduler
+        hosts its ranks' own."""
         if len(links) != tensor_parallel_size * pipeline_parallel_size:
             raise ValueError(f"{len(links)} worker address(es) for tensor_parallel_size={tensor_parallel_size} x "
                              f"pipeline_parallel_size={pipeline_parallel_size} ranks: give one address per rank "
@@ -50,11 +54,12 @@ class WorkerGroup:
         self.output_index = output_rank(self.tp_size, self.pp_size)
         self.address = ",".join(link.address for link in links)
         self.rendezvous = None
-        if len(links) > 1:
+        self.group_init_method, self.data_parallel_rank = group_init_method, data_parallel_rank
+        if len(links) > 1 and group_init_method is None:
             # torch only where there are ranks to join: a one-worker scheduler never imports it.
             from services.common.rendezvous import RendezvousStore
 
-            self.rendezvous = RendezvousStore(rendezvous_host, advertise_host)
+            self.rendezvous = RendezvousStore(rendezvous_host, advertise_host=advertise_host)
 
     async def connect(self, timeout: float) -> None:
         await _all([link.connect(timeout) for link in self.links])
@@ -63,8 +68,8 @@ class WorkerGroup:
 
     async def load_model(self, request: pb.LoadModelRequest) -> pb.ModelInfo:
         """Every rank loads its part; the answers agree but for the rank fields: rank 0's stands."""
-        init_method = self.rendezvous.next_init_method() if self.rendezvous is not None else ""
-        requests = per_rank_load_requests(request, init_method)  # T x P of them, as the links (__init__)
+        init_method = self.group_init_method or (self.rendezvous.next_init_method() if self.rendezvous else "")
+        requests = per_rank_load_requests(request, init_method, self.data_parallel_rank)  # T x P, as the links
         return (await _all([link.load_model(r) for link, r in zip(self.links, requests, strict=True)]))[0]
 
     async def get_kv_capacity(self, request: pb.KVCapacityRequest) -> pb.KVCapacity:

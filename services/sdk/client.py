@@ -233,6 +233,7 @@ class AsyncClient:
         priority: int = 0,
         cache_salt: str = "",
         resumed_output_token_ids: list[int] | None = None,
+        dp_wave: int = 0,
     ) -> AsyncGenerator[pb.RequestOutput, None]:
         """Submit one request and yield its `RequestOutput`s as engine steps produce them.
 
@@ -241,6 +242,7 @@ class AsyncClient:
         Raises `SchedulerUnavailable` if the stream breaks and `RequestRejected` if the
         scheduler refuses the request. `resumed_output_token_ids` (request migration): the
         tokens this request already generated elsewhere; only tokens after them come back.
+        `dp_wave`: the expert-parallel group's wave the sender last saw (services/common/dp_wave.py).
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = sampling_params.to_proto()
@@ -257,6 +259,7 @@ class AsyncClient:
             priority=priority,
             cache_salt=cache_salt,
             resumed_output_token_ids=resumed_output_token_ids or [],
+            dp_wave=dp_wave,
         )))
         finished = False
         try:
