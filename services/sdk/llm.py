@@ -186,7 +186,16 @@ class LLM:
         return list(ids)
 
     def stats(self) -> dict[str, float]:
-        return self.engine.scheduler.stats()
+        """The scheduler's counters; a data-parallel group's summed over its engines (KV usage
+        over all their blocks), with its dummy steps."""
+        if len(self.engines) == 1:
+            return self.engine.scheduler.stats()
+        per_engine = [engine.scheduler.stats() for engine in self.engines]
+        total = {k: (sum(s[k] for s in per_engine) if isinstance(v, (int, float)) else v)
+                 for k, v in per_engine[0].items()}
+        total["kv_cache_usage"] = 1.0 - total["num_free_blocks"] / max(total["num_total_blocks"], 1)
+        total["num_dummy_steps"] = sum(engine.num_dummy_steps for engine in self.engines)
+        return total
 
     def _abort(self, request_ids: list[str]) -> None:
         for engine in self.engines:
@@ -228,10 +237,17 @@ class LLM:
         loops = [StepLoop(engine, handle, emit) for engine, handle in zip(self.engines, self._handles, strict=True)]
         try:
             self._run_coroutine(self._waves(loops, pending) if len(loops) > 1 else self._steps(loops[0], pending))
+        except EngineFault:
+            self._abort(list(pending))  # (the engines were reset already)
+            raise
         except BaseException:
             self._abort(list(pending))  # never leave blocks behind on an exception (Ctrl-C included)
-            if any([handle.drain() for handle in self._handles]):  # a step nobody waited for failed: a clean slate
-                self._run_coroutine(self._fail_all(loops))
+            if len(loops) > 1:
+                # Some engines may wait in an exchange the others will not join: stop their ranks,
+                # and set the group up again.
+                self._stop_children()
+            if any([handle.drain() for handle in self._handles]) or len(loops) > 1:
+                self._run_coroutine(self._fail_all(loops))  # a step nobody waited for failed: a clean slate
             raise
         finally:
             bar.close()
@@ -273,18 +289,22 @@ class LLM:
                 tasks = [asyncio.ensure_future(loop.run_while_busy()) for loop in loops]
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 if any(not task.cancelled() and task.exception() is not None for task in done):
-                    # The other engines wait in an exchange with the failed one: stop every child
-                    # rank, and their steps fail too.
-                    for group in self._groups:
-                        if isinstance(group, ParallelWorkers):
-                            group.stop_children()
+                    self._stop_children()  # the others wait in an exchange with the failed one
                     await asyncio.wait(tasks)
-                for task in tasks:
-                    task.result()  # the first failure raises
+                errors = [task.exception() for task in tasks if task.exception() is not None]  # (all retrieved)
+                if errors:
+                    raise errors[0]
         except Exception as e:
             await self._fail_all(loops)
             raise EngineFault(f"engine step failed ({type(e).__name__}: {e}); every request of this call "
                               "was ended and the engines set up again, the next call starts clean") from e
+
+    def _stop_children(self) -> None:
+        """Kill every child rank of a data-parallel group: a step blocked in an exchange with
+        them fails instead of waiting for the group's timeout."""
+        for group in self._groups:
+            if isinstance(group, ParallelWorkers):
+                group.stop_children()
 
     async def _fail_all(self, loops: list[StepLoop]) -> None:
         """Every engine's clean slate; a data-parallel group's ranks are set up again together
