@@ -4,7 +4,9 @@ transformers for tiny random Qwen3-MoE (one dense layer among the MoE ones, reno
 top-k), Mixtral (fp32 routing weights, `block_sparse_moe` names) and OLMoE (whole-projection
 q/k norms, clipped q/k/v, top-k not renormalised): one rank under chunked prefill and
 preemption, and two tensor-parallel ranks, with each expert's columns split or, with
-`enable_expert_parallel`, the experts themselves (each rank runs its own on every token).
+`enable_expert_parallel`, the experts themselves (each rank runs its own on every token); and
+two data-parallel engines as one expert-parallel group (tokens dispatched to their experts'
+ranks by all-to-all, lockstep steps, dummy steps), with TP inside, and through a dead rank.
 """
 
 from __future__ import annotations
@@ -224,3 +226,13 @@ def test_moe_data_parallel_group_survives_a_dead_rank(tiny_model_dir) -> None:
         assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     finally:
         llm.close()
+
+
+def test_moe_data_parallel_with_tensor_parallel_inside_greedy_equals_hf(moe_reference) -> None:
+    """Two engines of two TP ranks each, all four ranks one expert-parallel group (each TP rank of
+    an engine sends a half of its tokens' pairs, the halves are gathered back): HF's tokens."""
+    model_dir, want = moe_reference["qwen3_moe"]
+    got, stats = _greedy(model_dir, _prompts(), data_parallel_size=2, tensor_parallel_size=2,
+                         enable_expert_parallel=True, max_num_batched_tokens=64)
+    assert got == want
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
