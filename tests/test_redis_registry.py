@@ -95,6 +95,10 @@ def test_a_mac_replayed_on_another_address_or_engine_id_fails() -> None:
     (json.dumps(_entry(num_running=-1)), "counts"), (json.dumps(_entry(num_running="2")), "counts"),
     (json.dumps(_entry(ts=None)), "timestamp"), (json.dumps(_entry(ts=float("nan"))), "timestamp"),
     (json.dumps(_entry(kv_cache_usage=1.5)), "fraction"),
+    (json.dumps({**_entry(), "dp_group": "a b", "dp_rank": 0}), "dp_group"),
+    (json.dumps({**_entry(), "dp_group": 3, "dp_rank": 0}), "dp_group"),
+    (json.dumps({**_entry(), "dp_group": "g", "dp_rank": -1}), "dp_rank"),
+    (json.dumps({**_entry(), "dp_group": "g"}), "dp_rank"),
 ])
 def test_a_malformed_entry_is_refused_with_a_reason(raw: bytes | str, why: str) -> None:
     with pytest.raises(BadEntry, match=why):

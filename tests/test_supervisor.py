@@ -147,3 +147,44 @@ def test_serve_forwards_gateway_flags_but_never_credentials() -> None:
     gateway = _serve_commands(args, "/m", [[1]], [2], None)[-1][1]
     assert gateway[gateway.index("--max-migrations") + 1] == "5"
     assert not {"secret-key", "secret-token", "--api-key", "--internal-token"} & set(gateway)
+
+
+def test_serve_makes_an_expert_parallel_group_of_its_replicas() -> None:
+    """-dp 2 --enable-expert-parallel: both flags reach every worker and scheduler, each scheduler
+    gets its DP rank and the group's rendezvous address; without the flag, none of that."""
+    from services.cli import build_parser
+    from services.launcher import _serve_commands
+
+    args = build_parser().parse_args(["serve", "-dp", "2", "--enable-expert-parallel"])
+    commands = {name: cmd for name, cmd, _ in _serve_commands(args, "/m", [[11], [21]], [10, 20], 6379,
+                                                              group_port=5555)}
+    for rank in (0, 1):
+        scheduler, worker = commands[f"scheduler-{rank}"], commands[f"worker-{rank}"]
+        assert scheduler[scheduler.index("--data-parallel-rank") + 1] == str(rank)
+        assert scheduler[scheduler.index("--data-parallel-address") + 1] == "127.0.0.1:5555"
+        for cmd in (scheduler, worker):
+            assert cmd[cmd.index("--data-parallel-size") + 1] == "2" and "--enable-expert-parallel" in cmd
+            build_parser().parse_args(cmd[cmd.index("services.cli") + 1:])
+    dense = build_parser().parse_args(["serve", "-dp", "2"])
+    scheduler = dict((n, c) for n, c, _ in _serve_commands(dense, "/m", [[11], [21]], [10, 20], 6379))["scheduler-1"]
+    assert "--data-parallel-rank" not in scheduler and "--enable-expert-parallel" not in scheduler
+
+
+def test_a_service_group_restarts_every_member_when_one_exits(monkeypatch, capsys) -> None:
+    """An expert-parallel group's services share one process group: one exits, all restart."""
+    monkeypatch.setattr(supervisor, "INITIAL_BACKOFF_S", 0.05)
+    steady = ServiceProcess("steady", [sys.executable, "-c", "import time; time.sleep(60)"])
+    flaky = ServiceProcess("flaky", [sys.executable, "-c", "import sys; sys.exit(5)"])
+    group = supervisor.ServiceGroup("test group", [steady, flaky])
+    for member in group.members:
+        member.start()
+    first_steady = steady.proc.pid
+    deadline = time.monotonic() + 30
+    while group.restarts < 1:
+        assert time.monotonic() < deadline, "never restarted"
+        group.supervise()
+        time.sleep(0.01)
+    assert steady.proc.pid != first_steady and steady.exit_code is None  # stopped and started again
+    err = capsys.readouterr().err
+    assert "flaky (pid" in err and "exited with code 5; stopping the test group (2 services)" in err
+    stop_all(group.members, grace_s=5)
