@@ -8,8 +8,9 @@ wave protocol it runs (services/common/dp_wave.py):
   pause when done, and the wave number in Redis advances by exactly one;
 - a request carrying an old wave, sent to the other (paused) engine, starts both again;
 - Redis restarts empty: the group goes on serving, and the coordinator writes its wave back;
-- kill -9 of one engine's worker stops the whole group with a clear error, `serve` restarts it as
-  a group, and it answers with the same text.
+- kill -9 of one engine's worker while streams are in flight on both engines stops the whole
+  group with a clear error, `serve` restarts it as a group, and every stream ends with exactly
+  its text without the fault (the gateway migrates them as for dense replicas).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import json
 import os
 import re
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -95,6 +98,25 @@ def _completions(client: openai.OpenAI, model: str) -> list[str]:
                                       extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
 
 
+STREAM_TOKENS = 48
+
+
+def _streams(client: openai.OpenAI, model: str, first_chunks: threading.Barrier | None = None) -> list[str]:
+    """Every prompt streamed at once; each waits at `first_chunks` once it has its first text."""
+    def one(prompt: str) -> str:
+        text, waited = "", False
+        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text if chunk.choices else ""
+            if first_chunks is not None and not waited and text:
+                waited = True
+                first_chunks.wait(timeout=120)
+        return text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
 def test_served_expert_parallel_group_runs_waves_and_restarts_as_a_group(tiny_model_dir) -> None:
     model_dir = tiny_model_dir("qwen3_moe")
     want = _offline_texts(model_dir)
@@ -148,11 +170,19 @@ def test_served_expert_parallel_group_runs_waves_and_restarts_as_a_group(tiny_mo
         _wait_until(lambda: db.hgetall(wave_key(GROUP)) != {} and _wave(db)[0] > wave1 + 2, 30,
                     "the wave state back in redis")
 
-        # A dead rank stops the group; serve restarts it as a group.
+        # A dead rank stops the group, streams in flight; serve restarts it as a group and the
+        # gateway migrates the streams.
+        want_streams = _streams(client, model)
         output = "".join(mesh.output)
         worker_pid = int(re.findall(r"started worker-1 \(pid (\d+)\)", output)[-1])
         restarts = output.count("stopping the expert-parallel group")
-        os.kill(worker_pid, signal.SIGKILL)
+        first_chunks = threading.Barrier(len(PROMPTS) + 1)
+        with ThreadPoolExecutor(1) as pool:
+            streams = pool.submit(_streams, client, model, first_chunks)
+            first_chunks.wait(timeout=120)
+            os.kill(worker_pid, signal.SIGKILL)
+            assert streams.result(timeout=300) == want_streams
+        assert mesh.metrics()["myvllm:request_migrations_total"] >= 1
         _wait_until(lambda: "".join(mesh.output).count("stopping the expert-parallel group") > restarts, 60,
                     "serve to stop the group")
         assert re.search(rf"worker-1 \(pid {worker_pid}\) exited with code -9; stopping the expert-parallel group",
@@ -206,3 +236,21 @@ def test_signed_wave_messages_and_entries_need_the_token() -> None:
     assert parse_wave_entry(fields, TOKEN, GROUP) == (5, True)
     assert parse_wave_entry(fields, "another token", GROUP) is None
     assert parse_wave_entry({**fields, "current_wave": "6"}, TOKEN, GROUP) is None
+
+
+@pytest.mark.parametrize("redis_url, rank, address, group, why", [
+    (None, 0, "127.0.0.1:5", "g", "needs --redis"),
+    ("redis://h:1", 2, "127.0.0.1:5", "g", "--data-parallel-rank 2 is outside"),
+    ("redis://h:1", 0, "127.0.0.1", "g", "needs --data-parallel-address HOST:PORT"),
+    ("redis://h:1", 0, "127.0.0.1:5", "a b", "--dp-group must be a name"),
+])
+def test_a_group_scheduler_refuses_missing_or_bad_group_flags(redis_url, rank, address, group, why) -> None:
+    from services.common.config import EngineConfig
+    from services.common.grpc_utils import StartupError
+    from services.scheduler.server import _check_group
+
+    config = EngineConfig(model="", data_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(StartupError, match=why):
+        _check_group(config, redis_url, rank, address, group)
+    assert _check_group(config, "redis://h:1", 1, "127.0.0.1:5", "g") == "tcp://127.0.0.1:5/0"
+    assert _check_group(EngineConfig(model="", data_parallel_size=2), None, 0, None, "g") is None  # dense replicas

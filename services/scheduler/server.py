@@ -13,8 +13,8 @@ meanwhile end at once with error_kind=UNAVAILABLE.
 
 An engine of a data-parallel expert-parallel group (--data-parallel-size D with
 --enable-expert-parallel) steps in lockstep with the others while the group's wave runs
-(dp_wave.py); its ranks share a process group with every other engine's, hosted by DP rank 0's
-scheduler at --data-parallel-address:--data-parallel-rpc-port. A failed worker breaks that
+(dp_wave.py); its ranks share a process group with every other engine's, whose rendezvous DP
+rank 0's scheduler hosts at --data-parallel-address HOST:PORT. A failed worker breaks that
 group for all, so such an engine cannot set its worker up again alone: it fails its requests
 (gateways migrate them) and exits with the reason; `serve` restarts the whole group.
 """
@@ -334,7 +334,7 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
     if max_waiting_requests < 1:
         raise StartupError(f"scheduler: --max-waiting-requests must be positive, got {max_waiting_requests}")
     address = advertise_address or advertised_address(host, port)
-    group_init_method = _check_group(config, redis_url, data_parallel_rank, data_parallel_address)
+    group_init_method = _check_group(config, redis_url, data_parallel_rank, data_parallel_address, dp_group)
     # Several workers are one engine's ranks (tensor parallel x pipeline stages), stage-major; they
     # rendezvous at a store this scheduler hosts, on the host they reach it by (a data-parallel
     # expert-parallel group's ranks: at the one DP rank 0's scheduler hosts).
@@ -394,7 +394,8 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
         raise StartupError(f"scheduler: {servicer.group_fault.result()}")
 
 
-def _check_group(config: EngineConfig, redis_url: str | None, rank: int, address: str | None) -> str | None:
+def _check_group(config: EngineConfig, redis_url: str | None, rank: int, address: str | None,
+                 group: str) -> str | None:
     """For an engine of a data-parallel expert-parallel group: the init method its workers join
     the group's process group by (None for an engine of its own). Raises StartupError naming the
     flag that is missing or wrong."""
@@ -406,6 +407,9 @@ def _check_group(config: EngineConfig, redis_url: str | None, rank: int, address
     if not redis_url:
         raise StartupError("scheduler: --data-parallel-size > 1 with --enable-expert-parallel needs --redis (the DP "
                            "coordinator's wave state lives there)")
+    if not group or len(group) > 64 or not group.isprintable() or any(c.isspace() or c == ":" for c in group):
+        raise StartupError(f"scheduler: --dp-group must be a name of at most 64 characters without spaces or ':', "
+                           f"got {group!r}")
     host, _, port = (address or "").rpartition(":")
     if not host or not port.isdigit():
         raise StartupError("scheduler: --data-parallel-size > 1 with --enable-expert-parallel needs "
