@@ -97,6 +97,7 @@ def test_a_mac_replayed_on_another_address_or_engine_id_fails() -> None:
     (json.dumps(_entry(kv_cache_usage=1.5)), "fraction"),
     (json.dumps({**_entry(), "dp_group": "a b", "dp_rank": 0}), "dp_group"),
     (json.dumps({**_entry(), "dp_group": 3, "dp_rank": 0}), "dp_group"),
+    (json.dumps({**_entry(), "dp_group": "a:b", "dp_rank": 0}), "dp_group"),  # (it goes into key names)
     (json.dumps({**_entry(), "dp_group": "g", "dp_rank": -1}), "dp_rank"),
     (json.dumps({**_entry(), "dp_group": "g"}), "dp_rank"),
 ])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 
-from services.common.redis_registry import BadEntry, sign_entry, verify_entry
+from services.common.redis_registry import BadEntry, json_object, sign_entry, verify_entry
 
 FIRST_REQ = "FIRST_REQ"
 START_WAVE = "START_WAVE"
@@ -60,12 +60,7 @@ def encode_message(channel: str, message: dict, token: str | None) -> str:
 def decode_message(channel: str, raw: bytes | str, token: str | None, num_engines: int) -> dict:
     """A message read from `channel`, checked; raises `BadEntry` for anything else (so a stray or
     forged message is dropped, never acted on)."""
-    try:
-        message = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise BadEntry("not JSON") from None
-    if not isinstance(message, dict):
-        raise BadEntry("not a JSON object")
+    message = json_object(raw)
     verify_entry(message, channel, token)
     kind = message.get("type")
     expected = _TO_COORDINATOR if channel.endswith(":coordinator") else (START_DP_WAVE,)

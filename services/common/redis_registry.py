@@ -120,15 +120,28 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def json_object(raw: bytes | str) -> dict:
+    """`raw` parsed as a JSON object; `BadEntry` for anything else."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadEntry("not JSON") from None
+    if not isinstance(value, dict):
+        raise BadEntry("not a JSON object")
+    return value
+
+
+def is_group_name(value: object) -> bool:
+    """A data-parallel expert-parallel group's name (it goes into Redis key names:
+    services/common/dp_wave.py): printable, no spaces or ':', at most 64 characters."""
+    return isinstance(value, str) and 0 < len(value) <= 64 and value.isprintable() \
+        and not any(c.isspace() or c == ":" for c in value)
+
+
 def parse_entry(raw: bytes | str) -> dict:
     """One registry value as a dict with the fields a gateway reads, type-checked; raises
     `BadEntry` for anything else (so one bad entry never stops the others being read)."""
-    try:
-        entry = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise BadEntry("not JSON") from None
-    if not isinstance(entry, dict):
-        raise BadEntry("not a JSON object")
+    entry = json_object(raw)
     address = entry.get("address")
     if not isinstance(address, str) or not address or len(address) > 255 or not address.isprintable() \
             or any(c.isspace() for c in address):
@@ -141,8 +154,7 @@ def parse_entry(raw: bytes | str) -> dict:
     if not _number(usage) or not 0.0 <= usage <= 1.0:
         raise BadEntry("kv_cache_usage is not a fraction")
     group = entry.get("dp_group")  # an engine of a data-parallel expert-parallel group (common/dp_wave.py)
-    if group is not None and (not isinstance(group, str) or not group or len(group) > 64 or not group.isprintable()
-                              or any(c.isspace() for c in group)):
+    if group is not None and not is_group_name(group):
         raise BadEntry("dp_group is not a name")
     if group is not None and (not _count(entry.get("dp_rank")) or entry["dp_rank"] >= 4096):
         raise BadEntry("dp_rank is not a rank")

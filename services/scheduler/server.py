@@ -36,6 +36,7 @@ from services.common.grpc_utils import StartupError
 from services.common.message_limits import generate_request_bytes, receive_limit, runner_output_bytes
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
+from services.common.redis_registry import is_group_name
 from services.engine.engine_core import EngineCore
 from services.engine.spec_decode import drafts_per_step
 from services.engine.step_loop import StepLoop
@@ -407,7 +408,7 @@ def _check_group(config: EngineConfig, redis_url: str | None, rank: int, address
     if not redis_url:
         raise StartupError("scheduler: --data-parallel-size > 1 with --enable-expert-parallel needs --redis (the DP "
                            "coordinator's wave state lives there)")
-    if not group or len(group) > 64 or not group.isprintable() or any(c.isspace() or c == ":" for c in group):
+    if not is_group_name(group):
         raise StartupError(f"scheduler: --dp-group must be a name of at most 64 characters without spaces or ':', "
                            f"got {group!r}")
     host, _, port = (address or "").rpartition(":")
