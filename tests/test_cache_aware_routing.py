@@ -318,11 +318,15 @@ def test_metrics_count_predicted_and_actual_cached_tokens() -> None:
     metrics = GatewayMetrics("m")
     metrics.on_routed_prompt(64, 48)
     metrics.on_routed_prompt(0, 16)
-    text = metrics.render(None, {"a:1": 2})
-    assert 'myvllm:routing_predicted_cached_tokens_total{model_name="m"} 64' in text
-    assert 'myvllm:routing_actual_cached_tokens_total{model_name="m"} 64' in text
-    assert 'myvllm:routing_prompts_total{model_name="m"} 2' in text
-    assert 'myvllm:replica_requests_total{model_name="m",replica="a:1"} 2' in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render(None, {"a:1": 2})) for s in family.samples}
+    model = (("model_name", "m"),)
+    assert samples[("myvllm:routing_predicted_cached_tokens_total", model)] == 64
+    assert samples[("myvllm:routing_actual_cached_tokens_total", model)] == 64
+    assert samples[("myvllm:routing_prompts_total", model)] == 2
+    assert samples[("myvllm:replica_requests_total", (*model, ("replica", "a:1")))] == 2
 
 
 # ---------------------------------------------------------------------- the bench workload

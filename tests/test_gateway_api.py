@@ -408,28 +408,76 @@ def test_client_disconnect_while_queued_aborts(stack: Stack, stream: bool) -> No
 # ---------------------------------------------------------------------- metrics
 
 
+# vLLM's metric families (as prometheus_client's parser names them) and their types: what a
+# dashboard, an autoscaler or a router built for vLLM reads.
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:spec_decode_num_drafts": "counter",
+    "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+}
+
+
+def _scrape(url: str) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
+    """/metrics through prometheus_client's own parser: family types, and every sample's value by
+    (sample name, labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    types, samples = {}, {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return types, samples
+
+
 def test_metrics(stack: Stack, client: openai.OpenAI) -> None:
-    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
-    text = httpx.get(f"{stack.gateway.url}/metrics").text
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    labels = f'model_name="{MODEL}"'
-    assert samples[f"myvllm:num_requests_running{{{labels}}}"] == 2
-    assert samples[f"myvllm:num_requests_waiting{{{labels}}}"] == 1
-    assert samples[f"myvllm:kv_cache_usage_perc{{{labels}}}"] == 0.25
-    assert samples[f"myvllm:prefix_cache_queries_total{{{labels}}}"] == 40
-    assert samples[f"myvllm:prefix_cache_hits_total{{{labels}}}"] == 10
-    assert samples[f"myvllm:num_preemptions_total{{{labels}}}"] == 3
-    assert samples[f'myvllm:request_success_total{{{labels},finished_reason="length"}}'] >= 1
-    assert samples[f"myvllm:time_to_first_token_seconds_count{{{labels}}}"] >= 1
-    assert samples[f"myvllm:inter_token_latency_seconds_count{{{labels}}}"] >= 2
-    assert samples[f"myvllm:e2e_request_latency_seconds_count{{{labels}}}"] >= 1
-    assert samples[f'myvllm:e2e_request_latency_seconds_bucket{{{labels},le="+Inf"}}'] == samples[
-        f"myvllm:e2e_request_latency_seconds_count{{{labels}}}"]
-    assert "# TYPE myvllm:time_to_first_token_seconds histogram" in text
+    _, before = _scrape(stack.gateway.url)
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    types, samples = _scrape(stack.gateway.url)
+    ours = {"model_name": MODEL}
+
+    def value(name: str, table: dict = samples, **labels: str) -> float:
+        return table.get((name, frozenset({**ours, **labels}.items())), 0.0)
+
+    assert value("myvllm:num_requests_running") == 2
+    assert value("myvllm:num_requests_waiting") == 1
+    assert value("myvllm:kv_cache_usage_perc") == 0.25
+    assert value("myvllm:prefix_cache_queries_total") == 40
+    assert value("myvllm:prefix_cache_hits_total") == 10
+    assert value("myvllm:num_preemptions_total") == 3
+    assert value("myvllm:request_success_total", finished_reason="length") - \
+        value("myvllm:request_success_total", before, finished_reason="length") == 1
+    assert value("myvllm:prompt_tokens_total") - value("myvllm:prompt_tokens_total", before) == \
+        response.usage.prompt_tokens
+    assert value("myvllm:generation_tokens_total") - value("myvllm:generation_tokens_total", before) == 3
+    assert value("myvllm:time_to_first_token_seconds_count") >= 1
+    assert value("myvllm:inter_token_latency_seconds_count") >= 2
+    assert value("myvllm:e2e_request_latency_seconds_bucket", le="+Inf") == \
+        value("myvllm:e2e_request_latency_seconds_count") >= 1
+    assert types["myvllm:time_to_first_token_seconds"] == "histogram"
+
+    # vLLM's names: each family with vLLM's type, labels model_name and engine, the same values.
+    for family, kind in VLLM_FAMILIES.items():
+        assert types.get(family) == kind, (family, types.get(family))
+    vllm_samples = {(name, labels): v for (name, labels), v in samples.items() if name.startswith("vllm:")}
+    # (per draft position: samples only once speculation has run)
+    assert {name for name, _ in vllm_samples} >= {f"{f}_total" for f, k in VLLM_FAMILIES.items()
+                                                   if k == "counter" and not f.endswith("_per_pos")}
+    for (name, labels), v in vllm_samples.items():
+        labels = dict(labels)
+        assert labels.pop("model_name") == MODEL and labels.pop("engine") == "0", (name, labels)
+        assert samples[("my" + name, frozenset({**labels, **ours}.items()))] == v or \
+            name.startswith("vllm:request_success"), name
+    for reason in ("stop", "length", "abort", "error", "repetition"):  # vLLM's FinishReason values
+        assert ("vllm:request_success_total", frozenset({**ours, "engine": "0", "finished_reason": reason}.items())) \
+            in samples
+    assert value("vllm:request_success_total", engine="0", finished_reason="length") == \
+        value("myvllm:request_success_total", finished_reason="length")
 
 
 # ---------------------------------------------------------------------- migration

@@ -281,7 +281,7 @@ def test_unreachable_scheduler_is_a_fast_503(smollm2_dir: str) -> None:
         assert time.monotonic() - started < 2
         assert httpx.get(f"{gateway.url}/v1/models").status_code == 200  # needs no scheduler
         metrics = httpx.get(f"{gateway.url}/metrics").text
-        assert f'myvllm:scheduler_up{{model_name="{MODEL}"}} 0' in metrics
+        assert f'myvllm:scheduler_up{{model_name="{MODEL}"}} 0.0' in metrics
 
 
 def test_hung_scheduler_is_a_503_within_2_seconds(smollm2_dir: str) -> None:
@@ -312,7 +312,7 @@ def test_stream_survives_its_scheduler_restarting(smollm2_dir: str) -> None:
         assert text == expected and len(expected) == 60  # one character per scripted token
         resumed = fake.requests[-1]
         assert resumed.request_id.endswith("-m1") and len(resumed.resumed_output_token_ids) >= 1
-        assert 'myvllm:request_migrations_total{model_name="SmolLM2-135M-Instruct"} 1' in \
+        assert 'myvllm:request_migrations_total{model_name="SmolLM2-135M-Instruct"} 1.0' in \
             httpx.get(f"{gw.url}/metrics").text
 
 

@@ -58,6 +58,7 @@ def test_stream_is_offline_greedy_with_several_tokens_per_chunk(mesh: Mesh, smol
     metrics = mesh.metrics()
     accepted = metrics["myvllm:spec_decode_num_accepted_tokens_total"]
     assert 0 < accepted <= metrics["myvllm:spec_decode_num_draft_tokens_total"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == accepted  # vLLM's name, for its dashboards
 
 
 def test_serve_refuses_a_bad_speculative_config() -> None:

@@ -20,6 +20,7 @@ from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from services.gateway.context import GatewayContext
 from services.gateway.errors import OpenAIError, install_error_handlers, invalid_request, scheduler_unavailable
+from services.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from services.gateway.options import GatewayOptions
 from services.gateway.prompts import PromptBound, chat_prompt, check_token_ids
 from services.gateway.protocol import (
@@ -122,8 +123,7 @@ def create_app(
     async def metrics(request: Request) -> Response:
         ctx = _ctx(request)
         stats = await ctx.router.stats()  # None when no scheduler answers: still the gateway's own histograms
-        return PlainTextResponse(ctx.metrics.render(stats, ctx.router.routed),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(ctx.metrics.render(stats, ctx.router.routed), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

@@ -80,6 +80,8 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
         # aclosing: leaving this loop early (stop string) must abort the request *now*.
         async with contextlib.aclosing(outputs):
             async for output in outputs:
+                if output.num_prompt_tokens:
+                    timer.on_prompt(output.num_prompt_tokens)
                 if output.new_token_ids:
                     timer.on_tokens(len(output.new_token_ids))
                 if check_prediction and output.num_prompt_tokens:

@@ -1,6 +1,12 @@
-"""Prometheus metrics in the text exposition format (no client library needed).
+"""Prometheus metrics for `/metrics`, written by prometheus_client's exposition.
 
-Latency histograms are measured here, per engine request, as tokens reach the
+Every metric is served under our name (`myvllm:*`, label `model_name`) and, where vLLM has the
+same metric, also under vLLM's exact name and labels (`vllm:*`, labels `model_name` and
+`engine`), so what reads a vLLM server (Grafana dashboards, HPA/KEDA on
+`vllm:num_requests_waiting`, Kubernetes routers) reads this one. `engine` is "0": the gateway
+reports its replicas' totals, which for the default one-replica deployment is that engine.
+
+Latency histograms and token counts are measured here, per engine request, as tokens reach the
 gateway; queue and cache numbers come from the scheduler's `Stats` at scrape time.
 """
 
@@ -10,7 +16,11 @@ import bisect
 import math
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from services.common.proto import myvllm_pb2 as pb
 
@@ -21,26 +31,17 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    escaped = (f'{k}="{v}"'.replace("\n", "\\n") for k, v in labels.items())
-    return "{" + ",".join(escaped) + "}"
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if isinstance(value, float) and not value.is_integer() else str(int(value))
+# vLLM's `finished_reason` values (vllm.v1.engine.FinishReason): each is served, from 0.
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+VLLM_ENGINE = "0"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Histogram:
     """A cumulative-bucket histogram; `observe` is O(log buckets)."""
 
     def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
-        self.name = name
+        self.name = name  # without the `myvllm:` / `vllm:` prefix
         self.help_text = help_text
         self.bounds = buckets
         self._counts = [0] * (len(buckets) + 1)  # last slot: above every bound (+Inf)
@@ -52,34 +53,70 @@ class Histogram:
         self.count += 1
         self.sum += value
 
-    def render(self, labels: dict[str, str]) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
+    def cumulative_buckets(self) -> list[tuple[str, int]]:
+        cumulative, out = 0, []
         for bound, count in zip((*self.bounds, math.inf), self._counts, strict=True):
             cumulative += count
-            lines.append(f"{self.name}_bucket{_labels({**labels, 'le': _number(bound)})} {cumulative}")
-        lines.append(f"{self.name}_sum{_labels(labels)} {_number(self.sum)}")
-        lines.append(f"{self.name}_count{_labels(labels)} {self.count}")
-        return lines
+            out.append((floatToGoString(bound), cumulative))
+        return out
 
 
-def _single(name: str, kind: str, help_text: str, value: float, labels: dict[str, str]) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{_labels(labels)} {_number(value)}"]
+class _Scrape:
+    """The metric families of one scrape (prometheus_client's collector interface)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.names = {"myvllm:": {"model_name": model_name},
+                      "vllm:": {"model_name": model_name, "engine": VLLM_ENGINE}}
+        self.families: list[Metric] = []
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+    def add(self, kind: str, name: str, help_text: str, value: float, vllm: bool = False) -> None:
+        """One gauge or counter (`name` without `_total`), under vLLM's name too if `vllm`."""
+        self.add_labelled(kind, name, help_text, None, [(None, value)], vllm)
+
+    def add_labelled(self, kind: str, name: str, help_text: str, label: str | None,
+                     samples: Iterable[tuple[str | None, float]], vllm: bool = False,
+                     vllm_samples: Iterable[tuple[str | None, float]] | None = None) -> None:
+        """A gauge or counter with one more label (`label`), a sample per value of it; under
+        vLLM's name too if `vllm` (with `vllm_samples` there, where they differ)."""
+        family_class = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        by_prefix = {"myvllm:": list(samples)}
+        if vllm or vllm_samples is not None:
+            by_prefix["vllm:"] = by_prefix["myvllm:"] if vllm_samples is None else list(vllm_samples)
+        for prefix, prefix_samples in by_prefix.items():
+            labels = self.names[prefix]
+            family = family_class(prefix + name, help_text, labels=[*labels, *([label] if label else [])])
+            for extra, value in prefix_samples:
+                family.add_metric([*labels.values(), *([extra] if label else [])], value)
+            self.families.append(family)
+
+    def add_histogram(self, histogram: Histogram, vllm: bool = False) -> None:
+        for prefix in ("myvllm:", "vllm:") if vllm else ("myvllm:",):
+            labels = self.names[prefix]
+            family = HistogramMetricFamily(prefix + histogram.name, histogram.help_text, labels=list(labels))
+            family.add_metric(list(labels.values()), histogram.cumulative_buckets(), histogram.sum)
+            self.families.append(family)
+
+    def text(self) -> str:
+        return generate_latest(self).decode()  # type: ignore[arg-type]  # (any object with collect())
 
 
 class GatewayMetrics:
     """Everything `/metrics` reports for one served model."""
 
     def __init__(self, model_name: str) -> None:
-        self.labels = {"model_name": model_name}
+        self.model_name = model_name
         self.time_to_first_token = Histogram(
-            "myvllm:time_to_first_token_seconds", "Time from request arrival to its first token.", TTFT_BUCKETS)
+            "time_to_first_token_seconds", "Time from request arrival to its first token.", TTFT_BUCKETS)
         self.inter_token_latency = Histogram(
-            "myvllm:inter_token_latency_seconds", "Time between consecutive token batches of a request.",
-            ITL_BUCKETS)
+            "inter_token_latency_seconds", "Time between consecutive token batches of a request.", ITL_BUCKETS)
         self.e2e_request_latency = Histogram(
-            "myvllm:e2e_request_latency_seconds", "Time from request arrival to its end.", E2E_BUCKETS)
+            "e2e_request_latency_seconds", "Time from request arrival to its end.", E2E_BUCKETS)
         self.request_success: dict[str, int] = defaultdict(int)  # by finish reason
+        self.prompt_tokens = 0  # of engine requests that got their first output
+        self.generation_tokens = 0
         self.request_migrations = 0  # engine requests re-submitted after their replica failed
         # Cache-aware routing: prompt tokens the gateway expected the chosen replica to have
         # cached, and what its scheduler then reported (num_cached_tokens of the first output).
@@ -95,99 +132,100 @@ class GatewayMetrics:
         self.predicted_cached_tokens += predicted_cached_tokens
         self.actual_cached_tokens += actual_cached_tokens
 
-    @staticmethod
-    def _spec_decode(stats: pb.Stats, labels: dict[str, str]) -> list[str]:
-        """Speculative decoding counters (vLLM's names under myvllm:), acceptance by draft position."""
-        lines = _single("myvllm:spec_decode_num_drafts_total", "counter", "Verification rounds (a request's "
-                        "drafts checked in one step).", stats.spec_decode_num_drafts, labels)
-        lines += _single("myvllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
-                         stats.spec_decode_num_draft_tokens, labels)
-        lines += _single("myvllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                         stats.spec_decode_num_accepted_tokens, labels)
-        lines += ["# HELP myvllm:spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted, by position "
-                  "in the draft (0 = first).",
-                  "# TYPE myvllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
-        lines += [f"myvllm:spec_decode_num_accepted_tokens_per_pos_total{_labels({**labels, 'position': str(j)})} "
-                  f"{count}" for j, count in enumerate(stats.spec_decode_accepted_per_pos)]
-        return lines
-
     def timer(self, arrival_time: float) -> RequestTimer:
         return RequestTimer(self, arrival_time)
+
+    @staticmethod
+    def _scheduler(scrape: _Scrape, stats: pb.Stats) -> None:
+        scrape.add("gauge", "num_requests_running", "Requests in the engine's running batch.", stats.num_running,
+                   vllm=True)
+        scrape.add("gauge", "num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting, vllm=True)
+        scrape.add("gauge", "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage,
+                   vllm=True)
+        scrape.add("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                   stats.prefix_cache_queries, vllm=True)
+        scrape.add("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits,
+                   vllm=True)
+        scrape.add("counter", "num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions,
+                   vllm=True)
+        scrape.add("counter", "grammar_compiles", "Structured-output grammars compiled (grammar cache misses).",
+                   stats.grammar_compiles)
+        scrape.add("counter", "grammar_compile_seconds", "Time spent compiling structured-output grammars.",
+                   stats.grammar_compile_seconds)
+        scrape.add("counter", "grammar_cache_hits", "Constrained requests whose grammar was already compiled.",
+                   stats.grammar_cache_hits)
+        scrape.add("counter", "grammar_compile_timeouts", "Structured-output grammars that did not compile within "
+                   "--structured-outputs-compile-timeout.", stats.grammar_compile_timeouts)
+        scrape.add("counter", "grammar_row_waits", "Steps a constrained request sat out because its allowed-token "
+                   "row was not filled yet.", stats.grammar_row_waits)
+        scrape.add("counter", "spec_decode_num_drafts", "Verification rounds (a request's drafts checked in one "
+                   "step).", stats.spec_decode_num_drafts, vllm=True)
+        scrape.add("counter", "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                   stats.spec_decode_num_draft_tokens, vllm=True)
+        scrape.add("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                   stats.spec_decode_num_accepted_tokens, vllm=True)
+        scrape.add_labelled("counter", "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                            "position in the draft (0 = first).", "position",
+                            ((str(j), count) for j, count in enumerate(stats.spec_decode_accepted_per_pos)),
+                            vllm=True)
+        scrape.add("counter", "dp_dummy_steps", "Steps an engine of a data-parallel expert-parallel group ran with "
+                   "nothing scheduled, so the group's MoE exchanges matched.", stats.num_dummy_steps)
+        scrape.add("gauge", "dp_wave", "The data-parallel expert-parallel group's current wave (0 without such a "
+                   "group).", stats.dp_wave)
+        scrape.add("gauge", "dp_engines_running", "1 while the data-parallel expert-parallel group's wave runs, 0 "
+                   "while it is paused.", int(stats.dp_engines_running))
 
     def render(self, stats: pb.Stats | None, routed: Mapping[str, int] | None = None) -> str:
         """The exposition text; scheduler gauges and counters only if `stats` came back;
         engine requests routed to each replica (by address) when `routed` is given."""
-        lines: list[str] = []
-        labels = self.labels
+        scrape = _Scrape(self.model_name)
         if stats is not None:
-            lines += _single("myvllm:num_requests_running", "gauge", "Requests in the engine's running batch.",
-                             stats.num_running, labels)
-            lines += _single("myvllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-                             stats.num_waiting, labels)
-            lines += _single("myvllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0-1).",
-                             stats.kv_cache_usage, labels)
-            lines += _single("myvllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the "
-                             "prefix cache.", stats.prefix_cache_queries, labels)
-            lines += _single("myvllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-                             stats.prefix_cache_hits, labels)
-            lines += _single("myvllm:num_preemptions_total", "counter", "Requests preempted by the scheduler.",
-                             stats.num_preemptions, labels)
-            lines += _single("myvllm:grammar_compiles_total", "counter", "Structured-output grammars compiled "
-                             "(grammar cache misses).", stats.grammar_compiles, labels)
-            lines += _single("myvllm:grammar_compile_seconds_total", "counter", "Time spent compiling "
-                             "structured-output grammars.", stats.grammar_compile_seconds, labels)
-            lines += _single("myvllm:grammar_cache_hits_total", "counter", "Constrained requests whose grammar "
-                             "was already compiled.", stats.grammar_cache_hits, labels)
-            lines += _single("myvllm:grammar_compile_timeouts_total", "counter", "Structured-output grammars that "
-                             "did not compile within --structured-outputs-compile-timeout.",
-                             stats.grammar_compile_timeouts, labels)
-            lines += _single("myvllm:grammar_row_waits_total", "counter", "Steps a constrained request sat out "
-                             "because its allowed-token row was not filled yet.", stats.grammar_row_waits, labels)
-            lines += self._spec_decode(stats, labels)
-            lines += _single("myvllm:dp_dummy_steps_total", "counter", "Steps an engine of a data-parallel "
-                             "expert-parallel group ran with nothing scheduled, so the group's MoE exchanges "
-                             "matched.", stats.num_dummy_steps, labels)
-            lines += _single("myvllm:dp_wave", "gauge", "The data-parallel expert-parallel group's current wave "
-                             "(0 without such a group).", stats.dp_wave, labels)
-            lines += _single("myvllm:dp_engines_running", "gauge", "1 while the data-parallel expert-parallel "
-                             "group's wave runs, 0 while it is paused.", int(stats.dp_engines_running), labels)
-        lines += _single("myvllm:scheduler_up", "gauge", "1 if the scheduler answered this scrape.",
-                         int(stats is not None), labels)
-        lines += ["# HELP myvllm:request_success_total Finished requests, by finish reason.",
-                  "# TYPE myvllm:request_success_total counter"]
-        for reason in sorted(set(self.request_success) | {"stop", "length", "abort"}):
-            lines.append(f"myvllm:request_success_total{_labels({**labels, 'finished_reason': reason})} "
-                         f"{self.request_success[reason]}")
-        lines += _single("myvllm:request_migrations_total", "counter", "Requests re-submitted to a replica "
-                         "after theirs failed (request migration).", self.request_migrations, labels)
-        lines += _single("myvllm:routing_predicted_cached_tokens_total", "counter", "Prompt tokens the router "
-                         "expected the chosen replica to have cached.", self.predicted_cached_tokens, labels)
-        lines += _single("myvllm:routing_actual_cached_tokens_total", "counter", "Prompt tokens the chosen replica "
-                         "served from its prefix cache (same requests).", self.actual_cached_tokens, labels)
-        lines += _single("myvllm:routing_prompts_total", "counter", "Engine requests counted in the two above.",
-                         self.routed_prompts, labels)
+            self._scheduler(scrape, stats)
+        scrape.add("gauge", "scheduler_up", "1 if the scheduler answered this scrape.", int(stats is not None))
+        # Ours: the reasons seen (stop, length and abort always); vLLM's: its five, and any other seen.
+        scrape.add_labelled("counter", "request_success", "Finished requests, by finish reason.", "finished_reason",
+                            ((r, self.request_success[r]) for r in sorted({*self.request_success, "stop", "length",
+                                                                            "abort"})),
+                            vllm_samples=((r, self.request_success[r]) for r in sorted({*self.request_success,
+                                                                                       *VLLM_FINISH_REASONS})))
+        scrape.add("counter", "prompt_tokens", "Prompt tokens of the engine requests that started.",
+                   self.prompt_tokens, vllm=True)
+        scrape.add("counter", "generation_tokens", "Tokens generated.", self.generation_tokens, vllm=True)
+        scrape.add("counter", "request_migrations", "Requests re-submitted to a replica after theirs failed "
+                   "(request migration).", self.request_migrations)
+        scrape.add("counter", "routing_predicted_cached_tokens", "Prompt tokens the router expected the chosen "
+                   "replica to have cached.", self.predicted_cached_tokens)
+        scrape.add("counter", "routing_actual_cached_tokens", "Prompt tokens the chosen replica served from its "
+                   "prefix cache (same requests).", self.actual_cached_tokens)
+        scrape.add("counter", "routing_prompts", "Engine requests counted in the two above.", self.routed_prompts)
         if routed:
-            lines += ["# HELP myvllm:replica_requests_total Engine requests routed to each replica.",
-                      "# TYPE myvllm:replica_requests_total counter"]
-            lines += [f"myvllm:replica_requests_total{_labels({**labels, 'replica': address})} {count}"
-                      for address, count in sorted(routed.items())]
+            scrape.add_labelled("counter", "replica_requests", "Engine requests routed to each replica.", "replica",
+                                sorted(routed.items()))
         for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency):
-            lines += histogram.render(labels)
-        return "\n".join(lines) + "\n"
+            scrape.add_histogram(histogram, vllm=True)
+        return scrape.text()
 
 
 class RequestTimer:
-    """Feeds one engine request's token arrivals into the latency histograms."""
+    """Feeds one engine request's token arrivals into the latency histograms and token counters."""
 
     def __init__(self, metrics: GatewayMetrics, arrival_time: float) -> None:
         self._metrics = metrics
         self._arrival_time = arrival_time
         self._last_token_time: float | None = None
+        self._prompt_counted = False
+
+    def on_prompt(self, num_prompt_tokens: int) -> None:
+        """The engine reported the request's prompt length (counted once, also if it migrates)."""
+        if not self._prompt_counted:
+            self._prompt_counted = True
+            self._metrics.prompt_tokens += num_prompt_tokens
 
     def on_tokens(self, num_tokens: int = 1) -> None:
         """A step's tokens arrived (several with speculative decoding: the wait is shared among
         them, one inter-token latency each; the first token's wait is the time to first token)."""
         now = time.monotonic()
+        self._metrics.generation_tokens += num_tokens
         if self._last_token_time is None:
             self._metrics.time_to_first_token.observe(now - self._arrival_time)
             for _ in range(num_tokens - 1):
