@@ -419,6 +419,8 @@ VLLM_FAMILIES = {
     "vllm:e2e_request_latency_seconds": "histogram", "vllm:spec_decode_num_drafts": "counter",
     "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    "vllm:request_time_per_output_token_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
 }
 
 
@@ -455,6 +457,14 @@ def test_metrics(stack: Stack, client: openai.OpenAI) -> None:
     assert value("myvllm:prompt_tokens_total") - value("myvllm:prompt_tokens_total", before) == \
         response.usage.prompt_tokens
     assert value("myvllm:generation_tokens_total") - value("myvllm:generation_tokens_total", before) == 3
+    # per request: its counts (buckets 1, 2, 5, ... up to the context limit, as vLLM's)
+    assert value("myvllm:request_generation_tokens_sum") - value("myvllm:request_generation_tokens_sum", before) == 3
+    assert value("myvllm:request_prompt_tokens_sum") - value("myvllm:request_prompt_tokens_sum", before) == \
+        response.usage.prompt_tokens
+    bounds = sorted(float(dict(labels)["le"]) for name, labels in samples
+                    if name == "myvllm:request_prompt_tokens_bucket")
+    assert bounds[:4] == [1, 2, 5, 10] and bounds[-2:] == [500, float("inf")]  # (MAX_MODEL_LEN 512)
+    assert value("myvllm:request_time_per_output_token_seconds_count") >= 1
     assert value("myvllm:time_to_first_token_seconds_count") >= 1
     assert value("myvllm:inter_token_latency_seconds_count") >= 2
     assert value("myvllm:e2e_request_latency_seconds_bucket", le="+Inf") == \

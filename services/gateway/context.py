@@ -63,6 +63,7 @@ class GatewayContext:
             if stats.max_model_len <= 0:
                 raise SchedulerUnavailable("the scheduler has not reported max_model_len yet")
             self._max_model_len = stats.max_model_len
+            self.metrics.set_max_model_len(stats.max_model_len)
         return self._max_model_len
 
     async def in_tokenizer_pool(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:

@@ -37,6 +37,18 @@ VLLM_ENGINE = "0"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+def one_two_five_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: vLLM's bounds for per-request token counts."""
+    bounds: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(bounds)
+            bounds.append(float(mantissa * scale))
+        scale *= 10
+
+
 class Histogram:
     """A cumulative-bucket histogram; `observe` is O(log buckets)."""
 
@@ -114,6 +126,12 @@ class GatewayMetrics:
             "inter_token_latency_seconds", "Time between consecutive token batches of a request.", ITL_BUCKETS)
         self.e2e_request_latency = Histogram(
             "e2e_request_latency_seconds", "Time from request arrival to its end.", E2E_BUCKETS)
+        self.request_time_per_output_token = Histogram(
+            "request_time_per_output_token_seconds", "Per request: time from its first token to its end over the "
+            "tokens after the first.", ITL_BUCKETS)
+        # Per-request token counts, bucketed up to the context limit (once the gateway knows it).
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
         self.request_success: dict[str, int] = defaultdict(int)  # by finish reason
         self.prompt_tokens = 0  # of engine requests that got their first output
         self.generation_tokens = 0
@@ -123,6 +141,15 @@ class GatewayMetrics:
         self.routed_prompts = 0
         self.predicted_cached_tokens = 0
         self.actual_cached_tokens = 0
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The engine's context limit is known: the per-request token histograms can exist."""
+        if self.request_prompt_tokens is None:
+            buckets = one_two_five_buckets(max_model_len)
+            self.request_prompt_tokens = Histogram("request_prompt_tokens", "Prompt tokens per finished request.",
+                                                   buckets)
+            self.request_generation_tokens = Histogram("request_generation_tokens", "Tokens generated per finished "
+                                                       "request.", buckets)
 
     def on_migration(self) -> None:
         self.request_migrations += 1
@@ -201,8 +228,11 @@ class GatewayMetrics:
         if routed:
             scrape.add_labelled("counter", "replica_requests", "Engine requests routed to each replica.", "replica",
                                 sorted(routed.items()))
-        for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency):
-            scrape.add_histogram(histogram, vllm=True)
+        for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+                          self.request_time_per_output_token, self.request_prompt_tokens,
+                          self.request_generation_tokens):
+            if histogram is not None:
+                scrape.add_histogram(histogram, vllm=True)
         return scrape.text()
 
 
@@ -212,13 +242,15 @@ class RequestTimer:
     def __init__(self, metrics: GatewayMetrics, arrival_time: float) -> None:
         self._metrics = metrics
         self._arrival_time = arrival_time
+        self._first_token_time: float | None = None
         self._last_token_time: float | None = None
-        self._prompt_counted = False
+        self._num_prompt_tokens: int | None = None
+        self._num_generated = 0
 
     def on_prompt(self, num_prompt_tokens: int) -> None:
         """The engine reported the request's prompt length (counted once, also if it migrates)."""
-        if not self._prompt_counted:
-            self._prompt_counted = True
+        if self._num_prompt_tokens is None:
+            self._num_prompt_tokens = num_prompt_tokens
             self._metrics.prompt_tokens += num_prompt_tokens
 
     def on_tokens(self, num_tokens: int = 1) -> None:
@@ -226,7 +258,9 @@ class RequestTimer:
         them, one inter-token latency each; the first token's wait is the time to first token)."""
         now = time.monotonic()
         self._metrics.generation_tokens += num_tokens
+        self._num_generated += num_tokens
         if self._last_token_time is None:
+            self._first_token_time = now
             self._metrics.time_to_first_token.observe(now - self._arrival_time)
             for _ in range(num_tokens - 1):
                 self._metrics.inter_token_latency.observe(0.0)  # they arrived with the first
@@ -236,5 +270,11 @@ class RequestTimer:
         self._last_token_time = now
 
     def on_finish(self, finish_reason: str) -> None:
-        self._metrics.e2e_request_latency.observe(time.monotonic() - self._arrival_time)
-        self._metrics.request_success[finish_reason] += 1
+        metrics, now = self._metrics, time.monotonic()
+        metrics.e2e_request_latency.observe(now - self._arrival_time)
+        metrics.request_success[finish_reason] += 1
+        if self._num_generated > 1:
+            metrics.request_time_per_output_token.observe((now - self._first_token_time) / (self._num_generated - 1))
+        if metrics.request_prompt_tokens is not None and metrics.request_generation_tokens is not None:
+            metrics.request_prompt_tokens.observe(self._num_prompt_tokens or 0)
+            metrics.request_generation_tokens.observe(self._num_generated)
