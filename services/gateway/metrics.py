@@ -57,12 +57,10 @@ class Histogram:
         self.help_text = help_text
         self.bounds = buckets
         self._counts = [0] * (len(buckets) + 1)  # last slot: above every bound (+Inf)
-        self.count = 0
-        self.sum = 0.0
+        self.sum = 0.0  # (the count is the +Inf bucket's: the exposition derives `_count` from it)
 
     def observe(self, value: float) -> None:
         self._counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
         self.sum += value
 
     def cumulative_buckets(self) -> list[tuple[str, int]]:
