@@ -1,4 +1,5 @@
-"""The whole-step decode kernel (services/worker/cpu/decode_step.c) against the eager forward."""
+"""The whole-step decode kernels (services/worker/cpu/decode_step.c for a few requests,
+packed_step.c for more) against the eager forward."""
 
 from __future__ import annotations
 
@@ -7,15 +8,27 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from isa_levels import levels_here
 
 from services.worker.attention.base import AttentionMetadata, forward_context
-from services.worker.cpu.decode_step import CpuDecodeStep
+from services.worker.cpu.decode_step import CpuDecodeStep, PackedDecodeStep, load_packed_library
+from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm
 from services.worker.model_runner import ModelRunner
 
 # Only a machine without a C compiler may skip: a build failure where one exists is a failure.
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
 
 BLOCK = 16
+NUM_BLOCKS = 12 * 40 + 1  # room for 40 requests of up to 12 blocks
+
+
+def _packed_step_or_skip(runner: ModelRunner) -> PackedDecodeStep:
+    """The runner's packed step; a CPU without AVX-512 has no packed GEMM for it to run on."""
+    step = runner.model.packed_step
+    if step is None and PanelGemm.load() is None:
+        pytest.skip("no AVX-512: the linear layers keep oneDNN and there is no packed step")
+    assert isinstance(step, PackedDecodeStep)
+    return step
 
 
 def _meta(runner: ModelRunner, ctx: np.ndarray, num_new: np.ndarray) -> AttentionMetadata:
@@ -40,21 +53,30 @@ def _forward(runner: ModelRunner, ids: torch.Tensor, ctx: np.ndarray, num_new: n
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_step_matches_the_eager_forward(tiny_model_dir, arch: str, dtype: str) -> None:
+@pytest.mark.parametrize("kind", ["small", "packed"])
+def test_decode_step_matches_the_eager_forward(tiny_model_dir, arch: str, dtype: str, kind: str) -> None:
     """After eager prefills of different lengths, one decode token per request through the C
     step and through the eager layers: the same final hidden states, logits and cached K/V
-    (llama: tied head; qwen2: q/k/v biases, untied head; qwen3: q/k norms)."""
+    (llama: tied head; qwen2: q/k/v biases, untied head; qwen3: q/k norms). `small`: the
+    row-major step at 1, 3 and its most rows; `packed`: the packed-weight step from one row more
+    than that up to 40 rows."""
     runner = ModelRunner(tiny_model_dir(arch), dtype=dtype, seed=0)
-    runner.init_kv_cache(128, BLOCK)
-    step = runner.model.decode_step
-    assert isinstance(step, CpuDecodeStep)
+    runner.init_kv_cache(NUM_BLOCKS, BLOCK)
+    small = runner.model.decode_step
+    assert isinstance(small, CpuDecodeStep)
+    if kind == "small":
+        step, row_counts = small, sorted({1, 3, small.max_rows})
+    else:
+        step = _packed_step_or_skip(runner)
+        row_counts = [small.max_rows + 1, 13, 40]
+        assert step.rows().start == small.max_rows + 1
     gen = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
     calls: list[int] = []
     original = step.forward
     step.forward = lambda *a: calls.append(1) or original(*a)
-    for rows in sorted({1, 3, step.max_rows}):
-        ctx = np.array([5 + 23 * i for i in range(rows)])  # 5 .. 97 cached tokens, ragged blocks
+    for rows in row_counts:
+        ctx = np.array([5 + (23 * i) % 180 for i in range(rows)])  # 5 .. 181 cached tokens, ragged blocks
         _forward(runner, torch.randint(0, vocab, (int(ctx.sum()),), generator=gen), np.zeros(rows, np.int64), ctx)
         ids = torch.randint(0, vocab, (rows,), generator=gen)
         one = np.ones(rows, np.int64)
@@ -62,9 +84,9 @@ def test_decode_step_matches_the_eager_forward(tiny_model_dir, arch: str, dtype:
         got_hidden, got_logits = _forward(runner, ids, ctx, one)
         assert len(calls) == before + 1
         caches = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]
-        runner.model.decode_step = None
+        runner.model.decode_step = runner.model.packed_step = None
         want_hidden, want_logits = _forward(runner, ids, ctx, one)
-        runner.model.decode_step = step
+        runner.model.decode_step, runner.model.packed_step = small, None if kind == "small" else step
         # Both sides sum in fp32 in their own order (this kernel's lanes, oneDNN's blocking, which
         # differs between AVX2, AVX-512 and AMX machines): bounds relative to each tensor's scale,
         # ~10x what was observed (fp32: 5.5e-5 of hidden values up to 30).
@@ -72,9 +94,10 @@ def test_decode_step_matches_the_eager_forward(tiny_model_dir, arch: str, dtype:
             for got, want in ((got_hidden, want_hidden), (got_logits, want_logits)):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * float(want.abs().max()))
         else:  # bf16: a different summation order may flip roundings, a few bf16 steps at most
-            scale = float(want_hidden.float().abs().max())
-            torch.testing.assert_close(got_hidden.float(), want_hidden.float(), rtol=0.05, atol=0.02 * scale)
-            torch.testing.assert_close(got_logits, want_logits, rtol=0.05, atol=0.05)
+            # (one flip in 40 rows' attention moved a logit of ~30 by two of its 0.125 steps)
+            for got, want in ((got_hidden, want_hidden), (got_logits, want_logits)):
+                scale = float(want.float().abs().max())
+                torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.02 * scale)
         # The same greedy token wherever the top two logits are further apart than the two
         # sides' largest difference could move them (bf16 steps can swap near-ties).
         top2 = want_logits.topk(2, dim=-1).values
@@ -88,14 +111,22 @@ def test_decode_step_matches_the_eager_forward(tiny_model_dir, arch: str, dtype:
                                        atol=tol[1] * float(want_cache.abs().max()))
 
 
-def test_the_step_takes_only_small_all_decode_batches(tiny_model_dir) -> None:
+def test_each_step_takes_only_its_all_decode_batches(tiny_model_dir) -> None:
     runner = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0)
-    runner.init_kv_cache(128, BLOCK)
-    step = runner.model.decode_step
-    assert step.applies(_meta(runner, np.full(step.max_rows, 3), np.ones(step.max_rows, np.int64)))
-    assert not step.applies(_meta(runner, np.full(step.max_rows + 1, 3), np.ones(step.max_rows + 1, np.int64)))
-    assert not step.applies(_meta(runner, np.array([3, 0]), np.array([1, 4])))  # a prefill among them
-    assert not step.applies(_meta(runner, np.array([3]), np.array([2])))  # two new tokens (drafts)
+    runner.init_kv_cache(NUM_BLOCKS, BLOCK)
+    model = runner.model
+    small, packed = model.decode_step, _packed_step_or_skip(runner)
+
+    def chosen(ctx: np.ndarray, num_new: np.ndarray):
+        return model.c_step_for(_meta(runner, ctx, num_new))
+
+    assert chosen(np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)) is small
+    assert chosen(np.full(small.max_rows + 1, 3), np.ones(small.max_rows + 1, np.int64)) is packed
+    assert chosen(np.full(40, 3), np.ones(40, np.int64)) is packed
+    assert not packed.applies(_meta(runner, np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)))
+    assert chosen(np.array([3, 0]), np.array([1, 4])) is None  # a prefill among them
+    assert chosen(np.array([3]), np.array([2])) is None  # two new tokens (drafts)
+    assert chosen(np.full(12, 3), np.full(12, 2)) is None
 
 
 def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, monkeypatch) -> None:
@@ -105,26 +136,43 @@ def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, mon
     assert runner.model.decode_step is None
     monkeypatch.undo()
     monkeypatch.setenv("MYVLLM_CPU_DECODE_STEP", "0")
-    assert ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0).model.decode_step is None
+    off = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0).model
+    assert off.decode_step is None and off.packed_step is None
     monkeypatch.delenv("MYVLLM_CPU_DECODE_STEP")
     assert ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0).model.decode_step is not None
 
 
 def test_greedy_tokens_are_the_same_with_the_step_on_and_off(smollm2_dir, monkeypatch) -> None:
-    """SmolLM2 in fp32 through the offline LLM: batches of 1-3 decoding requests run the step;
-    greedy output is token-identical to the eager forward's."""
+    """SmolLM2 in fp32 through the offline LLM: 12 decoding requests that finish one after another,
+    so steps of 12 down to 1 rows run both C steps; greedy output is token-identical to the eager
+    forward's."""
     from services.common.sampling_params import SamplingParams
     from services.sdk import LLM
 
-    prompts = ["The capital of France is", "def fibonacci(n):", "List three colours:"]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [f"{topic} is" for topic in ("The capital of France", "Water", "Python", "A prime number", "The moon",
+                                           "Music", "Coffee", "A river", "Chess", "Gravity", "Bread", "A library")]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
 
     def run(on: bool) -> list[list[int]]:
         monkeypatch.setenv("MYVLLM_CPU_DECODE_STEP", "1" if on else "0")
         llm = LLM(smollm2_dir, dtype="float32", seed=0)
-        assert (llm.worker.runner.model.decode_step is not None) == on
+        model = llm.worker.runner.model
+        assert (model.decode_step is not None) == on
+        assert (model.packed_step is not None) == (on and PanelGemm.load() is not None)
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.close()
         return out
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("level", levels_here(HIGHEST_ISA))
+def test_the_packed_step_builds_for_the_dtypes_the_gemm_runs(level: str | None) -> None:
+    """Built at every level this CPU runs: it offers a dtype exactly where gemm.c's build of the
+    same level does (the projections it runs are gemm.c's tiles), none without AVX-512."""
+    from services.worker.cpu import cbuild, gemm
+
+    step_lib = load_packed_library(level)
+    gemm_lib = cbuild.build(gemm._SOURCE, highest=HIGHEST_ISA, level=level)
+    for bf16 in (0, 1):
+        assert step_lib.packed_step_available(bf16) == gemm_lib.gemm_available(bf16)

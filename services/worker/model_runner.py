@@ -139,11 +139,15 @@ class ModelRunner:
         # A step that waits for its grammar bitmask: (its output so far, logits, sampling rows).
         self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
         if self.device.type == "cpu":
-            if (self.attn_backend.name == "cpu" and not compile_model
-                    and os.environ.get("MYVLLM_CPU_DECODE_STEP", "1") != "0"):
-                # Before packing: the step keeps the row-major weights (at most a tenth of the RAM).
+            # The whole decode step as one C call (services/worker/cpu/decode_step.py): with the
+            # C attention kernels, outside a compiled graph, unless MYVLLM_CPU_DECODE_STEP=0.
+            c_steps = (self.attn_backend.name == "cpu" and not compile_model
+                       and os.environ.get("MYVLLM_CPU_DECODE_STEP", "1") != "0")
+            if c_steps:
+                # Before packing: the small step keeps the row-major weights (at most a tenth of the RAM).
                 self.model.use_cpu_decode_step(_available_ram_bytes() // 10)
-            self.model.pack_for_cpu()
+            if self.model.pack_for_cpu() and c_steps:
+                self.model.use_cpu_packed_step()  # on the packed weights: after packing
             # Outside a compiled graph (inductor fuses these itself) the elementwise ops go
             # through the fused C kernels.
             self.model.use_cpu_ops()
@@ -302,8 +306,8 @@ class ModelRunner:
                                           bs, dev)
         # The C decode step attends without the backend's plan; a draft model mirrors the
         # target's forward with the same metadata, so it needs the plan either way.
-        step = getattr(self.model, "decode_step", None)
-        if step is None or self.proposer is not None or not step.applies(meta):
+        c_step_for = getattr(self.model, "c_step_for", None)
+        if c_step_for is None or self.proposer is not None or c_step_for(meta) is None:
             meta.backend_data = self.attn_backend.prepare(meta)
         batch.num_computed_tokens[rows] = seq_lens
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)

@@ -22,6 +22,7 @@
 
 #include "paged_attend.h"
 #include "row_ops.h"
+#include "step_model.h"
 #include "threads.h"
 
 /* Most rows (requests) a step may carry: beyond a few rows the projections stop being bound by
@@ -31,19 +32,6 @@
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
 #endif
-
-/* Per-layer weight pointers, in this order (NULL where the model has none). */
-enum { W_IN_NORM, W_QKV, B_QKV, W_Q_NORM, W_K_NORM, W_O, B_O, W_POST_NORM, W_GATE_UP, B_GATE_UP, W_DOWN, B_DOWN,
-       LAYER_PTRS };
-
-typedef struct {
-    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, bf16;
-    float eps, scale;
-    const void *const *layers; /* [num_layers * LAYER_PTRS] */
-    void *const *kv;           /* [num_layers * 2]: each layer's K and V cache [blocks, BS, KVH, D] */
-    const void *final_norm;    /* [hidden] */
-    const float *cos, *sin;    /* RoPE tables, fp32 [max_position, head_dim] */
-} StepModel;
 
 /* ---------------------------------------------------------------- projections */
 
@@ -156,19 +144,15 @@ int decode_step(const StepModel *md, int M, const void *x, const int64_t *positi
     int max_len = 0;
     for (int b = 0; b < M; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
 
-    /* shared, model dtype: residual, h (norm output / projection output), qkv, attention output,
-     * gate_up, the activation; per thread, fp32: a widened input row block and attention scratch */
+    /* per thread, fp32: a widened input row block and attention scratch */
     int widest = H > NH * D ? H : NH * D;
     widest = widest > I ? widest : I;
-    const size_t shared_elems = (size_t)M * (2 * H + QKV + NH * D + 3 * I);
     const size_t per_thread = (size_t)M * widest + (size_t)G * max_len + 2 * (size_t)G * D + (size_t)KVH * D + 16;
-    char *mem = malloc(shared_elems * es + sizeof(float) * per_thread * (size_t)nthreads + 64);
-    if (mem == NULL) return -2;
-    void *res = mem, *h = mem + (size_t)M * H * es, *qkv = (char *)h + (size_t)M * H * es;
-    void *att = (char *)qkv + (size_t)M * QKV * es, *gu = (char *)att + (size_t)M * NH * D * es;
-    void *act = (char *)gu + (size_t)M * 2 * I * es;
-    float *scratch = (float *)(((uintptr_t)((char *)act + (size_t)M * I * es) + 63) & ~(uintptr_t)63);
-    memcpy(res, x, (size_t)M * H * es);
+    const StepBuffers buf = step_buffers(md, M, x, per_thread, nthreads);
+    if (buf.mem == NULL) return -2;
+    void *const res = buf.res, *const h = buf.h, *const qkv = buf.qkv, *const att = buf.att, *const gu = buf.gu;
+    void *const act = buf.act;
+    float *const scratch = buf.scratch;
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -237,7 +221,7 @@ int decode_step(const StepModel *md, int M, const void *x, const int64_t *positi
         add_rms_norm_row((char *)h + (size_t)m * H * es, (char *)res + (size_t)m * H * es, md->final_norm, H, md->eps,
                          bf16);
     memcpy(out, h, (size_t)M * H * es);
-    free(mem);
+    free(buf.mem);
     return 0;
 }
 

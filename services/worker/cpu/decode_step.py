@@ -1,11 +1,15 @@
-"""The whole decode step of a small batch in one C call (`decode_step.c`), for CPU workers.
+"""The whole decode step in one C call, for CPU workers: `decode_step.c` for a few requests,
+`packed_step.c` for more.
 
 At batch 1 a decode step reads every weight once and does little else, so its speed is the
 speed of streaming the weights; the eager forward spent ~30% on top of that in ~270 op
 dispatches and OpenMP regions per step. `CpuDecodeStep` runs the decoder (and, through
 `lm_head`, the LM head) of a step whose requests each bring one new token, at most
-`max_rows` of them, as one OpenMP region. Larger batches and prefills keep the eager path
-(oneDNN's blocked GEMMs win once a projection is no longer bound by reading its weights).
+`max_rows` of them, as one OpenMP region. Beyond that the projections stop being bound by
+reading the weights and blocked GEMMs win: `PackedDecodeStep` runs the decoder of those larger
+decode batches, again as one region, on the weights gemm.c packed for the linear layers (the
+eager forward's Python dispatch and per-op OpenMP regions were ~45% of a 16- or 48-request
+step). Prefills, mixed steps and draft tokens keep the eager path.
 
 The C code reads the checkpoint's row-major weights, while the eager path runs on oneDNN's
 prepacked copies (`cpu_linear.py`): the step keeps the row-major tensors too, which doubles
@@ -22,13 +26,16 @@ import torch
 
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cpu import cbuild
+from services.worker.cpu.gemm import HIGHEST_ISA
 
 _SOURCE = Path(__file__).with_name("decode_step.c")
+_PACKED_SOURCE = Path(__file__).with_name("packed_step.c")
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-# The C side's per-layer pointer order (decode_step.c's enum).
+# The C side's per-layer pointer order (step_model.h's enum).
 LAYER_SLOTS = ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
                "gate_up_bias", "down", "down_bias")
 _lib: ctypes.CDLL | None = None
+_packed_libs: dict[str | None, ctypes.CDLL] = {}
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 
 
@@ -38,12 +45,16 @@ class _StepModel(ctypes.Structure):
                 ("layers", _P), ("kv", _P), ("final_norm", _P), ("cos", _P), ("sin", _P)]
 
 
+_STEP_ARGS = [_P, _I, _P, _P, _P, _P, _I64, _P, _P, _I]
+
+
 def load_library() -> ctypes.CDLL:
+    """decode_step.c (a fixed AVX2 level: see cbuild)."""
     global _lib
     if _lib is None:
         lib = cbuild.build(_SOURCE, ["-ffp-contract=off"])
         lib.decode_step.restype = _I
-        lib.decode_step.argtypes = [_P, _I, _P, _P, _P, _P, _I64, _P, _P, _I]
+        lib.decode_step.argtypes = _STEP_ARGS
         lib.lm_head.restype = _I
         lib.lm_head.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
         lib.max_rows.restype = _I
@@ -51,58 +62,57 @@ def load_library() -> ctypes.CDLL:
     return _lib
 
 
+def load_packed_library(level: str | None = None) -> ctypes.CDLL:
+    """packed_step.c, built at gemm.c's level (its projections are gemm.c's tiles)."""
+    if level not in _packed_libs:
+        lib = cbuild.build(_PACKED_SOURCE, ["-ffp-contract=off"], highest=HIGHEST_ISA, level=level)
+        lib.packed_step.restype = _I
+        lib.packed_step.argtypes = _STEP_ARGS
+        lib.packed_step_available.restype = _I
+        lib.packed_step_available.argtypes = [_I]
+        lib.packed_step_max_rows.restype = _I
+        _packed_libs[level] = lib
+    return _packed_libs[level]
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-class CpuDecodeStep:
-    """Holds the row-major weights of one model and runs its small decode steps in C."""
+class _CStep:
+    """What the two C steps share: the model description (`_StepModel`) over per-layer weight
+    pointers, the KV cache bound by address, and the call."""
 
-    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    max_rows: int
+
+    def __init__(self, model: torch.nn.Module, fn, weights: list[list[torch.Tensor | None]]) -> None:
+        """weights: per layer, the tensors of LAYER_SLOTS in order (None where the model has none)."""
+        self._fn = fn
         layers = list(model._stage())
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         self.dtype = next(model.parameters()).dtype
-        # Up to these many rows the step beats the eager forward (SmolLM2, 2 threads, AVX-512
-        # EPYC, forward + LM head): fp32 1.47x at 1 row, 1.45x at 4, 1.05x at 8; bf16 2.2x at 1,
-        # 1.3x at 4, even at 8, where AVX2 FMAs on widened bf16 catch up with oneDNN's bf16
-        # dot products (the projections stop being bound by the weights' bytes).
-        self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
-        tensors: list[torch.Tensor | None] = []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            slots = {"in_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj.weight,
-                     "qkv_bias": attn.qkv_proj.bias, "q_norm": attn.q_norm.weight if attn.q_norm else None,
-                     "k_norm": attn.k_norm.weight if attn.k_norm else None, "o": attn.o_proj.weight,
-                     "o_bias": attn.o_proj.bias, "post_norm": layer.post_attention_layernorm.weight,
-                     "gate_up": mlp.gate_up_proj.weight, "gate_up_bias": mlp.gate_up_proj.bias,
-                     "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias}
-            tensors += [slots[name] for name in LAYER_SLOTS]
-        # Kept alive here: after the eager layers are packed for oneDNN these are the only
-        # references to the row-major weights.
-        self._weights = [t.detach().contiguous() if t is not None else None for t in tensors]
-        self._layer_ptrs = (_P * len(tensors))(*[_ptr(t) for t in self._weights])
-        self.head_weight = (model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight).detach()
+        # Kept alive here: the C side holds their addresses.
+        self._weights = [t for layer in weights for t in layer]
+        self._layer_ptrs = (_P * len(self._weights))(*[_ptr(t) for t in self._weights])
         rope = model.rotary_emb
         self._rope = (rope.cos.contiguous(), rope.sin.contiguous())
+        self._final_norm = model.norm.weight
         self._model = _StepModel(
             num_layers=len(layers), hidden=model.config.hidden_size, num_heads=attn0.num_heads,
             num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim, intermediate=mlp0.intermediate_size,
             block_size=0, bf16=int(self.dtype == torch.bfloat16), eps=float(layers[0].input_layernorm.eps),
             scale=float(attn0.attn.scale), layers=ctypes.addressof(self._layer_ptrs), kv=None,
-            final_norm=model.norm.weight.data_ptr(), cos=self._rope[0].data_ptr(), sin=self._rope[1].data_ptr())
+            final_norm=self._final_norm.data_ptr(), cos=self._rope[0].data_ptr(), sin=self._rope[1].data_ptr())
         self._attention = [layer.self_attn.attn for layer in layers]
         self._kv_bound: list[torch.Tensor] = []
         self._kv_ptrs = None
 
     @staticmethod
-    def plain_weight_bytes(model: torch.nn.Module) -> int:
-        """What the row-major copy of the projections costs next to the packed ones."""
-        total = 0
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                total += module.weight.numel() * module.weight.element_size()
-        return total
+    def _norms(layer: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+        attn = layer.self_attn
+        return {"in_norm": layer.input_layernorm.weight, "q_norm": attn.q_norm.weight if attn.q_norm else None,
+                "k_norm": attn.k_norm.weight if attn.k_norm else None,
+                "post_norm": layer.post_attention_layernorm.weight}
 
     def _bind_kv(self) -> None:
         caches = [a.kv_cache for a in self._attention]
@@ -115,9 +125,13 @@ class CpuDecodeStep:
         self._model.kv = ctypes.addressof(self._kv_ptrs)
         self._model.block_size = int(caches[0].shape[2])
 
+    def rows(self) -> range:
+        """How many requests a step of this kernel may carry."""
+        return range(1, self.max_rows + 1)
+
     def applies(self, meta: AttentionMetadata) -> bool:
-        """A step of at most `max_rows` requests, each bringing exactly one new token."""
-        return meta.max_query_len == 1 and 0 < meta.num_tokens <= self.max_rows
+        """A step of `rows()` requests, each bringing exactly one new token."""
+        return meta.max_query_len == 1 and meta.num_tokens in self.rows()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: [M, hidden] embeddings of the new tokens → [M, hidden], the final norm's output;
@@ -129,12 +143,46 @@ class CpuDecodeStep:
         assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
         assert meta.seq_lens.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
         out = torch.empty_like(x)
-        rc = self.lib.decode_step(ctypes.addressof(self._model), x.shape[0], x.data_ptr(), positions.data_ptr(),
-                                  meta.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-                                  meta.seq_lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        rc = self._fn(ctypes.addressof(self._model), x.shape[0], x.data_ptr(), positions.data_ptr(),
+                      meta.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                      meta.seq_lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"cpu decode step failed ({rc})")
         return out
+
+
+class CpuDecodeStep(_CStep):
+    """Holds the row-major weights of one model and runs its small decode steps in C."""
+
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        weights = []
+        for layer in model._stage():
+            attn, mlp = layer.self_attn, layer.mlp
+            slots = {**self._norms(layer), "qkv": attn.qkv_proj.weight, "qkv_bias": attn.qkv_proj.bias,
+                     "o": attn.o_proj.weight, "o_bias": attn.o_proj.bias, "gate_up": mlp.gate_up_proj.weight,
+                     "gate_up_bias": mlp.gate_up_proj.bias, "down": mlp.down_proj.weight,
+                     "down_bias": mlp.down_proj.bias}
+            # After the eager layers are packed for oneDNN these are the only references to the
+            # row-major weights.
+            weights.append([t.detach().contiguous() if (t := slots[name]) is not None else None
+                            for name in LAYER_SLOTS])
+        super().__init__(model, lib.decode_step, weights)
+        # Up to these many rows the step beats the eager forward (SmolLM2, 2 threads, AVX-512
+        # EPYC, forward + LM head): fp32 1.47x at 1 row, 1.45x at 4, 1.05x at 8; bf16 2.2x at 1,
+        # 1.3x at 4, even at 8, where AVX2 FMAs on widened bf16 catch up with oneDNN's bf16
+        # dot products (the projections stop being bound by the weights' bytes).
+        self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
+        self.head_weight = (model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight).detach()
+
+    @staticmethod
+    def plain_weight_bytes(model: torch.nn.Module) -> int:
+        """What the row-major copy of the projections costs next to the packed ones."""
+        total = 0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                total += module.weight.numel() * module.weight.element_size()
+        return total
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, hidden] → [M, vocabulary rows] logits in the model's dtype, for M <= max_rows."""
@@ -146,3 +194,35 @@ class CpuDecodeStep:
         if rc != 0:
             raise MemoryError(f"cpu LM head failed ({rc})")
         return out
+
+
+class PackedDecodeStep(_CStep):
+    """Runs the decode steps of more requests than `CpuDecodeStep` takes (`packed_step.c`) on the
+    weights the linear layers already hold packed for gemm.c: no copy of its own."""
+
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, min_rows: int) -> None:
+        weights = []
+        for layer in model._stage():
+            attn, mlp = layer.self_attn, layer.mlp
+            slots = {**self._norms(layer)}
+            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                slots[name], slots[f"{name}_bias"] = linear.packed, linear.bias
+            weights.append([slots[name] for name in LAYER_SLOTS])
+        super().__init__(model, lib.packed_step, weights)
+        self.min_rows = min_rows
+        self.max_rows = int(lib.packed_step_max_rows())
+
+    @staticmethod
+    def supports(model: torch.nn.Module, lib: ctypes.CDLL) -> bool:
+        """Every projection of every layer is packed for gemm.c, in a dtype this build runs."""
+        dtype = next(model.parameters()).dtype
+        if dtype not in (torch.float32, torch.bfloat16) or not lib.packed_step_available(int(dtype == torch.bfloat16)):
+            return False
+        return all(getattr(linear, "gemm", None) is not None
+                   for layer in model._stage()
+                   for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                  layer.mlp.down_proj))
+
+    def rows(self) -> range:
+        return range(self.min_rows, self.max_rows + 1)

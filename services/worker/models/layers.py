@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.attention.base import AttentionLayer, current_metadata
+from services.worker.attention.base import AttentionLayer, AttentionMetadata, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
-from services.worker.cpu.decode_step import CpuDecodeStep, load_library
+from services.worker.cpu.decode_step import CpuDecodeStep, PackedDecodeStep, load_library, load_packed_library
 from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps
 from services.worker.models.moe import MoeSpec, SparseMoeBlock
 from services.worker.parallel import (
@@ -269,8 +269,10 @@ class DecoderForCausalLM(nn.Module):
         self.tied_head: nn.Module | None = None
         # The fused CPU elementwise ops, when `use_cpu_ops` enabled them (else torch's).
         self.cpu_ops: FusedCpuOps | None = None
-        # Small decode steps as one C call, when `use_cpu_decode_step` enabled it.
+        # Small decode steps as one C call, when `use_cpu_decode_step` enabled it; larger ones,
+        # when `use_cpu_packed_step` did.
         self.decode_step: CpuDecodeStep | None = None
+        self.packed_step: PackedDecodeStep | None = None
 
     def _stage(self) -> Iterable[DecoderLayer]:
         return self.layers[self.layer_range.start:self.layer_range.stop]
@@ -293,10 +295,11 @@ class DecoderForCausalLM(nn.Module):
         """The first stage embeds `input_ids`; later stages continue from the previous stage's
         `hidden`. The last stage returns normed hidden states, the others the raw residual stream."""
         x = self.embed_tokens(input_ids) if self.is_first_stage else hidden
-        if self.decode_step is not None and not torch.compiler.is_compiling():
+        if (self.decode_step is not None or self.packed_step is not None) and not torch.compiler.is_compiling():
             meta = current_metadata()
-            if meta is not None and self.decode_step.applies(meta):
-                return self.decode_step.forward(x, positions, meta)
+            step = self.c_step_for(meta) if meta is not None else None
+            if step is not None:
+                return step.forward(x, positions, meta)
         # torch.compile traces the torch ops (it fuses them itself).
         ops = self.cpu_ops if self.cpu_ops is not None and not torch.compiler.is_compiling() else TORCH_OPS
         rope_state = ops.rope_state(self.rotary_emb, positions, x.dtype)
@@ -318,6 +321,37 @@ class DecoderForCausalLM(nn.Module):
         self.cpu_ops = FusedCpuOps(ops) if ops is not None else None
         return self.cpu_ops is not None
 
+    def c_step_for(self, meta: AttentionMetadata) -> CpuDecodeStep | PackedDecodeStep | None:
+        """The C step that runs this batch's whole decoder, or None: the eager layers do."""
+        return next((step for step in (self.decode_step, self.packed_step)
+                     if step is not None and step.applies(meta)), None)
+
+    def _c_step_applies(self) -> bool:
+        """Whether the C steps implement this model's layers on this rank: CPU, one rank and one
+        stage, plain dense layers (no routed experts, whole-projection q/k norms or clipped
+        q/k/v)."""
+        return (CpuOps.supports(next(self.parameters())) and get_tp().size == 1
+                and self.is_first_stage and self.is_last_stage and self.spec.moe is None
+                and not self.spec.full_qk_norm and not getattr(self.config, "clip_qkv", None))
+
+    def use_cpu_packed_step(self) -> bool:
+        """Run decode steps of more requests than the small step takes as one C call on the packed
+        weights (services/worker/cpu/packed_step.c). Call after `pack_for_cpu` and
+        `use_cpu_decode_step`; off where the C steps do not apply or a projection is not packed
+        for gemm.c (no AVX-512, another dtype)."""
+        if not self._c_step_applies():
+            return False
+        try:
+            lib = load_packed_library()
+        except (RuntimeError, OSError) as e:
+            logger.warning("cpu packed decode step unavailable (%s); larger decode steps run layer by layer", e)
+            return False
+        if not PackedDecodeStep.supports(self, lib):
+            return False
+        min_rows = self.decode_step.max_rows + 1 if self.decode_step is not None else 1
+        self.packed_step = PackedDecodeStep(self, lib, min_rows)
+        return True
+
     def use_cpu_decode_step(self, max_extra_bytes: int) -> bool:
         """Run decode steps of a few requests as one C call (services/worker/cpu/decode_step.py).
         Call before `pack_for_cpu`: the step keeps the row-major weights, which costs their
@@ -325,9 +359,7 @@ class DecoderForCausalLM(nn.Module):
         `max_extra_bytes`; also off where it does not apply (not CPU, tensor or pipeline
         parallel, another dtype, no C compiler, a layer it does not implement: routed experts,
         whole-projection q/k norms, clipped q/k/v)."""
-        if (not CpuOps.supports(next(self.parameters())) or get_tp().size > 1
-                or not (self.is_first_stage and self.is_last_stage)
-                or self.spec.moe is not None or self.spec.full_qk_norm or getattr(self.config, "clip_qkv", None)):
+        if not self._c_step_applies():
             return False
         extra = CpuDecodeStep.plain_weight_bytes(self)
         if extra > max_extra_bytes:
