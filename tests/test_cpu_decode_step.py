@@ -4,6 +4,7 @@ packed_step.c for more) against the eager forward."""
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from isa_levels import levels_here
 
 from services.worker.attention.base import AttentionMetadata, forward_context
-from services.worker.cpu.decode_step import CpuDecodeStep, PackedDecodeStep, load_packed_library
+from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_packed_library
 from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm
 from services.worker.model_runner import ModelRunner
 
@@ -22,12 +23,12 @@ BLOCK = 16
 NUM_BLOCKS = 12 * 40 + 1  # room for 40 requests of up to 12 blocks
 
 
-def _packed_step_or_skip(runner: ModelRunner) -> PackedDecodeStep:
+def _packed_step_or_skip(runner: ModelRunner) -> PackedStep:
     """The runner's packed step; a CPU without AVX-512 has no packed GEMM for it to run on."""
     step = runner.model.packed_step
     if step is None and PanelGemm.load() is None:
         pytest.skip("no AVX-512: the linear layers keep oneDNN and there is no packed step")
-    assert isinstance(step, PackedDecodeStep)
+    assert isinstance(step, PackedStep)
     return step
 
 
@@ -51,42 +52,56 @@ def _forward(runner: ModelRunner, ids: torch.Tensor, ctx: np.ndarray, num_new: n
         return hidden, runner.model.compute_logits(hidden)
 
 
+def _decodes(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` requests of 5 .. 184 cached tokens (ragged blocks), one new token each."""
+    return np.array([5 + (23 * i) % 180 for i in range(rows)]), np.ones(rows, np.int64)
+
+
+# Steps of prefill chunks, alone and among decodes: (cached tokens, new tokens) per request.
+MIXED = [
+    (np.array([0, 20, 40]), np.array([37, 16, 5])),  # first and later chunks; one shorter than a tile
+    (np.array([30, 7, 100, 64, 5, 0, 50, 9, 120, 3]), np.array([1, 1, 1, 1, 1, 1, 1, 1, 33, 70])),
+    (np.array([0]), np.array([150])),
+]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["small", "packed"])
-def test_decode_step_matches_the_eager_forward(tiny_model_dir, arch: str, dtype: str, kind: str) -> None:
-    """After eager prefills of different lengths, one decode token per request through the C
-    step and through the eager layers: the same final hidden states, logits and cached K/V
-    (llama: tied head; qwen2: q/k/v biases, untied head; qwen3: q/k norms). `small`: the
-    row-major step at 1, 3 and its most rows; `packed`: the packed-weight step from one row more
-    than that up to 40 rows."""
+@pytest.mark.parametrize("kind", ["small", "packed-decode", "packed-mixed"])
+def test_c_steps_match_the_eager_forward(tiny_model_dir, arch: str, dtype: str, kind: str) -> None:
+    """After eager prefills of different lengths, one step through the C step and through the
+    eager layers: the same final hidden states, logits and cached K/V (llama: tied head; qwen2:
+    q/k/v biases, untied head; qwen3: q/k norms). `small`: the row-major decode step at 1, 3 and
+    its most rows; `packed-decode`: the packed step on decodes of one row more than that up to 40
+    rows; `packed-mixed`: on prefill chunks, alone and among decodes."""
     runner = ModelRunner(tiny_model_dir(arch), dtype=dtype, seed=0)
     runner.init_kv_cache(NUM_BLOCKS, BLOCK)
     small = runner.model.decode_step
     assert isinstance(small, CpuDecodeStep)
     if kind == "small":
-        step, row_counts = small, sorted({1, 3, small.max_rows})
+        step, cases = small, [_decodes(rows) for rows in sorted({1, 3, small.max_rows})]
     else:
         step = _packed_step_or_skip(runner)
-        row_counts = [small.max_rows + 1, 13, 40]
-        assert step.rows().start == small.max_rows + 1
+        cases = [_decodes(rows) for rows in (small.max_rows + 1, 13, 40)] if kind == "packed-decode" else MIXED
     gen = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
     calls: list[int] = []
     original = step.forward
     step.forward = lambda *a: calls.append(1) or original(*a)
-    for rows in row_counts:
-        ctx = np.array([5 + (23 * i) % 180 for i in range(rows)])  # 5 .. 181 cached tokens, ragged blocks
-        _forward(runner, torch.randint(0, vocab, (int(ctx.sum()),), generator=gen), np.zeros(rows, np.int64), ctx)
-        ids = torch.randint(0, vocab, (rows,), generator=gen)
-        one = np.ones(rows, np.int64)
+    steps = runner.model.decode_step, runner.model.packed_step
+    for ctx, num_new in cases:
+        # the cached tokens (a placeholder token where there are none: the step overwrites it)
+        setup = np.maximum(ctx, 1)
+        _forward(runner, torch.randint(0, vocab, (int(setup.sum()),), generator=gen), np.zeros(len(ctx), np.int64),
+                 setup)
+        ids = torch.randint(0, vocab, (int(num_new.sum()),), generator=gen)
         before = len(calls)
-        got_hidden, got_logits = _forward(runner, ids, ctx, one)
+        got_hidden, got_logits = _forward(runner, ids, ctx, num_new)
         assert len(calls) == before + 1
         caches = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]
         runner.model.decode_step = runner.model.packed_step = None
-        want_hidden, want_logits = _forward(runner, ids, ctx, one)
-        runner.model.decode_step, runner.model.packed_step = small, None if kind == "small" else step
+        want_hidden, want_logits = _forward(runner, ids, ctx, num_new)
+        runner.model.decode_step, runner.model.packed_step = steps
         # Both sides sum in fp32 in their own order (this kernel's lanes, oneDNN's blocking, which
         # differs between AVX2, AVX-512 and AMX machines): bounds relative to each tensor's scale,
         # ~10x what was observed (fp32: 5.5e-5 of hidden values up to 30).
@@ -111,7 +126,9 @@ def test_decode_step_matches_the_eager_forward(tiny_model_dir, arch: str, dtype:
                                        atol=tol[1] * float(want_cache.abs().max()))
 
 
-def test_each_step_takes_only_its_all_decode_batches(tiny_model_dir) -> None:
+def test_each_step_takes_its_batches(tiny_model_dir) -> None:
+    """The small step takes decodes of at most its rows; the packed step every other step up to
+    its token budget; the eager layers the rest."""
     runner = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0)
     runner.init_kv_cache(NUM_BLOCKS, BLOCK)
     model = runner.model
@@ -123,10 +140,11 @@ def test_each_step_takes_only_its_all_decode_batches(tiny_model_dir) -> None:
     assert chosen(np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)) is small
     assert chosen(np.full(small.max_rows + 1, 3), np.ones(small.max_rows + 1, np.int64)) is packed
     assert chosen(np.full(40, 3), np.ones(40, np.int64)) is packed
-    assert not packed.applies(_meta(runner, np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)))
-    assert chosen(np.array([3, 0]), np.array([1, 4])) is None  # a prefill among them
-    assert chosen(np.array([3]), np.array([2])) is None  # two new tokens (drafts)
-    assert chosen(np.full(12, 3), np.full(12, 2)) is None
+    assert chosen(np.array([3, 0]), np.array([1, 4])) is packed  # a prefill among them
+    assert chosen(np.array([3]), np.array([2])) is packed  # two new tokens (drafts)
+    # at and beyond its token budget (only the sizes matter to the choice)
+    assert model.c_step_for(SimpleNamespace(num_tokens=packed.max_tokens, max_query_len=64)) is packed
+    assert model.c_step_for(SimpleNamespace(num_tokens=packed.max_tokens + 1, max_query_len=64)) is None
 
 
 def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, monkeypatch) -> None:

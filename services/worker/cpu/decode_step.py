@@ -45,16 +45,13 @@ class _StepModel(ctypes.Structure):
                 ("layers", _P), ("kv", _P), ("final_norm", _P), ("cos", _P), ("sin", _P)]
 
 
-_STEP_ARGS = [_P, _I, _P, _P, _P, _P, _I64, _P, _P, _I]
-
-
 def load_library() -> ctypes.CDLL:
     """decode_step.c (a fixed AVX2 level: see cbuild)."""
     global _lib
     if _lib is None:
         lib = cbuild.build(_SOURCE, ["-ffp-contract=off"])
         lib.decode_step.restype = _I
-        lib.decode_step.argtypes = _STEP_ARGS
+        lib.decode_step.argtypes = [_P, _I, _P, _P, _P, _P, _I64, _P, _P, _I]
         lib.lm_head.restype = _I
         lib.lm_head.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
         lib.max_rows.restype = _I
@@ -67,10 +64,10 @@ def load_packed_library(level: str | None = None) -> ctypes.CDLL:
     if level not in _packed_libs:
         lib = cbuild.build(_PACKED_SOURCE, ["-ffp-contract=off"], highest=HIGHEST_ISA, level=level)
         lib.packed_step.restype = _I
-        lib.packed_step.argtypes = _STEP_ARGS
+        lib.packed_step.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _I]
         lib.packed_step_available.restype = _I
         lib.packed_step_available.argtypes = [_I]
-        lib.packed_step_max_rows.restype = _I
+        lib.packed_step_max_tokens.restype = _I
         _packed_libs[level] = lib
     return _packed_libs[level]
 
@@ -83,11 +80,8 @@ class _CStep:
     """What the two C steps share: the model description (`_StepModel`) over per-layer weight
     pointers, the KV cache bound by address, and the call."""
 
-    max_rows: int
-
-    def __init__(self, model: torch.nn.Module, fn, weights: list[list[torch.Tensor | None]]) -> None:
+    def __init__(self, model: torch.nn.Module, weights: list[list[torch.Tensor | None]]) -> None:
         """weights: per layer, the tensors of LAYER_SLOTS in order (None where the model has none)."""
-        self._fn = fn
         layers = list(model._stage())
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         self.dtype = next(model.parameters()).dtype
@@ -125,30 +119,25 @@ class _CStep:
         self._model.kv = ctypes.addressof(self._kv_ptrs)
         self._model.block_size = int(caches[0].shape[2])
 
-    def rows(self) -> range:
-        """How many requests a step of this kernel may carry."""
-        return range(1, self.max_rows + 1)
-
     def applies(self, meta: AttentionMetadata) -> bool:
-        """A step of `rows()` requests, each bringing exactly one new token."""
-        return meta.max_query_len == 1 and meta.num_tokens in self.rows()
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x: [M, hidden] embeddings of the new tokens → [M, hidden], the final norm's output;
+        """x: [T, hidden] embeddings of the step's tokens → [T, hidden], the final norm's output;
         each token's K/V is written into the cache at meta.slot_mapping on the way."""
         self._bind_kv()
         x = x.contiguous()
         positions = positions.to(torch.int64).contiguous()
-        block_table = meta.block_table
-        assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+        assert meta.block_table.dtype == torch.int32 and meta.block_table.stride(-1) == 1
         assert meta.seq_lens.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
         out = torch.empty_like(x)
-        rc = self._fn(ctypes.addressof(self._model), x.shape[0], x.data_ptr(), positions.data_ptr(),
-                      meta.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-                      meta.seq_lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        rc = self._call(x, positions, meta, out)
         if rc != 0:
             raise MemoryError(f"cpu decode step failed ({rc})")
         return out
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> int:
+        raise NotImplementedError
 
 
 class CpuDecodeStep(_CStep):
@@ -167,13 +156,23 @@ class CpuDecodeStep(_CStep):
             # row-major weights.
             weights.append([t.detach().contiguous() if (t := slots[name]) is not None else None
                             for name in LAYER_SLOTS])
-        super().__init__(model, lib.decode_step, weights)
+        super().__init__(model, weights)
         # Up to these many rows the step beats the eager forward (SmolLM2, 2 threads, AVX-512
         # EPYC, forward + LM head): fp32 1.47x at 1 row, 1.45x at 4, 1.05x at 8; bf16 2.2x at 1,
         # 1.3x at 4, even at 8, where AVX2 FMAs on widened bf16 catch up with oneDNN's bf16
         # dot products (the projections stop being bound by the weights' bytes).
         self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
         self.head_weight = (model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight).detach()
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        """A step of at most `max_rows` requests, each bringing exactly one new token."""
+        return meta.max_query_len == 1 and 0 < meta.num_tokens <= self.max_rows
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> int:
+        bt = meta.block_table
+        return self.lib.decode_step(ctypes.addressof(self._model), x.shape[0], x.data_ptr(), positions.data_ptr(),
+                                    meta.slot_mapping.data_ptr(), bt.data_ptr(), bt.stride(0),
+                                    meta.seq_lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
 
     @staticmethod
     def plain_weight_bytes(model: torch.nn.Module) -> int:
@@ -196,11 +195,11 @@ class CpuDecodeStep(_CStep):
         return out
 
 
-class PackedDecodeStep(_CStep):
-    """Runs the decode steps of more requests than `CpuDecodeStep` takes (`packed_step.c`) on the
-    weights the linear layers already hold packed for gemm.c: no copy of its own."""
+class PackedStep(_CStep):
+    """Runs whole steps (decodes, prefill chunks, or both; `packed_step.c`) on the weights the
+    linear layers already hold packed for gemm.c: no copy of its own."""
 
-    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, min_rows: int) -> None:
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
         weights = []
         for layer in model._stage():
             attn, mlp = layer.self_attn, layer.mlp
@@ -209,20 +208,31 @@ class PackedDecodeStep(_CStep):
                                  ("down", mlp.down_proj)):
                 slots[name], slots[f"{name}_bias"] = linear.packed, linear.bias
             weights.append([slots[name] for name in LAYER_SLOTS])
-        super().__init__(model, lib.packed_step, weights)
-        self.min_rows = min_rows
-        self.max_rows = int(lib.packed_step_max_rows())
+        super().__init__(model, weights)
+        self.lib = lib
+        self.max_tokens = int(lib.packed_step_max_tokens())
 
     @staticmethod
     def supports(model: torch.nn.Module, lib: ctypes.CDLL) -> bool:
-        """Every projection of every layer is packed for gemm.c, in a dtype this build runs."""
+        """Every projection of every layer is packed for gemm.c, in a dtype this build runs, and
+        the head size suits the prefill tiles (a multiple of 8)."""
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16) or not lib.packed_step_available(int(dtype == torch.bfloat16)):
             return False
-        return all(getattr(linear, "gemm", None) is not None
-                   for layer in model._stage()
-                   for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                  layer.mlp.down_proj))
+        layers = list(model._stage())
+        return layers[0].self_attn.head_dim % 8 == 0 and all(
+            getattr(linear, "gemm", None) is not None
+            for layer in layers
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj))
 
-    def rows(self) -> range:
-        return range(self.min_rows, self.max_rows + 1)
+    def applies(self, meta: AttentionMetadata) -> bool:
+        """Any step of at most `max_tokens` tokens."""
+        return 0 < meta.num_tokens <= self.max_tokens
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> int:
+        bt = meta.block_table
+        return self.lib.packed_step(ctypes.addressof(self._model), x.shape[0], bt.shape[0], x.data_ptr(),
+                                    positions.data_ptr(), meta.slot_mapping.data_ptr(),
+                                    meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), bt.data_ptr(),
+                                    bt.stride(0), out.data_ptr(), torch.get_num_threads())

@@ -29,8 +29,6 @@
 #include "gemm_tile.h"
 #include "threads.h"
 
-#define M_CHUNK 96 /* rows per unit of work: a unit is (block, chunk of rows) */
-
 /* Whether this build has the GEMM for fp32 (bf16 = 0) or bf16 (bf16 = 1). */
 int gemm_available(int bf16) { return tile_available(bf16); }
 
@@ -48,49 +46,20 @@ void gemm_pack(const void *W, void *packed, int N, int K, int bf16) {
             }
 }
 
-#ifdef __AVX512F__
-static void rows_f32(const void *x, const void *packed, const void *bias, void *y, int K, int N, int b, int m0,
-                     int m1, const char *next) {
-    rows_of_block(x, packed, bias, y, K, N, b, m0, m1, next, 0);
-}
-
-#ifdef __AVX512BF16__
-static void rows_bf16(const void *x, const void *packed, const void *bias, void *y, int K, int N, int b, int m0,
-                      int m1, const char *next) {
-    rows_of_block(x, packed, bias, y, K, N, b, m0, m1, next, 1);
-}
-#endif
-#endif
-
 /* y = x . W^T (+ bias): x [M, K] and y [M, N] contiguous in the layer's dtype (fp32, or bf16 with
- * K even), packed from gemm_pack, bias [N] or NULL. Units (block, chunk of M_CHUNK rows) in
- * block-major order, a contiguous range per thread, so each thread's next unit is usually the
- * next block, which it prefetches. */
+ * K even), packed from gemm_pack, bias [N] or NULL; the work split over the threads as
+ * gemm_share says. */
 void gemm(const void *x, const void *packed, const void *bias, void *y, int M, int K, int N, int bf16,
           int num_threads) {
 #ifdef __AVX512F__
-    void (*rows)(const void *, const void *, const void *, void *, int, int, int, int, int, const char *) = rows_f32;
-#ifdef __AVX512BF16__
-    if (bf16) rows = rows_bf16;
-#else
+#ifndef __AVX512BF16__
     if (bf16) return; /* gemm_available(1) said no */
 #endif
-    const int nb = N / NB, chunks = (M + M_CHUNK - 1) / M_CHUNK, units = nb * chunks;
-    const int64_t block_bytes = (int64_t)K * NB * (bf16 ? 2 : 4);
+    const int units = N / NB * ((M + M_CHUNK - 1) / M_CHUNK);
     if (num_threads > units) num_threads = units;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
-    {
-        const int t = thread_id(), n = team_size();
-        const int u0 = (int)((int64_t)units * t / n), u1 = (int)((int64_t)units * (t + 1) / n);
-        for (int u = u0; u < u1; u++) {
-            const int b = u / chunks, c = u % chunks;
-            const int m0 = c * M_CHUNK, m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
-            /* the next unit's block, when it is another one */
-            const char *next = u + 1 < u1 && (u + 1) / chunks != b ? (const char *)packed + (b + 1) * block_bytes : NULL;
-            rows(x, packed, bias, y, K, N, b, m0, m1, next);
-        }
-    }
+    gemm_share(x, packed, bias, y, M, K, N, bf16, thread_id(), team_size());
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)bf16, (void)num_threads;
 #endif

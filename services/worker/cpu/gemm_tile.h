@@ -96,6 +96,42 @@ static inline __attribute__((always_inline)) void rows_of_block(const void *x, c
     default: break;
     }
 }
+
+/* rows_of_block for each dtype, not inlined (one copy each, called per unit) */
+static void rows_f32(const void *x, const void *packed, const void *bias, void *y, int K, int N, int b, int m0,
+                     int m1, const char *next) {
+    rows_of_block(x, packed, bias, y, K, N, b, m0, m1, next, 0);
+}
+
+#ifdef __AVX512BF16__
+static void rows_bf16(const void *x, const void *packed, const void *bias, void *y, int K, int N, int b, int m0,
+                      int m1, const char *next) {
+    rows_of_block(x, packed, bias, y, K, N, b, m0, m1, next, 1);
+}
+#endif
+
+#define M_CHUNK 96 /* rows per unit of work: a unit is (block, chunk of rows) */
+
+/* Thread t of n's share of y = x . W^T (+ bias) (gemm()'s arguments): units (block, chunk of
+ * M_CHUNK rows) in block-major order, a contiguous range per thread, so each thread's next unit
+ * is usually the next block, which it prefetches. */
+static inline void gemm_share(const void *x, const void *packed, const void *bias, void *y, int M, int K, int N,
+                              int bf16, int t, int n) {
+    void (*rows)(const void *, const void *, const void *, void *, int, int, int, int, int, const char *) = rows_f32;
+#ifdef __AVX512BF16__
+    if (bf16) rows = rows_bf16;
+#endif
+    const int chunks = (M + M_CHUNK - 1) / M_CHUNK, units = N / NB * chunks;
+    const int64_t block_bytes = (int64_t)K * NB * (bf16 ? 2 : 4);
+    const int u0 = (int)((int64_t)units * t / n), u1 = (int)((int64_t)units * (t + 1) / n);
+    for (int u = u0; u < u1; u++) {
+        const int b = u / chunks, c = u % chunks;
+        const int m0 = c * M_CHUNK, m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
+        /* the next unit's block, when it is another one */
+        const char *next = u + 1 < u1 && (u + 1) / chunks != b ? (const char *)packed + (b + 1) * block_bytes : NULL;
+        rows(x, packed, bias, y, K, N, b, m0, m1, next);
+    }
+}
 #endif
 
 #endif

@@ -21,7 +21,7 @@ from torch import nn
 
 from services.worker.attention.base import AttentionLayer, AttentionMetadata, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
-from services.worker.cpu.decode_step import CpuDecodeStep, PackedDecodeStep, load_library, load_packed_library
+from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_library, load_packed_library
 from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps
 from services.worker.models.moe import MoeSpec, SparseMoeBlock
 from services.worker.parallel import (
@@ -269,10 +269,10 @@ class DecoderForCausalLM(nn.Module):
         self.tied_head: nn.Module | None = None
         # The fused CPU elementwise ops, when `use_cpu_ops` enabled them (else torch's).
         self.cpu_ops: FusedCpuOps | None = None
-        # Small decode steps as one C call, when `use_cpu_decode_step` enabled it; larger ones,
+        # Small decode steps as one C call, when `use_cpu_decode_step` enabled it; other steps,
         # when `use_cpu_packed_step` did.
         self.decode_step: CpuDecodeStep | None = None
-        self.packed_step: PackedDecodeStep | None = None
+        self.packed_step: PackedStep | None = None
 
     def _stage(self) -> Iterable[DecoderLayer]:
         return self.layers[self.layer_range.start:self.layer_range.stop]
@@ -321,8 +321,9 @@ class DecoderForCausalLM(nn.Module):
         self.cpu_ops = FusedCpuOps(ops) if ops is not None else None
         return self.cpu_ops is not None
 
-    def c_step_for(self, meta: AttentionMetadata) -> CpuDecodeStep | PackedDecodeStep | None:
-        """The C step that runs this batch's whole decoder, or None: the eager layers do."""
+    def c_step_for(self, meta: AttentionMetadata) -> CpuDecodeStep | PackedStep | None:
+        """The C step that runs this batch's whole decoder, or None: the eager layers do. The small
+        decode step first: for the few requests it takes it beats the packed one."""
         return next((step for step in (self.decode_step, self.packed_step)
                      if step is not None and step.applies(meta)), None)
 
@@ -335,10 +336,10 @@ class DecoderForCausalLM(nn.Module):
                 and not self.spec.full_qk_norm and not getattr(self.config, "clip_qkv", None))
 
     def use_cpu_packed_step(self) -> bool:
-        """Run decode steps of more requests than the small step takes as one C call on the packed
-        weights (services/worker/cpu/packed_step.c). Call after `pack_for_cpu` and
-        `use_cpu_decode_step`; off where the C steps do not apply or a projection is not packed
-        for gemm.c (no AVX-512, another dtype)."""
+        """Run steps the small decode step does not take (more requests, prefill chunks) as one C
+        call on the packed weights (services/worker/cpu/packed_step.c). Call after `pack_for_cpu`;
+        off where the C steps do not apply or a projection is not packed for gemm.c (no AVX-512,
+        another dtype)."""
         if not self._c_step_applies():
             return False
         try:
@@ -346,10 +347,9 @@ class DecoderForCausalLM(nn.Module):
         except (RuntimeError, OSError) as e:
             logger.warning("cpu packed decode step unavailable (%s); larger decode steps run layer by layer", e)
             return False
-        if not PackedDecodeStep.supports(self, lib):
+        if not PackedStep.supports(self, lib):
             return False
-        min_rows = self.decode_step.max_rows + 1 if self.decode_step is not None else 1
-        self.packed_step = PackedDecodeStep(self, lib, min_rows)
+        self.packed_step = PackedStep(self, lib)
         return True
 
     def use_cpu_decode_step(self, max_extra_bytes: int) -> bool:
