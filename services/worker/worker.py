@@ -53,6 +53,10 @@ class Worker:
             self.info.config.CopyFrom(c)
             return self.info
         started = time.monotonic()
+        if self.runner is not None:  # another model: the old one's objects must be collectable again
+            self.runner = None
+            gc.unfreeze()
+            gc.collect()
         self.runner = ModelRunner(
             model.model, dtype=model.dtype or "auto", seed=model.seed, max_num_seqs=max_num_seqs,
             max_model_len=model.max_model_len or None, attention_backend=model.attention_backend or None,
@@ -69,6 +73,12 @@ class Worker:
         self.info = pb.ModelInfo(model=model.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
                                  eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
                                  device=r.device.type, attention_backend=r.attn_backend.name, config=c)
+        # What loading built (~360,000 objects for SmolLM2: modules, tokenizer tables) lives as long
+        # as the model: out of the collector's sight, so that a full pass during serving does not
+        # walk it (215 ms with it, 36 ms frozen, on the 2-core EPYC: a step's worth of stall).
+        # vLLM's engine core freezes its start-up heap the same way.
+        gc.collect()
+        gc.freeze()
         logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s", model.model,
                        time.monotonic() - started, self.info.dtype, self.info.device, self.info.attention_backend)
         return self.info
@@ -98,6 +108,7 @@ class Worker:
         `LLM` closed in a long-lived process; ParallelWorkers stops its rank processes here)."""
         self.runner = None
         self.info = None
+        gc.unfreeze()  # load_model froze them
         gc.collect()  # the model's modules refer to each other: free them now, not at some later pass
         release_freed_memory()
 
