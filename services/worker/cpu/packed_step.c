@@ -35,9 +35,9 @@ int packed_step_available(int bf16) { return tile_available(bf16); }
 int packed_step_max_tokens(void) { return MAX_TOKENS; }
 
 /* A unit of attention work: request b; q0 < 0 for a decode (one query token), else the first
- * query token of a prefill tile; KV head kh. */
+ * query token of a prefill tile; KV heads [kh, kh + nkh). */
 typedef struct {
-    int b, q0, kh;
+    int b, q0, kh, nkh;
 } Unit;
 
 /* T tokens of B requests: request b's tokens are rows [query_start[b], query_start[b + 1]) of x
@@ -57,12 +57,19 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
     const int G = NH / KVH, QKV = (NH + 2 * KVH) * D, bf16 = md->bf16;
     const size_t es = bf16 ? 2 : 4;
     if (nthreads < 1) nthreads = 1;
-    int max_len = 0, num_units = 0;
+    int max_len = 0, num_decodes = 0, num_tiles = 0;
     for (int b = 0; b < B; b++) {
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
         const int q_len = query_start[b + 1] - query_start[b];
-        num_units += KVH * (q_len == 1 ? 1 : (q_len + QT - 1) / QT);
+        if (q_len == 1)
+            num_decodes++;
+        else
+            num_tiles += (q_len + QT - 1) / QT;
     }
+    /* a decode unit: a whole request when there are a few per thread (a cached token's K/V of
+     * every head are one contiguous row), a single KV head otherwise (as paged_decode splits) */
+    const int decode_heads = num_decodes >= 4 * nthreads ? KVH : 1;
+    const int num_units = KVH * num_tiles + num_decodes * (KVH / decode_heads);
     /* units: prefill tiles first, each chunk's later tiles (more keys) first, then the decodes,
      * so that the dynamic schedule ends evenly */
     Unit *units = malloc(sizeof(Unit) * (size_t)num_units);
@@ -71,15 +78,16 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
     for (int b = 0; b < B; b++) {
         const int q_len = query_start[b + 1] - query_start[b];
         for (int q0 = q_len == 1 ? -QT : ((q_len + QT - 1) / QT - 1) * QT; q0 >= 0; q0 -= QT)
-            for (int kh = 0; kh < KVH; kh++) units[n++] = (Unit){b, q0, kh};
+            for (int kh = 0; kh < KVH; kh++) units[n++] = (Unit){b, q0, kh, 1};
     }
     for (int b = 0; b < B; b++)
         if (query_start[b + 1] - query_start[b] == 1)
-            for (int kh = 0; kh < KVH; kh++) units[n++] = (Unit){b, -1, kh};
+            for (int kh = 0; kh < KVH; kh += decode_heads) units[n++] = (Unit){b, -1, kh, decode_heads};
 
     /* per thread, fp32: attention scratch, a decode unit's (scores, accumulators, q rows, a
      * widened cache row) or a prefill unit's, whichever is larger */
-    const size_t decode_scratch = (size_t)G * max_len + 2 * (size_t)G * D + (size_t)KVH * D + 16;
+    const size_t unit_heads = (size_t)G * decode_heads;
+    const size_t decode_scratch = unit_heads * max_len + 2 * unit_heads * D + (size_t)KVH * D + 16;
     const size_t prefill_scratch = prefill_scratch_floats(G, D);
     const size_t per_thread = decode_scratch > prefill_scratch ? decode_scratch : prefill_scratch;
     const StepBuffers buf = step_buffers(md, T, x, per_thread, nthreads);
@@ -98,8 +106,8 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
         const int tid = thread_id(), nth = team_size();
         float *mine = thread_scratch(scratch, per_thread);
         /* decode units' scratch */
-        float *scores = mine, *acc = scores + (size_t)G * max_len, *qrows = acc + (size_t)G * D;
-        float *tmp = qrows + (size_t)G * D;
+        float *scores = mine, *acc = scores + unit_heads * max_len, *qrows = acc + unit_heads * D;
+        float *tmp = qrows + unit_heads * D;
         /* prefill units' scratch */
         const size_t R = (size_t)G * QT;
         float *qs = mine, *kt = qs + R * D, *vt = kt + (size_t)D * KT, *s = vt + (size_t)KT * D, *o = s + R * KT;
@@ -143,9 +151,10 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
                 const Unit un = units[u];
                 const int row0 = query_start[un.b];
                 if (un.q0 < 0) {
-                    load_f32(qkv, (int64_t)row0 * QKV + (int64_t)un.kh * G * D, G * D, bf16, qrows);
-                    attend(&da, un.b, un.kh, un.kh + 1, qrows, scores, acc, tmp);
-                    store_from_f32(att, (int64_t)row0 * NH * D + (int64_t)un.kh * G * D, G * D, bf16, acc);
+                    const int nq = un.nkh * G * D;
+                    load_f32(qkv, (int64_t)row0 * QKV + (int64_t)un.kh * G * D, nq, bf16, qrows);
+                    attend(&da, un.b, un.kh, un.kh + un.nkh, qrows, scores, acc, tmp);
+                    store_from_f32(att, (int64_t)row0 * NH * D + (int64_t)un.kh * G * D, nq, bf16, acc);
                 } else {
                     const int q_len = query_start[un.b + 1] - row0;
                     prefill(&pa, block_table + (int64_t)un.b * bt_stride, row0, q_len, seq_lens[un.b] - q_len, un.q0,
