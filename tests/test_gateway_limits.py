@@ -72,6 +72,14 @@ def test_beyond_the_limit_and_its_queue_is_a_429_with_retry_after(smollm2_dir: s
         assert_error(response, 429, code="too_many_requests", error_type="rate_limit_error",
                      message_has=("--max-concurrent-requests 1",))
         assert response.headers["retry-after"] == "1"
+        # The Responses and Messages routes share the limit; Anthropic's clients get its error shape.
+        responses = httpx.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "hi"}, timeout=10)
+        assert_error(responses, 429, code="too_many_requests", error_type="rate_limit_error")
+        messages = httpx.post(f"{gw.url}/v1/messages", timeout=10, json={
+            "model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+        assert messages.status_code == 429 and messages.headers["retry-after"] == "1"
+        assert messages.json() == {"type": "error", "error": {"type": "rate_limit_error",
+                                                              "message": messages.json()["error"]["message"]}}
         assert httpx.get(f"{gw.url}/v1/models").status_code == 200  # only generation is limited
         fake.running.set()
         assert running.result().status_code == 200 and queued.result().status_code == 200

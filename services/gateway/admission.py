@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.errors import OpenAIError, error_response
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 RETRY_AFTER_S = 1
 
 
@@ -91,7 +91,7 @@ class AdmissionMiddleware:
         try:
             await self.controller.acquire()
         except OpenAIError as e:
-            response = error_response(e)
+            response = error_response(e, scope["path"])
             if e.status_code == HTTPStatus.TOO_MANY_REQUESTS:
                 response.headers["Retry-After"] = str(RETRY_AFTER_S)
             await response(scope, receive, send)

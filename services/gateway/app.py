@@ -33,9 +33,13 @@ from services.gateway.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from services.gateway.protocol_anthropic import CountTokensRequest, CountTokensResponse, MessagesRequest
+from services.gateway.protocol_responses import ResponsesRequest
 from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
+from services.gateway.serving_messages import count_tokens, create_message
+from services.gateway.serving_responses import ResponseStore, create_response
 from services.sdk.client import SchedulerUnavailable
 from services.text.tokenizer import Tokenizer, load_chat_template
 
@@ -97,6 +101,22 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_ctx(request), body, request)
+
+    # OpenAI's Responses API; previous_response_id reads this app's in-memory store.
+    app.state.responses = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(_ctx(request), request.app.state.responses, body, request)
+
+    # Anthropic's Messages API (its errors in Anthropic's shape: errors.error_body).
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(_ctx(request), body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest, request: Request) -> CountTokensResponse:
+        return await count_tokens(_ctx(request), body)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> ModelList:

@@ -34,7 +34,7 @@ class BodySizeLimitMiddleware:
         error = OpenAIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                             f"Request body too large: {size} bytes exceeds the limit of {self.max_body_bytes} bytes",
                             code="request_too_large")
-        response = error_response(error)
+        response = error_response(error, scope["path"])
         response.headers["connection"] = "close"
         await response(scope, receive, send)
 

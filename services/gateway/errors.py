@@ -1,7 +1,9 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
 
 Every failure the gateway reports, including FastAPI's own validation errors (422 by
-default) and unknown routes, goes out in this shape so OpenAI clients can parse it.
+default) and unknown routes, goes out in this shape so OpenAI clients can parse it; on the
+Anthropic Messages routes (/v1/messages...) the same error, same status, goes out in
+Anthropic's shape (`error_body` is the one place that picks).
 """
 
 from __future__ import annotations
@@ -98,8 +100,37 @@ def as_openai_error(error: Exception) -> OpenAIError:
                        type="server_error")
 
 
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code)
+# Anthropic's error types by HTTP status (its clients pick their exception class by status;
+# the type tells humans and logs what went wrong). Other 4xx: invalid_request_error, 5xx: api_error.
+_ANTHROPIC_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.FORBIDDEN: "permission_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "request_too_large",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_error_body(error: OpenAIError) -> dict[str, Any]:
+    """`error` in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = _ANTHROPIC_ERROR_TYPES.get(error.status_code,
+                                      "api_error" if error.status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_body(error: OpenAIError, path: str | None = None) -> dict[str, Any]:
+    """The body for `error` on a request to `path`: Anthropic's shape on the Messages API
+    routes (its clients cannot parse OpenAI's), OpenAI's everywhere else."""
+    if path is not None and (path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")):
+        return anthropic_error_body(error)
+    return error.to_dict()
+
+
+def error_response(error: OpenAIError, path: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error, path), status_code=error.status_code)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
@@ -147,7 +178,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), request.scope["path"])
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -155,10 +186,10 @@ def install_error_handlers(app: FastAPI) -> None:
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
         error = OpenAIError(exc.status_code, str(exc.detail or status.phrase), type=error_type, code=code)
-        return error_response(error)
+        return error_response(error, request.scope["path"])
 
     async def _on_known_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(as_openai_error(exc))
+        return error_response(as_openai_error(exc), request.scope["path"])
 
     for known in (OpenAIError, SamplingParamsError, SchedulerUnavailable, RequestRejected, MigrationFailed):
         app.add_exception_handler(known, _on_known_error)

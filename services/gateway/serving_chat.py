@@ -7,6 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 
 from fastapi.responses import Response
 from starlette.requests import Request
@@ -54,13 +55,36 @@ def _num_top_logprobs(request: ChatCompletionRequest) -> int | None:
 async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionRequest,
                                  http_request: Request | None = None) -> Response:
     arrival_time = time.monotonic()
+    chat = await prepare_chat(ctx, request)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    deltas = await start_chat(ctx, request, chat, request_id, http_request, arrival_time)
+    writer = _ChatWriter(ctx, request, request_id, chat.prompt.token_ids, chat.num_top, chat.tools)
+    if request.stream:
+        return sse_response(writer.stream(deltas, chat.params.n))
+    return json_response(await writer.collect(deltas, chat.params.n))
+
+
+@dataclass
+class PreparedChat:
+    """A chat request ready for the engine (what `prepare_chat` made of it)."""
+
+    prompt: EnginePrompt
+    params: SamplingParams
+    sampling: pb.SamplingParams
+    tools: ToolPlan | None
+    num_top: int | None  # the engine's logprobs setting (None: off)
+
+
+async def prepare_chat(ctx: GatewayContext, request: ChatCompletionRequest) -> PreparedChat:
+    """Everything a chat request needs before the engine: its checks (a 400 / 404 naming what
+    is wrong), its tool plan and output constraint, the chat template and the sampling params.
+    Shared by the OpenAI and Anthropic routes, so both render and sample alike."""
     ctx.check_model(request.model)
     if (field := request.unsupported_field()) is not None:
         raise unsupported(field)
     num_top = _num_top_logprobs(request)
     check_prompt_logprobs_not_streamed(request)
-    ctx.limits.check_messages(request.messages)
-    ctx.limits.check_tools(request.tools)
+    _check_limits(ctx, request)
     ctx.limits.check_stop(request.stop)
     # Parsing a schema can take a while (xgrammar): off the event loop.
     tools, structured_outputs = await asyncio.to_thread(_constraints, request, ctx.tools)
@@ -68,23 +92,43 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
     # The chat template, tokenizing and the bad words' tokens: in the tokenizer pool.
     prompt, (params, sampling) = await ctx.in_tokenizer_pool(
         _prompt_and_sampling, ctx, request, tools, structured_outputs, num_top, max_model_len)
+    return PreparedChat(prompt, params, sampling, tools, num_top)
 
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = fan_out(request_id, [PromptSampling(prompt.token_ids, params, sampling)], ctx.tokenizer,
-                      request.priority, request.cache_salt or "")
-    deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
-    writer = _ChatWriter(ctx, request, request_id, prompt.token_ids, num_top, tools)
-    if request.stream:
-        return sse_response(writer.stream(deltas, params.n))
-    return json_response(await writer.collect(deltas, params.n))
+
+async def render_chat_request(ctx: GatewayContext, request: ChatCompletionRequest) -> EnginePrompt:
+    """The prompt a chat request would run with (its tools shown as they would be), without
+    running it: what token counting reports."""
+    ctx.check_model(request.model)
+    _check_limits(ctx, request)
+    tools = await asyncio.to_thread(plan_tools, request, ctx.tools)
+    max_model_len = await ctx.max_model_len()
+    return await ctx.in_tokenizer_pool(_render_prompt, ctx, request, tools, max_model_len)
+
+
+async def start_chat(ctx: GatewayContext, request: ChatCompletionRequest, chat: PreparedChat, request_id: str,
+                     http_request: Request | None, arrival_time: float) -> AsyncGenerator[ChoiceDelta, None]:
+    """Submit a prepared chat request's choices to a replica; its merged stream of deltas."""
+    choices = fan_out(request_id, [PromptSampling(chat.prompt.token_ids, chat.params, chat.sampling)],
+                      ctx.tokenizer, request.priority, request.cache_salt or "")
+    return await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
+
+
+def _check_limits(ctx: GatewayContext, request: ChatCompletionRequest) -> None:
+    ctx.limits.check_messages(request.messages)
+    ctx.limits.check_tools(request.tools)
+
+
+def _render_prompt(ctx: GatewayContext, request: ChatCompletionRequest, tools: ToolPlan | None,
+                   max_model_len: int) -> EnginePrompt:
+    return chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
+                       request.continue_final_message, request.chat_template_kwargs,
+                       tools.tools if tools is not None else None, bound=ctx.prompt_bound(max_model_len))
 
 
 def _prompt_and_sampling(ctx: GatewayContext, request: ChatCompletionRequest, tools: ToolPlan | None,
                          structured_outputs: StructuredOutputsParams | None, num_top: int | None,
                          max_model_len: int) -> tuple[EnginePrompt, tuple[SamplingParams, pb.SamplingParams]]:
-    prompt = chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
-                         request.continue_final_message, request.chat_template_kwargs,
-                         tools.tools if tools is not None else None, bound=ctx.prompt_bound(max_model_len))
+    prompt = _render_prompt(ctx, request, tools, max_model_len)
     requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     check_context_length(requested, len(prompt.token_ids), max_model_len, "messages")
     return prompt, build_sampling_params(request, ctx.tokenizer, requested, num_top,
@@ -104,6 +148,18 @@ def _constraints(request: ChatCompletionRequest,
                                   param="tool_choice")
         structured_outputs = tools.structured_outputs
     return tools, structured_outputs
+
+
+def stream_piece(parser: ToolCallParser | None, delta: ChoiceDelta) -> StreamPiece:
+    """What one delta of a choice shows: its text, or what its tool-call parser (if any) makes
+    of it, held-back text included once the choice has finished."""
+    if parser is None:
+        return StreamPiece(content=delta.text)
+    piece = parser.feed(delta.text)
+    if delta.finish_reason:
+        rest = parser.finish()
+        piece = StreamPiece(piece.content + rest.content, piece.tool_calls + rest.tool_calls)
+    return piece
 
 
 class _ChatWriter:
@@ -149,14 +205,7 @@ class _ChatWriter:
         return AssistantMessage(content=extracted.content, tool_calls=extracted.tool_calls)
 
     def _stream_piece(self, delta: ChoiceDelta) -> StreamPiece:
-        parser = self._parser(delta.index)
-        if parser is None:
-            return StreamPiece(content=delta.text)
-        piece = parser.feed(delta.text)
-        if delta.finish_reason:
-            rest = parser.finish()
-            piece = StreamPiece(piece.content + rest.content, piece.tool_calls + rest.tool_calls)
-        return piece
+        return stream_piece(self._parser(delta.index), delta)
 
     def _usage(self) -> UsageInfo:
         return UsageInfo(prompt_tokens=self._num_prompt_tokens, completion_tokens=self._num_completion_tokens,
