@@ -65,6 +65,29 @@ def test_completions_greedy_equals_offline_generate(client, offline):
     assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
 
 
+def test_responses_and_messages_greedy_equal_offline_chat(client, offline, mesh):
+    """The Responses and Anthropic Messages APIs run the chat path: through the official clients,
+    the same greedy reply as the offline chat, whole and streamed."""
+    import anthropic
+
+    expected = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    response = client.responses.create(model=_model(client), input=QUESTION[0]["content"], temperature=0,
+                                       max_output_tokens=24)
+    assert response.output_text == expected.text and response.usage.output_tokens == len(expected.token_ids)
+    with client.responses.stream(model=_model(client), input=QUESTION[0]["content"], temperature=0,
+                                 max_output_tokens=24) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected.text
+    claude = anthropic.Anthropic(base_url=mesh.base_url, api_key="none", max_retries=0)
+    message = claude.messages.create(model=_model(client), max_tokens=24, messages=QUESTION,
+                                     extra_body={"temperature": 0})
+    assert message.content[0].text == expected.text
+    assert message.stop_reason == ("max_tokens" if expected.finish_reason == "length" else "end_turn")
+    with claude.messages.stream(model=_model(client), max_tokens=24, messages=QUESTION,
+                                extra_body={"temperature": 0}) as stream:
+        assert "".join(stream.text_stream) == expected.text
+
+
 def test_prompt_logprobs_through_the_mesh_equal_offline(client, offline, mesh):
     """echo + logprobs (OpenAI) and vLLM's prompt_logprobs field, for completions and chat."""
     prompt = "The three primary colours are"
@@ -157,12 +180,14 @@ def _bound_generation(body: object) -> None:
     # CPU, past the call's deadline), so both are bounded too; a limit of another type is left for the
     # gateway to refuse.
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        keys = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # (the last: /v1/responses)
+        for key in keys:
             value = body.get(key)
             if value is None and key in body or isinstance(value, (int, float)) and value > FUZZ_MAX_TOKENS:
                 body[key] = FUZZ_MAX_TOKENS
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
+        if not any(key in body for key in keys):
             body["max_tokens"] = FUZZ_MAX_TOKENS
+            body["max_output_tokens"] = FUZZ_MAX_TOKENS
 
 
 def test_schemathesis_fuzz_of_every_operation_leaves_the_mesh_healthy_and_idle(mesh):
@@ -188,7 +213,8 @@ def test_schemathesis_fuzz_of_every_operation_leaves_the_mesh_healthy_and_idle(m
 
         call()
     operations = {c.rsplit(" ", 1)[0] for c in calls}
-    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= operations, operations
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages"} <= \
+        operations, operations
     assert any(c.startswith("POST /v1/chat/completions") and c.endswith(" 200") for c in calls)  # some got through
     assert httpx.get(f"{mesh.base_url}/health", timeout=10).status_code == 200
     deadline = time.monotonic() + 30
