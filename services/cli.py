@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     from services.bench import cli as bench_cli
 
     bench_cli.add_subcommand(sub, add_engine_args)
+
+    from services.deploy import cli as deploy_cli
+
+    deploy_cli.add_subcommand(sub)
     return parser
 
 

