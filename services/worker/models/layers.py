@@ -22,7 +22,7 @@ from torch import nn
 from services.worker.attention.base import AttentionLayer, AttentionMetadata, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
 from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_library, load_packed_library
-from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps
+from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps, TritonOps
 from services.worker.models.moe import MoeSpec, SparseMoeBlock
 from services.worker.parallel import (
     all_gather_last_dim,
@@ -267,8 +267,9 @@ class DecoderForCausalLM(nn.Module):
                                           _plain_rope_scaling(config))
         # The LM head over the tied embedding table, when `pack_for_cpu` gave it a packed copy.
         self.tied_head: nn.Module | None = None
-        # The fused CPU elementwise ops, when `use_cpu_ops` enabled them (else torch's).
-        self.cpu_ops: FusedCpuOps | None = None
+        # The fused elementwise ops (C on CPU, Triton on CUDA), when `use_fused_ops` enabled them
+        # (else torch's).
+        self.fused_ops: FusedCpuOps | TritonOps | None = None
         # Small decode steps as one C call, when `use_cpu_decode_step` enabled it; other steps,
         # when `use_cpu_packed_step` did.
         self.decode_step: CpuDecodeStep | None = None
@@ -301,7 +302,7 @@ class DecoderForCausalLM(nn.Module):
             if step is not None:
                 return step.forward(x, positions, meta)
         # torch.compile traces the torch ops (it fuses them itself).
-        ops = self.cpu_ops if self.cpu_ops is not None and not torch.compiler.is_compiling() else TORCH_OPS
+        ops = self.fused_ops if self.fused_ops is not None and not torch.compiler.is_compiling() else TORCH_OPS
         rope_state = ops.rope_state(self.rotary_emb, positions, x.dtype)
         # An in-place backend writes the residual stream: never into a tensor we were handed.
         h, residual = (x.clone() if ops.in_place and not self.is_first_stage else x), None
@@ -313,13 +314,31 @@ class DecoderForCausalLM(nn.Module):
             return ops.add_rms_norm(h, residual, self.norm)[0]
         return residual + h  # the residual stream, which the next stage continues
 
+    @property
+    def cpu_ops(self) -> FusedCpuOps | None:
+        """The fused C ops, when they are this model's backend."""
+        return self.fused_ops if isinstance(self.fused_ops, FusedCpuOps) else None
+
+    def use_fused_ops(self) -> bool:
+        """Run the elementwise ops through fused kernels (models/layer_ops.py): the C ones on CPU,
+        the Triton ones on CUDA; False where neither applies (torch's ops run)."""
+        if next(self.parameters()).device.type == "cuda":
+            return self.use_triton_ops()
+        return self.use_cpu_ops()
+
     def use_cpu_ops(self) -> bool:
         """Run the elementwise ops through the fused C kernels (services/worker/cpu/cpu_ops.c);
         False where they do not apply (not on CPU, another dtype, no C compiler)."""
         param = next(self.parameters())
         ops = CpuOps.load() if CpuOps.supports(param) else None
-        self.cpu_ops = FusedCpuOps(ops) if ops is not None else None
-        return self.cpu_ops is not None
+        self.fused_ops = FusedCpuOps(ops) if ops is not None else None
+        return self.fused_ops is not None
+
+    def use_triton_ops(self) -> bool:
+        """Run the elementwise ops as Triton kernels (models/triton_ops.py); False where they do
+        not apply (not on CUDA, another dtype, no triton)."""
+        self.fused_ops = TritonOps() if TritonOps.supports(next(self.parameters())) else None
+        return self.fused_ops is not None
 
     def c_step_for(self, meta: AttentionMetadata) -> CpuDecodeStep | PackedStep | None:
         """The C step that runs this batch's whole decoder, or None: the eager layers do. The small
