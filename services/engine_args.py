@@ -19,7 +19,8 @@ from services.common.config import (
 )
 
 MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
-              "pipeline_parallel_size", "enable_expert_parallel", "data_parallel_size", "compile_model")
+              "pipeline_parallel_size", "enable_expert_parallel", "data_parallel_size", "compile_model", "runner",
+              "convert", "pooler_config")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
                    "speculative_config", "structured_outputs_compile_timeout")
@@ -38,6 +39,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "cpu", "triton"],
                    help="default: triton on CUDA, cpu (C decode kernel) on CPU; torch when cpu cannot be built")
+    p.add_argument("--runner", default="generate", choices=["generate", "pooling"],
+                   help="generate: sample tokens (default); pooling: embeddings only (/v1/embeddings, LLM.embed), "
+                        "prefix caching off")
+    p.add_argument("--convert", default=None, choices=["none", "embed"],
+                   help="how a causal LM runs under --runner pooling: embed (implied), its final-norm hidden states "
+                        "pooled")
+    p.add_argument("--pooler-config", default=None,
+                   help='the pooling runner\'s pooler, vLLM\'s JSON: \'{"pooling_type": "LAST"|"MEAN", '
+                        '"normalize": true}\' (default LAST, normalized)')
     add_parallel_args(p)
 
 

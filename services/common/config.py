@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.pooling_config import CONVERTS, RUNNERS, PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
 
@@ -158,10 +159,17 @@ class EngineConfig:
     # Seconds a constrained request's grammar may take to compile (a helper process runs the
     # compile and kills it past this); the request then ends with a 400.
     structured_outputs_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
+    # vLLM's runner: "generate" (sample tokens) or "pooling" (embeddings only). A causal LM runs
+    # pooling as convert "embed" (None: what the runner implies); pooler_config (vLLM's dict or
+    # its JSON text; None: LAST + normalize) says how its hidden states become one vector.
+    runner: str = "generate"
+    convert: str | None = None
+    pooler_config: PoolerConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = default_model_path()
+        self._apply_runner()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             self._check_speculation()
@@ -191,6 +199,33 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
         if self.expert_parallel_group:
             self._check_expert_parallel_group()
+
+    def _apply_runner(self) -> None:
+        """The pooling runner's rules, in one place (also run when a scheduler adopts its
+        worker's model part, which carries the runner)."""
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.convert is None:  # vLLM: a causal LM under the pooling runner is converted to embed
+            self.convert = "embed" if self.runner == "pooling" else "none"
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {CONVERTS}, got {self.convert!r}")
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.runner == "generate":
+            if self.convert != "none":
+                raise ValueError(f"convert {self.convert!r} (--convert) needs runner 'pooling' (--runner pooling)")
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config (--pooler-config) needs runner 'pooling' (--runner pooling)")
+            return
+        if self.convert != "embed":
+            raise ValueError("runner 'pooling' on a causal LM needs convert 'embed' (--convert embed; the default): "
+                             "the model has no pooling head of its own")
+        if self.pooler_config is None:
+            self.pooler_config = PoolerConfig()
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config does not combine with runner 'pooling' (nothing is decoded)")
+        # Prefix caching is off under the pooling runner: MEAN pooling needs every prompt token's
+        # hidden state, and a prefix-cache hit would skip computing them (vLLM turns it off too).
+        self.enable_prefix_caching = False
 
     @property
     def expert_parallel_group(self) -> bool:
@@ -239,7 +274,10 @@ class EngineConfig:
             model_config=pb.ModelConfig(model=self.model, dtype=self.dtype, seed=self.seed,
                                         max_model_len=self.max_model_len or 0,
                                         attention_backend=self.attention_backend or "",
-                                        compile_model=self.compile_model) if with_model_config else None,
+                                        compile_model=self.compile_model, runner=self.runner,
+                                        convert=self.convert,
+                                        pooler_config=self.pooler_config.to_proto() if self.pooler_config else None)
+            if with_model_config else None,
             cache_config=pb.CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                         num_gpu_blocks_override=self.num_gpu_blocks_override or 0,
                                         kv_cache_memory_bytes=self.kv_cache_memory_bytes or 0),
@@ -261,6 +299,8 @@ class EngineConfig:
         m, c, p, s = config.model_config, config.cache_config, config.parallel_config, config.scheduler_config
         return cls(model=m.model, dtype=m.dtype, seed=m.seed, max_model_len=m.max_model_len or None,
                    attention_backend=m.attention_backend or None, compile_model=m.compile_model,
+                   runner=m.runner or "generate", convert=m.convert or None,
+                   pooler_config=PoolerConfig.from_proto(m.pooler_config) if m.HasField("pooler_config") else None,
                    block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
                    num_gpu_blocks_override=c.num_gpu_blocks_override or None,
                    kv_cache_memory_bytes=c.kv_cache_memory_bytes or None,
@@ -279,6 +319,10 @@ class EngineConfig:
         self.max_model_len = model_config.max_model_len or None
         self.attention_backend = model_config.attention_backend or None
         self.compile_model = model_config.compile_model
+        self.runner, self.convert = model_config.runner or "generate", model_config.convert or None
+        self.pooler_config = PoolerConfig.from_proto(model_config.pooler_config) \
+            if model_config.HasField("pooler_config") else None
+        self._apply_runner()
 
     @property
     def steps_in_flight(self) -> int:

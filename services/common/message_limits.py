@@ -31,6 +31,9 @@ MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 128        # tokens in one bad-word sequence
 # A worker's error text is cut to this many characters before it is sent.
 MAX_ERROR_CHARS = 4096
+# The widest embedding the pooling runner sends (float32 values: a model's hidden size); a worker
+# refuses to run a wider model as a pooling model.
+MAX_POOLED_DIMENSIONS = 16384
 
 # The bytes one SchedulerOutput may take: the scheduler adds no further request to a step past
 # it. The first request of a step always goes (a configuration where one request's data could
@@ -77,13 +80,13 @@ def generate_request_bytes(max_model_len: int) -> int:
     """The largest legal ClientMessage a scheduler receives: a GenerateRequest whose prompt and
     resumed tokens stay under max_model_len, with the largest sampling parameters and ids."""
     return (4 * _FIELD + _INT * max_model_len + sampling_params_bytes() + _string_bytes(MAX_REQUEST_ID_CHARS)
-            + _string_bytes(MAX_CACHE_SALT_CHARS) + 2 * _ANY_INT)
+            + _string_bytes(MAX_CACHE_SALT_CHARS) + 2 * _ANY_INT + 2 * _FIELD + _INT)  # (+ pooling params)
 
 
 def new_request_bytes(request_id_chars: int, num_tokens: int, num_blocks: int, sampling_bytes: int) -> int:
     """A NewRequestData in a SchedulerOutput: the request's tokens, blocks and sampling."""
-    return (5 * _FIELD + 4 * request_id_chars + _INT * (num_tokens + num_blocks + 1) + sampling_bytes
-            + _INT)  # + its num_scheduled_tokens entry
+    return (6 * _FIELD + 4 * request_id_chars + _INT * (num_tokens + num_blocks + 2) + sampling_bytes
+            + _INT)  # + its num_scheduled_tokens entry (and its pooling params: one int)
 
 
 def cached_request_bytes(request_id_chars: int, num_ids: int) -> int:
@@ -113,7 +116,12 @@ def runner_output_bytes(max_num_seqs: int, max_num_batched_tokens: int, num_spec
     per_seq = (2 * _string_bytes(MAX_REQUEST_ID_CHARS) + tokens_per_seq * (2 * _INT + token_logprobs_bytes() + _FIELD)
                + 2 * _FIELD + 2 * _INT)
     prompt_logprobs = max_num_batched_tokens * (token_logprobs_bytes() + _FIELD)
-    return 8 * _FIELD + max_num_seqs * per_seq + prompt_logprobs + _string_bytes(MAX_ERROR_CHARS) + _ANY_INT
+    # A pooling engine's step instead: the embedding of every request whose prompt it completed
+    # (each has at least one token in the step). An engine runs one runner: the larger of the two.
+    pooled = min(max_num_seqs, max_num_batched_tokens) * (
+        _string_bytes(MAX_REQUEST_ID_CHARS) + 4 * MAX_POOLED_DIMENSIONS + 3 * _FIELD)
+    return (8 * _FIELD + max(max_num_seqs * per_seq + prompt_logprobs, pooled) + _string_bytes(MAX_ERROR_CHARS)
+            + 2 * _ANY_INT)
 
 
 def receive_limit(legal_bytes: int) -> int:

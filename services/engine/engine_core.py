@@ -7,9 +7,10 @@ worker (a direct call or a gRPC stream) is the caller's business.
 from __future__ import annotations
 
 from services.common.config import EngineConfig
+from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request
-from services.engine.request_limits import validate_generate_request
+from services.engine.request_limits import InvalidRequest, validate_generate_request
 from services.engine.scheduler import Scheduler
 from services.engine.structured_output import RequestGrammar, StructuredOutputManager
 
@@ -36,8 +37,16 @@ class EngineCore:
     def add_request(self, req: pb.GenerateRequest) -> None:
         """Queue a request; raises ValueError (InvalidRequest for a bad request) with a clear
         message if it cannot run."""
+        self._check_runner(req)
         validate_generate_request(req, self.model_info.vocab_size, self.max_model_len)
         prompt = list(req.prompt_token_ids)
+        if req.HasField("pooling"):
+            # A prompt-only request: no output tokens, so it holds KV for its prompt alone. Its
+            # sampling settings are ignored (never checked, never sent to the worker).
+            self.scheduler.add_request(Request(
+                req.request_id, prompt, pb.SamplingParams(), self.eos_token_ids, max_tokens=0, priority=req.priority,
+                cache_salt=req.cache_salt, pooling_params=req.pooling))
+            return
         # Absent: vLLM's default, whatever context the prompt leaves.
         room = self.max_model_len - len(prompt)
         max_tokens = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else room
@@ -51,6 +60,19 @@ class EngineCore:
             # request waits for it, the batch does not).
             request.grammar = self.structured_output.grammar_for(req.sampling.structured_outputs)
         self.scheduler.add_request(request)
+
+    def _check_runner(self, req: pb.GenerateRequest) -> None:
+        """A pooling engine serves embedding requests only, a generate engine none (vLLM's rule);
+        `dimensions` only where the model allows them."""
+        pooling = self.config.runner == "pooling"
+        if req.HasField("pooling") != pooling:
+            raise InvalidRequest(POOLING_ONLY_MESSAGE if pooling else GENERATE_ONLY_MESSAGE)
+        if pooling:
+            info = self.model_info
+            error = dimensions_error(req.pooling.dimensions, info.hidden_size, info.is_matryoshka,
+                                     list(info.matryoshka_dimensions))
+            if error is not None:
+                raise InvalidRequest(error)
 
     def _check_resumed(self, resumed: list[int], max_tokens: int) -> None:
         """A migrated request must still have something left to generate."""
@@ -104,7 +126,7 @@ class EngineCore:
         info = self.model_info
         return pb.Stats(max_model_len=self.max_model_len, model=self.config.model, block_size=self.config.block_size,
                         num_steps=self.num_steps, dtype=info.dtype, attention_backend=info.attention_backend,
-                        max_num_seqs=self.config.max_num_seqs,
+                        max_num_seqs=self.config.max_num_seqs, runner=self.config.runner,
                         max_num_batched_tokens=self.config.max_num_batched_tokens,
                         grammar_compiles=self.structured_output.num_compiles,
                         grammar_compile_seconds=self.structured_output.compile_seconds,

@@ -48,6 +48,7 @@ class Request:
         cache_salt: str = "",
         arrival_time: float | None = None,
         resumed_output_token_ids: list[int] | None = None,
+        pooling_params: pb.PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -84,11 +85,19 @@ class Request:
         self.prompt_logprobs_sent = False
         # Structured outputs: the request's grammar and matcher (None: unconstrained).
         self.grammar: RequestGrammar | None = None
+        # Pooling runner (vLLM's pooling_params): an embedding request. It is scheduled like a
+        # prompt-only request and finishes (blocks freed) when the step that completes its prompt
+        # returns its pooler output; it never samples.
+        self.pooling_params = pooling_params
 
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Whether every prompt position must still be computed (no prefix-cache hits)."""
         return self.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def num_tokens(self) -> int:

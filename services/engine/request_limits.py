@@ -68,6 +68,13 @@ def validate_generate_request(req: pb.GenerateRequest, vocab_size: int, max_mode
         raise InvalidRequest(f"cache_salt has {len(req.cache_salt)} characters, at most {MAX_CACHE_SALT_CHARS}")
     if not req.prompt_token_ids:
         raise InvalidRequest("prompt must contain at least one token")
+    if req.HasField("pooling"):  # an embedding request generates nothing: the prompt may fill the context
+        if len(req.prompt_token_ids) > max_model_len:
+            raise InvalidRequest(f"prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_model_len}")
+        if req.resumed_output_token_ids:
+            raise InvalidRequest("a pooling request has no output tokens to resume")
+        _check_token_ids("prompt", req.prompt_token_ids, vocab_size)
+        return
     if len(req.prompt_token_ids) >= max_model_len:
         raise InvalidRequest(f"prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_model_len} "
                              "(the prompt must leave room for at least one generated token)")

@@ -103,7 +103,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_tokens >= self.max_model_len:
+        # (An embedding request generates nothing: its prompt may fill the context.)
+        if request.num_tokens > self.max_model_len or (request.num_tokens == self.max_model_len
+                                                        and not request.is_pooling):
             raise ValueError(
                 f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}")
         # A request that could not finish even with the whole pool to itself would preempt
@@ -431,6 +433,7 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 output_token_ids=request.output_token_ids,
+                pooling=request.pooling_params,
             ))
             num_scheduled.append(num_new)
             self.worker_known.add(request.request_id)
@@ -459,7 +462,7 @@ class Scheduler:
         lagging = any(r.grammar is not None and r.num_output_placeholders for r, _ in scheduled)
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
-            if self.async_scheduling and \
+            if self.async_scheduling and not request.is_pooling and \
                     request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we do not know yet
         self._attach_bitmask(out, scheduled, lagging)
@@ -501,6 +504,7 @@ class Scheduler:
     ) -> list[pb.RequestOutput]:
         """Append sampled tokens, check token-level stops, free finished requests."""
         outputs: list[pb.RequestOutput] = self.take_failed_outputs()
+        outputs += self._finish_pooled(runner_output.pooler_output)
         self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         logprobs = runner_output.logprobs
         # Speculative decoding: a request may produce several tokens (accepted drafts + one).
@@ -552,6 +556,22 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
             outputs.append(out)
+        return outputs
+
+    def _finish_pooled(self, pooler_output) -> list[pb.RequestOutput]:
+        """Pooling requests whose prompt the step completed: each ends ("stop") with its
+        embedding, and its blocks are freed (vLLM: a pooler output finishes the request)."""
+        outputs = []
+        for pooled in pooler_output:
+            request = self.requests.get(pooled.request_id)
+            if request is None or not request.is_pooling or request.status != RequestStatus.RUNNING \
+                    or request.num_computed_tokens < request.num_tokens:
+                continue  # aborted (or preempted) while the step ran
+            outputs.append(pb.RequestOutput(request_id=request.request_id, finish_reason="stop", stop_token_id=-1,
+                                            num_prompt_tokens=request.num_prompt_tokens,
+                                            pooled_output=pooled.embedding))
+            self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def _gather_prompt_logprobs(self, chunks) -> None:

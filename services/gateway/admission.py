@@ -18,7 +18,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.errors import OpenAIError, error_response
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+# Embeddings share the generation admission: one slot per HTTP request (its inputs are bounded by
+# --max-choices-per-request), since they take the same engine's batch slots and KV blocks.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                              "/v1/embeddings"})
 RETRY_AFTER_S = 1
 
 

@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
 
 from services.gateway.admission import AdmissionController, AdmissionMiddleware
 from services.gateway.auth import ApiKeyMiddleware
@@ -34,14 +36,18 @@ from services.gateway.protocol import (
     TokenizeResponse,
 )
 from services.gateway.protocol_anthropic import CountTokensRequest, CountTokensResponse, MessagesRequest
+from services.gateway.protocol_embeddings import EmbeddingRequest
 from services.gateway.protocol_responses import ResponsesRequest
 from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
+from services.gateway.serving_embeddings import create_embedding
 from services.gateway.serving_messages import count_tokens, create_message
 from services.gateway.serving_responses import ResponseStore, create_response
 from services.sdk.client import SchedulerUnavailable
 from services.text.tokenizer import Tokenizer, load_chat_template
+
+STATIC_DIR = Path(__file__).with_name("static")  # the playground page at /
 
 
 def _ctx(request: Request) -> GatewayContext:
@@ -102,6 +108,11 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_ctx(request), body, request)
 
+    # Embeddings: an engine started with --runner pooling (else a 400 naming the flag).
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(_ctx(request), body, request)
+
     # OpenAI's Responses API; previous_response_id reads this app's in-memory store.
     app.state.responses = ResponseStore()
 
@@ -144,6 +155,14 @@ def create_app(
         ctx = _ctx(request)
         stats = await ctx.router.stats()  # None when no scheduler answers: still the gateway's own histograms
         return PlainTextResponse(ctx.metrics.render(stats, ctx.router.routed), media_type=METRICS_CONTENT_TYPE)
+
+    # The playground page (static/: plain HTML/CSS/JS). Outside /v1, so --api-key does not guard
+    # it: the page asks for the key and sends it on its own /v1 calls.
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import ParamSpec, TypeVar
 
+from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE
 from services.gateway.errors import OpenAIError, invalid_request
 from services.gateway.limits import RequestLimits
 from services.gateway.metrics import GatewayMetrics
@@ -54,6 +55,7 @@ class GatewayContext:
         self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
         self.metrics = GatewayMetrics(self.served_model_name)
         self._max_model_len: int | None = None
+        self._runner = "generate"  # the engine's runner, learnt with max_model_len (Stats.runner)
 
     async def max_model_len(self) -> int:
         """The engine's context limit; raises `SchedulerUnavailable` while it is unknown
@@ -62,9 +64,18 @@ class GatewayContext:
             stats = await self.router.any_client().get_stats()
             if stats.max_model_len <= 0:
                 raise SchedulerUnavailable("the scheduler has not reported max_model_len yet")
+            self._runner = stats.runner or "generate"
             self._max_model_len = stats.max_model_len
             self.metrics.set_max_model_len(stats.max_model_len)
         return self._max_model_len
+
+    async def require_runner(self, runner: str) -> None:
+        """A 400 unless the engine runs `runner` (vLLM's rule: a pooling model serves embeddings
+        only, a generate model no embeddings); the engine refuses the same requests itself."""
+        await self.max_model_len()
+        if self._runner != runner:
+            raise invalid_request(POOLING_ONLY_MESSAGE if self._runner == "pooling" else GENERATE_ONLY_MESSAGE,
+                                  param="model" if runner == "generate" else None)
 
     async def in_tokenizer_pool(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """`fn(*args, **kwargs)` in the tokenizer pool; what it raises (e.g. a 400) is raised here."""

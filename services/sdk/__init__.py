@@ -10,15 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from services.common.pooling_config import PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
 from services.sdk.client import AsyncClient, Client, RequestRejected, SchedulerUnavailable
-from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
+from services.sdk.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 
 if TYPE_CHECKING:
     from services.sdk.llm import LLM, EngineFault
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput",
            "AsyncClient", "Client", "RequestRejected", "SchedulerUnavailable", "EngineFault"]
 _LAZY = {"LLM": "services.sdk.llm", "EngineFault": "services.sdk.llm"}
 

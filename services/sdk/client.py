@@ -234,6 +234,7 @@ class AsyncClient:
         cache_salt: str = "",
         resumed_output_token_ids: list[int] | None = None,
         dp_wave: int = 0,
+        pooling: pb.PoolingParams | None = None,
     ) -> AsyncGenerator[pb.RequestOutput, None]:
         """Submit one request and yield its `RequestOutput`s as engine steps produce them.
 
@@ -243,6 +244,8 @@ class AsyncClient:
         scheduler refuses the request. `resumed_output_token_ids` (request migration): the
         tokens this request already generated elsewhere; only tokens after them come back.
         `dp_wave`: the expert-parallel group's wave the sender last saw (services/common/dp_wave.py).
+        `pooling`: an embedding request (a pooling engine; `sampling_params` is ignored): one output,
+        its `pooled_output` the embedding.
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = sampling_params.to_proto()
@@ -260,6 +263,7 @@ class AsyncClient:
             cache_salt=cache_salt,
             resumed_output_token_ids=resumed_output_token_ids or [],
             dp_wave=dp_wave,
+            pooling=pooling,
         )))
         finished = False
         try:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from services.common.config import EngineConfig
+from services.common.pooling_config import PoolingParams
 from services.common.proto import myvllm_pb2 as pb
 from services.common.rendezvous import RendezvousStore
 from services.common.sampling_params import SamplingParams, sampling_for_choice
@@ -27,7 +29,7 @@ from services.engine.engine_core import EngineCore
 from services.engine.step_loop import StepLoop
 from services.engine.worker_setup import set_up_workers
 from services.sdk.local_workers import LocalWorkers
-from services.sdk.outputs import CompletionOutput, Logprob, RequestOutput
+from services.sdk.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from services.text.output_processor import ChoiceOutputProcessor
 from services.text.tokenizer import Tokenizer
 from services.worker.rank_workers import ParallelWorkers, make_workers
@@ -163,6 +165,37 @@ class LLM:
         self._run(children, results, use_tqdm)
         return results
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of the prompts (an LLM built with runner="pooling"), in input order, through the
+        same engine loop as `generate`: each prompt one prompt-only request, pooled by the worker."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        pooling = (pooling_params or PoolingParams()).to_proto()
+        results: dict[str, EmbeddingRequestOutput] = {}
+        per_engine = [e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines]
+        try:
+            for prompt in prompts:
+                text, token_ids = self._tokenize_prompt(prompt)
+                rid = str(next(self._ids))
+                engine = min(range(len(self.engines)), key=per_engine.__getitem__)  # the least loaded
+                self.engines[engine].add_request(pb.GenerateRequest(request_id=rid, prompt_token_ids=token_ids,
+                                                                    pooling=pooling))
+                per_engine[engine] += 1
+                results[rid] = EmbeddingRequestOutput(rid, token_ids, EmbeddingOutput([]), False, text)
+        except BaseException:
+            self._abort(list(results))
+            raise
+
+        def handle(out: pb.RequestOutput) -> bool:
+            result = results[out.request_id]
+            result.outputs.embedding = np.frombuffer(out.pooled_output, dtype="<f4").tolist()
+            result.finished = bool(out.finish_reason)
+            return result.finished
+
+        self._drive(set(results), handle, use_tqdm)
+        return list(results.values())
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -213,24 +246,31 @@ class LLM:
         raise TypeError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
     def _run(self, children: dict, results: list[RequestOutput], use_tqdm: bool) -> None:
-        pending = set(children)
+        def handle(out: pb.RequestOutput) -> bool:
+            result, child, processor = children[out.request_id]
+            self._append(child, processor, out)
+            if processor.index == 0:
+                result.num_cached_tokens = out.num_cached_tokens
+                if result.prompt_logprobs == [] and out.new_token_ids:  # asked for, not yet filled
+                    result.prompt_logprobs = [None] + [
+                        _logprob_entry(token_id, lp)
+                        for token_id, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs, strict=True)]
+            if child.finish_reason is not None and not out.finish_reason:
+                self._abort([out.request_id])  # a stop string ended it: free its blocks now
+            return child.finish_reason is not None
+
+        self._drive(set(children), handle, use_tqdm)
+        for result in results:
+            result.finished = True
+
+    def _drive(self, pending: set[str], on_output: Callable[[pb.RequestOutput], bool], use_tqdm: bool) -> None:
+        """Run engine steps until every request in `pending` has finished; `on_output` takes each of
+        their outputs and says whether it finished the request."""
         bar = tqdm(total=len(pending), desc="Processed prompts", disable=not use_tqdm or len(pending) < 2)
 
         def emit(outputs: list[pb.RequestOutput]) -> None:
             for out in outputs:
-                if out.request_id not in pending:
-                    continue
-                result, child, processor = children[out.request_id]
-                self._append(child, processor, out)
-                if processor.index == 0:
-                    result.num_cached_tokens = out.num_cached_tokens
-                    if result.prompt_logprobs == [] and out.new_token_ids:  # asked for, not yet filled
-                        result.prompt_logprobs = [None] + [
-                            _logprob_entry(token_id, lp)
-                            for token_id, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs, strict=True)]
-                if child.finish_reason is not None:
-                    if not out.finish_reason:  # a stop string ended it: free its blocks now
-                        self._abort([out.request_id])
+                if out.request_id in pending and on_output(out):
                     pending.discard(out.request_id)
                     bar.update(1)
 
@@ -251,8 +291,6 @@ class LLM:
             raise
         finally:
             bar.close()
-        for result in results:
-            result.finished = True
 
     async def _steps(self, steps: StepLoop, pending: set[str]) -> None:
         """Run engine steps until every request of the call has finished. A step that fails

@@ -37,3 +37,23 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing before it),
     # then {token id: Logprob} holding the prompt token and the top-k alternatives.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`: one prompt's embedding (`outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    prompt: str | None = None

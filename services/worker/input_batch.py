@@ -49,6 +49,10 @@ class InputBatch:
         self.row_req_ids: list[str | None] = [None] * max_num_reqs
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.prompt_logprob_rows: set[int] = set()  # rows whose requests asked for prompt logprobs
+        # Pooling runner: rows of pooling requests (they sample nothing; pooled when the prompt is
+        # done) and the dimensions each asked for (0 = all).
+        self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
+        self.pooling_dimensions = np.zeros(max_num_reqs, dtype=np.int64)
         self.version = 0  # bumped whenever membership changes (invalidates cached metadata)
         self.seed = seed
 
@@ -79,6 +83,8 @@ class InputBatch:
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.num_spec[row] = 0
         self.sampling[row] = data.sampling
+        self.is_pooling[row] = data.HasField("pooling")
+        self.pooling_dimensions[row] = data.pooling.dimensions
         if data.sampling.HasField("seed"):
             # A request's own generator: seeded outputs do not depend on the batch around them.
             gen = torch.Generator()

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from services.common.config import check_model_dir
+from services.common.message_limits import MAX_POOLED_DIMENSIONS
+from services.common.pooling_config import PoolerConfig, matryoshka_of
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.attention.selector import get_attention_backend
@@ -38,12 +40,13 @@ from services.worker.parallel import (
     send_to_next_stage,
     threads_per_rank,
 )
+from services.worker.pooler import Pooler, pooler_outputs
 from services.worker.sampler import Sampler, gather_logprobs
 from services.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from services.worker.spec_decode.factory import make_proposer
 from services.worker.spec_decode.proposer import SpecProposer
 from services.worker.spec_decode.verifier import verify_drafts
-from services.worker.step_validation import validate_step
+from services.worker.step_validation import PoolingLimits, validate_step
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class ModelRunner:
                  distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,
                  pipeline_parallel_size: int = 1, speculative_config: pb.SpeculativeConfig | None = None,
                  enable_expert_parallel: bool = False, data_parallel_rank: int = 0,
-                 data_parallel_size: int = 1) -> None:
+                 data_parallel_size: int = 1, pooler_config: PoolerConfig | None = None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Data-parallel engines join one process group only as an expert-parallel group.
         dp_size = data_parallel_size if enable_expert_parallel else 1
@@ -132,6 +135,16 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or model_max, model_max)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config)
         self.attn_backend = get_attention_backend(attention_backend, self.device)
+        # Pooling runner (pooler_config set): every request is pooled after the final norm, none
+        # sampled; the per-row pooling state lives with the persistent batch (reset_batch).
+        self.pooler_config = pooler_config
+        self.pooler: Pooler | None = None
+        if pooler_config is not None and int(self.config.hidden_size) > MAX_POOLED_DIMENSIONS:
+            raise ValueError(f"{model_dir}: hidden size {self.config.hidden_size} is wider than the "
+                             f"{MAX_POOLED_DIMENSIONS} values an embedding may carry (runner pooling)")
+        self.is_matryoshka, self.matryoshka_dimensions = matryoshka_of(self.config)
+        self.pooling_limits = PoolingLimits(int(self.config.hidden_size), self.is_matryoshka,
+                                            tuple(self.matryoshka_dimensions)) if pooler_config else None
         self.input_batch: InputBatch | None = None
         self.block_size = 0
         self.num_kv_blocks = 0
@@ -148,9 +161,9 @@ class ModelRunner:
                 self.model.use_cpu_decode_step(_available_ram_bytes() // 10)
             if self.model.pack_for_cpu() and c_steps:
                 self.model.use_cpu_packed_step()  # on the packed weights: after packing
-            # Outside a compiled graph (inductor fuses these itself) the elementwise ops go
-            # through the fused C kernels.
-            self.model.use_cpu_ops()
+        # Outside a compiled graph (inductor fuses these itself) the elementwise ops go through
+        # fused kernels: C on the CPU, Triton on CUDA (models/layer_ops.py).
+        self.model.use_fused_ops()
         # CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain here.
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and compile_model:
@@ -262,6 +275,8 @@ class ModelRunner:
     def reset_batch(self) -> None:
         """Forget every request (a new scheduler stream starts from scratch)."""
         self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size, self.seed)
+        if self.pooler_config is not None:
+            self.pooler = Pooler(self.pooler_config, self.max_num_seqs, int(self.config.hidden_size), self.device)
         self._sampling_cache = None
         self._pending_sends.clear()
         self._pending = None
@@ -273,7 +288,11 @@ class ModelRunner:
         for rid in so.finished_request_ids:
             batch.remove(rid)
         rows = [batch.add(r) for r in so.new_requests]
-        self.sampler.add_requests(rows, list(so.new_requests))  # penalty counts / prompt masks of new rows
+        if self.pooler is not None:
+            for row in rows:
+                self.pooler.start_row(row)
+        else:
+            self.sampler.add_requests(rows, list(so.new_requests))  # penalty counts / prompt masks of new rows
         rows += [batch.update(r) for r in so.cached_requests]
         return np.array(rows, dtype=np.int64)
 
@@ -296,7 +315,7 @@ class ModelRunner:
         block_table = batch.block_table[rows, :max_blocks]
         # Requests that caught up with their known tokens sample; partial prefills do not. A row
         # verifying d drafts needs logits at its last d + 1 positions.
-        samples = seq_lens >= batch.num_tokens[rows]
+        samples = (seq_lens >= batch.num_tokens[rows]) & ~batch.is_pooling[rows]  # pooling rows never sample
         num_logits = np.where(samples, batch.num_spec[rows] + 1, 0)
         logits_indices = (np.repeat(cu_num_tokens - num_logits, num_logits) + np.arange(num_logits.sum())
                           - np.repeat(np.cumsum(num_logits) - num_logits, num_logits))
@@ -371,7 +390,8 @@ class ModelRunner:
         constrained rows' bitmask needs the previous step's tokens) stops before sampling and
         returns None; the next message, `grammar_bitmask_only` with the same step id, brings
         the bitmask and gets the step's output."""
-        validate_step(so, self.input_batch, self.num_kv_blocks, self.vocab_size)  # before anything is applied
+        validate_step(so, self.input_batch, self.num_kv_blocks, self.vocab_size,  # before anything is applied
+                      self.pooling_limits)
         if so.grammar_bitmask_only:
             pending, self._pending = self._pending, None
             if pending is None or pending[0].step_id != so.step_id:
@@ -399,12 +419,25 @@ class ModelRunner:
         if not self.pp.is_last:
             self._send_to_next_stage(hidden)
             return out  # the last stage samples and answers for the step
+        if self.pooler is not None:  # the pooling runner: pool, and skip the LM head (nothing samples)
+            self._pool(out, hidden, rows, num_scheduled, meta)
+            return out
         out.prompt_logprobs.extend(self._prompt_logprobs(rows, num_scheduled, meta, hidden))
         logits = self.model.compute_logits(hidden.index_select(0, logits_indices)) if logits_indices.numel() else None
         if so.grammar_bitmask_follows:
             self._pending = (out, logits, rows[samples])
             return None
         return self._sample(out, logits, rows[samples], so)
+
+    def _pool(self, out: pb.ModelRunnerOutput, hidden: torch.Tensor, rows: np.ndarray, num_scheduled: np.ndarray,
+              meta: AttentionMetadata) -> None:
+        """Fold this step's final-norm hidden states into each pooling row's state; the requests
+        whose prompt this step completed answer with their embedding (vLLM's pooler_output)."""
+        batch = self.input_batch
+        done = batch.num_computed_tokens[rows] >= batch.num_prompt_tokens[rows]  # (already advanced)
+        embeddings = self.pooler.pool(hidden, rows, num_scheduled, meta.query_start_loc_np, batch.is_pooling[rows],
+                                      done, batch.num_prompt_tokens[rows], batch.pooling_dimensions[rows])
+        out.pooler_output.extend(pooler_outputs([batch.row_req_ids[r] for r in rows.tolist()], embeddings))
 
     def _sample(self, out: pb.ModelRunnerOutput, logits: torch.Tensor | None, sample_rows: np.ndarray,
                 so: pb.SchedulerOutput) -> pb.ModelRunnerOutput:

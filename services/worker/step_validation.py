@@ -14,8 +14,11 @@ lists are checked with numpy's min/max.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from services.common.pooling_config import dimensions_error
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.input_batch import InputBatch
 
@@ -48,8 +51,39 @@ def _check_sampling(field: str, sampling: pb.SamplingParams, vocab_size: int) ->
         raise InvalidStep(f"{field}.prompt_logprobs", f"{sampling.prompt_logprobs} outside [0, {vocab_size}]")
 
 
-def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int, vocab_size: int) -> None:
-    """Raise `InvalidStep` unless applying `so` to `batch` keeps every index in bounds."""
+@dataclass(frozen=True)
+class PoolingLimits:
+    """What a pooling worker accepts of a pooling request (None where the worker runs the
+    generate runner: no request may pool)."""
+
+    hidden_size: int
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
+
+
+def _check_pooling(field: str, r: pb.NewRequestData, pooling: PoolingLimits | None) -> None:
+    """A pooling request only on a pooling worker (and every request there pools), starting from
+    nothing computed (its MEAN sum starts empty: there is no prefix cache under pooling) with no
+    outputs, and asking only for dimensions the model allows."""
+    if not r.HasField("pooling"):
+        if pooling is not None:
+            raise InvalidStep(f"{field}.pooling", "this worker runs the pooling runner: every request must pool")
+        return
+    if pooling is None:
+        raise InvalidStep(f"{field}.pooling", "this worker runs the generate runner: no request may pool")
+    if r.num_computed_tokens != 0 or r.output_token_ids:
+        raise InvalidStep(f"{field}.num_computed_tokens", "a pooling request starts with nothing computed and no "
+                                                          "output tokens")
+    error = dimensions_error(r.pooling.dimensions, pooling.hidden_size, pooling.is_matryoshka,
+                             pooling.matryoshka_dimensions)
+    if error is not None:
+        raise InvalidStep(f"{field}.pooling", error)
+
+
+def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int, vocab_size: int,
+                  pooling: PoolingLimits | None = None) -> None:
+    """Raise `InvalidStep` unless applying `so` to `batch` keeps every index in bounds (and, on a
+    pooling worker (`pooling`), every pooling request is one it can pool)."""
     if so.grammar_bitmask_only:
         if so.new_requests or so.cached_requests or so.num_scheduled_tokens:
             raise InvalidStep("grammar_bitmask_only", "a bitmask-only message schedules nothing")
@@ -87,6 +121,7 @@ def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int,
                               f"tokens [{r.num_computed_tokens}, {end}) outside the request's {n} tokens "
                               f"or its {len(r.block_ids)} blocks of {bs}")
         _check_sampling(f"{field}.sampling", r.sampling, vocab_size)
+        _check_pooling(field, r, pooling)
 
     seen: set[str] = set()
     offset = len(so.new_requests)

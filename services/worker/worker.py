@@ -10,6 +10,7 @@ import gc
 import logging
 import time
 
+from services.common.pooling_config import PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.cpu.malloc_tuning import release_freed_memory
 from services.worker.model_runner import ModelRunner
@@ -67,12 +68,15 @@ class Worker:
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             enable_expert_parallel=parallel.enable_expert_parallel,
             data_parallel_rank=req.data_parallel_rank, data_parallel_size=parallel.data_parallel_size or 1,
-            speculative_config=c.speculative_config if c.HasField("speculative_config") else None)
+            speculative_config=c.speculative_config if c.HasField("speculative_config") else None,
+            pooler_config=PoolerConfig.from_proto(model.pooler_config) if model.runner == "pooling" else None)
         r = self.runner
         self._loaded_key = weights_key(req)
         self.info = pb.ModelInfo(model=model.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
                                  eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
-                                 device=r.device.type, attention_backend=r.attn_backend.name, config=c)
+                                 device=r.device.type, attention_backend=r.attn_backend.name, config=c,
+                                 hidden_size=int(r.config.hidden_size), is_matryoshka=r.is_matryoshka,
+                                 matryoshka_dimensions=r.matryoshka_dimensions)
         # What loading built (~360,000 objects for SmolLM2: modules, tokenizer tables) lives as long
         # as the model: out of the collector's sight, so that a full pass during serving does not
         # walk it (215 ms with it, 36 ms frozen, on the 2-core EPYC: a step's worth of stall).
