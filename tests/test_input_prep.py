@@ -77,8 +77,8 @@ def _prepare(runner: ModelRunner, reqs):
     for rid, prompt, outputs, blocks, computed, n in reqs:
         so.new_requests.append(_new(rid, prompt, blocks, computed, outputs))
         so.num_scheduled_tokens.append(n)
-    rows = runner._apply_scheduler_output(so)
-    num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+    rows, num_scheduled = runner._apply_scheduler_output(so)
+    assert num_scheduled.tolist() == list(so.num_scheduled_tokens)
     return rows, runner._prepare_inputs(rows, num_scheduled)
 
 
@@ -112,7 +112,7 @@ def test_prepare_inputs_from_deltas(runner: ModelRunner) -> None:
     _reset(runner)
     prompt = list(range(500, 522))  # 22 tokens
     so1 = pb.SchedulerOutput(step_id=1, new_requests=[_new("r", prompt, [13, 6, 25], 0)], num_scheduled_tokens=[10])
-    rows = runner._apply_scheduler_output(so1)
+    rows, _ = runner._apply_scheduler_output(so1)
     ids1, pos1, meta1, samples1, li1 = runner._prepare_inputs(rows, np.array([10]))
     assert pos1.tolist() == list(range(10)) and ids1.tolist() == prompt[:10]
     assert meta1.slot_mapping.tolist() == [13 * B + p % B if p < 4 else (6 * B + p % B if p < 8 else 25 * B + p % B)
@@ -121,7 +121,7 @@ def test_prepare_inputs_from_deltas(runner: ModelRunner) -> None:
     so2 = pb.SchedulerOutput(step_id=2, cached_requests=[
         pb.CachedRequestData(request_id="r", new_block_ids=[2, 29, 10], num_computed_tokens=10)],
         num_scheduled_tokens=[12])
-    rows = runner._apply_scheduler_output(so2)
+    rows, _ = runner._apply_scheduler_output(so2)
     ids2, pos2, meta2, samples2, li2 = runner._prepare_inputs(rows, np.array([12]))
     table = [13, 6, 25, 2, 29, 10]
     assert pos2.tolist() == list(range(10, 22))

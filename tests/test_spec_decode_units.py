@@ -50,21 +50,28 @@ def test_parse_errors_name_the_field(value, field: str) -> None:
         SpeculativeConfig.parse(value)
 
 
-@pytest.mark.parametrize(("args", "flag"), [({"async_scheduling": True}, "async_scheduling"),
-                                            ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-                                            ({"tensor_parallel_size": 2}, "tensor_parallel_size")])
+@pytest.mark.parametrize(("args", "flag"), [({"pipeline_parallel_size": 2}, "pipeline_parallel_size")])
 def test_refused_combinations_name_the_flag(args: dict, flag: str) -> None:
     spec = {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=flag):
         EngineConfig(model=".", speculative_config=spec, **args)
-    if flag != "tensor_parallel_size":  # ngram runs with tensor parallelism
-        with pytest.raises(ValueError, match=flag):
-            EngineConfig(model=".", speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **args)
+    with pytest.raises(ValueError, match=flag):
+        EngineConfig(model=".", speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **args)
 
 
-def test_async_scheduling_auto_is_off_with_speculation() -> None:
-    c = EngineConfig(model=".", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert c.resolve_async_scheduling("cuda") is False
+@pytest.mark.parametrize("spec", [{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2},
+                                  {"method": "ngram", "num_speculative_tokens": 2}])
+def test_both_methods_run_with_tensor_parallelism(spec: dict) -> None:
+    """(tests/test_spec_decode_tp.py runs a draft model over two ranks.)"""
+    config = EngineConfig(model=".", speculative_config=spec, tensor_parallel_size=2)
+    assert config.speculative_config.method == spec["method"]
+
+
+def test_async_scheduling_auto_is_on_with_speculation_on_cuda_only() -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    assert EngineConfig(model=".", speculative_config=spec).resolve_async_scheduling("cuda") is True
+    assert EngineConfig(model=".", speculative_config=spec).resolve_async_scheduling("cpu") is False
+    assert EngineConfig(model=".", speculative_config=spec, async_scheduling=True).async_scheduling is True
 
 
 def test_may_speculate_excludes_history_dependent_processing() -> None:

@@ -97,6 +97,28 @@ def test_cached_requests_are_checked_against_what_the_batch_holds() -> None:
     assert _refused(finished, batch) == "cached_requests[0].request_id"  # finished in this very step
 
 
+def test_a_row_verifying_the_workers_own_drafts_is_bounded_by_what_the_worker_holds() -> None:
+    """Async scheduling with drafts: the scheduler's counts are upper bounds; the worker runs the
+    row from its own (last token + its drafts) and refuses what cannot bound or hold that."""
+    batch = _batch()
+    batch.add(_new(prompt=list(range(1, 15)), blocks=[1]))  # 14 tokens in one block of 16
+    batch.set_own_drafts(0, [7, 8, 9])
+
+    def blind(scheduled: int, n: int = 2, computed: int = 16, **extra) -> pb.SchedulerOutput:
+        return pb.SchedulerOutput(cached_requests=[pb.CachedRequestData(
+            request_id="a", num_computed_tokens=computed, num_worker_drafts=n, drafts_in_flight=True, **extra)],
+            num_scheduled_tokens=[scheduled])
+
+    validate_step(blind(3), batch, NUM_BLOCKS, VOCAB)  # runs [13, 16): the last token + 2 drafts
+    assert _refused(blind(4), batch) == "cached_requests[0].num_worker_drafts"  # not 1 + n
+    assert _refused(blind(3, computed=12), batch) == "cached_requests[0].num_computed_tokens"  # below the truth
+    assert _refused(blind(4, n=3), batch) == "cached_requests[0].num_computed_tokens"  # [13, 17): no block
+    assert _refused(blind(3, spec_token_ids=[5, 6]), batch) == "cached_requests[0].spec_token_ids"
+    assert batch.update(blind(3).cached_requests[0]) == 0
+    assert (batch.num_computed_tokens[0], batch.num_spec[0]) == (13, 2)
+    assert list(batch.token_ids[0, 14:16]) == [7, 8]
+
+
 # --------------------------------------------------------------------- a real worker
 
 

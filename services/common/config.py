@@ -244,26 +244,18 @@ class EngineConfig:
 
     def _check_speculation(self) -> None:
         """Refuse the combinations speculative decoding does not make exact (yet), naming the flag."""
-        if self.async_scheduling:
-            raise ValueError("speculative_config does not combine with async_scheduling (--async-scheduling): a step "
-                             "scheduled before the previous one's accepted drafts are known could not place its own; "
-                             "leave async scheduling off (the default with speculative decoding)")
         if self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config does not combine with pipeline_parallel_size > 1 "
                              "(--pipeline-parallel-size)")
         if self.expert_parallel_group and self.speculative_config.method == "draft_model":
             raise ValueError("speculative_config method draft_model does not combine with data_parallel_size > 1 and "
                              "enable_expert_parallel (the engines' forwards must match step for step; ngram does)")
-        if self.tensor_parallel_size > 1 and self.speculative_config.method == "draft_model":
-            raise ValueError("speculative_config method draft_model does not combine with tensor_parallel_size > 1 "
-                             "(--tensor-parallel-size): the draft's own random draws are not synchronised across "
-                             "ranks yet (ngram is)")
 
     def resolve_async_scheduling(self, device: str) -> bool:
         """Fix the automatic choice once the worker's device is known."""
         if self.async_scheduling is None:
             self.async_scheduling = (device == "cuda" and self.pipeline_parallel_size == 1
-                                     and self.speculative_config is None and not self.expert_parallel_group)
+                                     and not self.expert_parallel_group)
         return self.async_scheduling
 
     def to_proto(self, with_model_config: bool = True) -> pb.VllmConfig:

@@ -73,6 +73,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Async scheduling: tokens being sampled by steps still in flight (not yet appended).
         self.num_output_placeholders = 0
+        # Async scheduling with speculative decoding: drafts those steps verify (their rejected
+        # ones are counted as computed until the output says otherwise).
+        self.num_drafts_in_flight = 0
         self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache at first schedule
         self.num_preemptions = 0
         self.stop_token_id = -1

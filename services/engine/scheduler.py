@@ -17,11 +17,18 @@ from concurrent.futures import wait
 from services.common import message_limits
 from services.common.message_limits import STEP_BUDGET_BYTES
 from services.common.proto import myvllm_pb2 as pb
-from services.common.spec_config import SpeculativeConfig
+from services.common.spec_config import SpeculativeConfig, may_speculate
 from services.common.structured_outputs import StructuredOutputsError
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
-from services.engine.spec_decode import SpecDecodeStats, drafts_per_step, lookahead_slots, max_drafts
+from services.engine.spec_decode import (
+    WORKER_DRAFT,
+    SpecDecodeStats,
+    drafts_per_step,
+    lookahead_slots,
+    max_drafts,
+    worker_drafts,
+)
 from services.engine.structured_output import STEP_FILL_WAIT_S, RequestGrammar, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -185,6 +192,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0  # an in-flight token of a preempted request is dropped
+        victim.num_drafts_in_flight = 0
         victim.spec_token_ids = []  # its drafts' slots are gone with its blocks
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -214,7 +222,7 @@ class Scheduler:
         self._row_waiters = []
 
         # 1) Running requests first: they already hold blocks.
-        self._trim_drafts()
+        self._drafts_for_step()
         idx = 0
         while idx < len(self.running) and token_budget > 0:
             request = self.running[idx]
@@ -326,16 +334,22 @@ class Scheduler:
         limit = self.speculative_config.disable_by_batch_size if self.speculative_config else 0
         return bool(limit) and len(self.running) >= limit
 
-    def _trim_drafts(self) -> None:
-        """Drop drafts nobody should verify: above disable_by_batch_size running requests, all of
-        them (verification costs more than it saves in a large batch); else those past what the
-        request may still output."""
+    def _drafts_for_step(self) -> None:
+        """The drafts each running request may bring to this step. Above disable_by_batch_size
+        running requests, none (verification costs more than it saves in a large batch); else
+        not past what the request may still output. With async scheduling a request whose step
+        is in flight cannot know its drafts yet: it holds WORKER_DRAFT placeholders, as many
+        as the worker may verify of its own (services/engine/spec_decode.py)."""
         if self.speculative_config is None:
             return
         off = self.drafts_off()
         for request in self.running:
-            if request.spec_token_ids:
-                keep = 0 if off else max_drafts(request, self.max_model_len)
+            keep = 0 if off else max_drafts(request, self.max_model_len)
+            if request.num_output_placeholders and self.async_scheduling:
+                may = may_speculate(request.sampling, request.num_output_tokens)
+                request.spec_token_ids = worker_drafts(min(keep, self.speculative_config.num_speculative_tokens)
+                                                       if may else 0)
+            elif request.spec_token_ids:
                 del request.spec_token_ids[keep:]
 
     def _lookahead(self, request: Request, num_new: int) -> int:
@@ -440,15 +454,18 @@ class Scheduler:
         for request, num_new, new_block_ids in scheduled_cached:
             start = request.num_computed_tokens
             # Drafts that fit this step's share (a budget cut may leave only some, or none).
-            num_spec = max(start + num_new - request.num_tokens, 0)
+            num_spec = max(start + num_new - request.num_tokens - request.num_output_placeholders, 0)
             if num_spec < len(request.spec_token_ids):
                 del request.spec_token_ids[num_spec:]
+            from_worker = bool(request.spec_token_ids) and request.spec_token_ids[0] == WORKER_DRAFT
             out.cached_requests.append(pb.CachedRequestData(
                 request_id=request.request_id,
                 new_block_ids=new_block_ids,
                 num_computed_tokens=start,
                 new_token_ids=request.all_token_ids[start:start + num_new] if self.pipeline_parallel else (),
-                spec_token_ids=request.spec_token_ids,
+                spec_token_ids=() if from_worker else request.spec_token_ids,
+                num_worker_drafts=len(request.spec_token_ids) if from_worker else 0,
+                drafts_in_flight=request.num_drafts_in_flight > 0,
             ))
             num_scheduled.append(num_new)
         out.num_scheduled_tokens.extend(num_scheduled)
@@ -463,8 +480,11 @@ class Scheduler:
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
             if self.async_scheduling and not request.is_pooling and \
-                    request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples a token we do not know yet
+                    request.num_computed_tokens == request.num_tokens_with_spec + request.num_output_placeholders:
+                # This step samples tokens we do not know yet: one, plus as many as it has drafts
+                # (at most; the rejected ones are given back when its output arrives).
+                request.num_output_placeholders += 1 + len(request.spec_token_ids)
+                request.num_drafts_in_flight += len(request.spec_token_ids)
         self._attach_bitmask(out, scheduled, lagging)
         return out
 
@@ -513,21 +533,27 @@ class Scheduler:
         for n in counts:
             starts.append(starts[-1] + n)
         drafts = runner_output.spec_token_ids
-        num_scheduled_drafts = {c.request_id: len(c.spec_token_ids) for c in scheduler_output.cached_requests
-                                if c.spec_token_ids}
+        num_verified = runner_output.num_draft_tokens
+        num_scheduled_drafts = {c.request_id: len(c.spec_token_ids) or c.num_worker_drafts
+                                for c in scheduler_output.cached_requests if c.spec_token_ids or c.num_worker_drafts}
+        worker_drafted = {c.request_id for c in scheduler_output.cached_requests if c.num_worker_drafts}
         for i, rid in enumerate(runner_output.request_ids):
             request = self.requests.get(rid)
             if request is None or request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1
             tokens = runner_output.sampled_token_ids[starts[i]:starts[i + 1]]
             num_draft = num_scheduled_drafts.get(rid, 0)
+            if request.num_output_placeholders:  # (async scheduling) this step's are now known
+                request.num_output_placeholders = max(request.num_output_placeholders - 1 - num_draft, 0)
+                request.num_drafts_in_flight = max(request.num_drafts_in_flight - num_draft, 0)
             if num_draft:
                 # Rejected drafts' slots are given back: the next step recomputes those positions.
+                # (With worker drafts, those it did not have count as rejected.)
                 request.num_computed_tokens -= num_draft + 1 - len(tokens)
-                request.spec_token_ids = []
-                self.spec_stats.observe(num_draft, len(tokens) - 1)
+                # The worker says how many it verified; a worker's own may have been fewer, or none.
+                verified = num_verified[i] if i < len(num_verified) else 0 if rid in worker_drafted else num_draft
+                if verified:
+                    self.spec_stats.observe(verified, len(tokens) - 1)
             new_token_ids: list[int] = []
             status = None
             for token_id in tokens:  # one at a time: a stop ends the request where it would without drafts
@@ -538,7 +564,9 @@ class Scheduler:
                     status = self._advance_grammar(request, token_id) or status
                 if status is not None:
                     break
-            if status is None and i < len(drafts):
+            request.spec_token_ids = []  # (verified, or worker drafts of a step still in flight)
+            if status is None and i < len(drafts) and not request.num_output_placeholders:
+                # (With a step of it still in flight the worker keeps these: WORKER_DRAFT.)
                 request.spec_token_ids = list(drafts[i].ids)
             if status is None and request.grammar is not None:
                 request.grammar.prefetch()  # the next row, filled while the engine gets on with the step

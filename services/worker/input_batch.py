@@ -43,6 +43,9 @@ class InputBatch:
         # Speculative decoding: drafts scheduled this step, stored after the row's known tokens
         # (token_ids[row, num_tokens:num_tokens + num_spec]) but not counted in num_tokens.
         self.num_spec = np.zeros(max_num_reqs, dtype=np.int64)
+        # Drafts this worker proposed after the row's last sampled token, stored in the same place:
+        # the next step verifies them when the scheduler could not know them (num_worker_drafts).
+        self.num_own_drafts = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling: list[pb.SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.req_id_to_row: dict[str, int] = {}
@@ -82,6 +85,7 @@ class InputBatch:
         self.num_blocks[row] = blocks.size
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.num_spec[row] = 0
+        self.num_own_drafts[row] = 0
         self.sampling[row] = data.sampling
         self.is_pooling[row] = data.HasField("pooling")
         self.pooling_dimensions[row] = data.pooling.dimensions
@@ -105,6 +109,14 @@ class InputBatch:
             start = self.num_blocks[row]
             self.block_table[row, start:start + blocks.size] = blocks
             self.num_blocks[row] = start + blocks.size
+        if data.num_worker_drafts or data.drafts_in_flight:
+            # Async scheduling with speculative decoding: the scheduler's counts are upper bounds
+            # (it does not know yet what the step before accepted); this row's are exact. The
+            # previous step sampled, so every token but the last is computed, and the drafts
+            # verified are (up to num_worker_drafts of) those proposed after it, already in place.
+            self.num_computed_tokens[row] = self.num_tokens[row] - 1
+            self.num_spec[row] = min(data.num_worker_drafts, self.num_own_drafts[row])
+            return row
         self.num_computed_tokens[row] = data.num_computed_tokens
         if data.new_token_ids:
             # Pipeline parallelism: tokens another stage sampled, handed back by the scheduler.
@@ -139,6 +151,7 @@ class InputBatch:
         """Write each row's newly sampled token after its last one."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+        self.num_own_drafts[rows] = 0
 
     def append_token_lists(self, rows: list[int], token_lists: list[list[int]]) -> None:
         """Speculative decoding: each row's emitted tokens (accepted drafts + one) after its last one."""
@@ -146,3 +159,11 @@ class InputBatch:
             n = self.num_tokens[row]
             self.token_ids[row, n:n + len(tokens)] = tokens
             self.num_tokens[row] = n + len(tokens)
+        self.num_own_drafts[rows] = 0
+
+    def set_own_drafts(self, row: int, drafts: list[int]) -> None:
+        """Keep the drafts just proposed for `row` after its last token (see num_own_drafts)."""
+        n = self.num_tokens[row]
+        drafts = drafts[:max(self.max_model_len - n, 0)]  # (the scheduler never asks past max_model_len)
+        self.token_ids[row, n:n + len(drafts)] = drafts
+        self.num_own_drafts[row] = len(drafts)

@@ -283,7 +283,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def _apply_scheduler_output(self, so: pb.SchedulerOutput) -> np.ndarray:
+    def _apply_scheduler_output(self, so: pb.SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+        """The step's rows, and how many tokens each runs: the scheduler's counts, except for rows
+        that verify this worker's own drafts (num_worker_drafts: 1 + those it has)."""
         batch = self.input_batch
         for rid in so.finished_request_ids:
             batch.remove(rid)
@@ -294,7 +296,13 @@ class ModelRunner:
         else:
             self.sampler.add_requests(rows, list(so.new_requests))  # penalty counts / prompt masks of new rows
         rows += [batch.update(r) for r in so.cached_requests]
-        return np.array(rows, dtype=np.int64)
+        rows = np.array(rows, dtype=np.int64)
+        num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+        blind = [len(so.new_requests) + i for i, r in enumerate(so.cached_requests)
+                 if r.num_worker_drafts or r.drafts_in_flight]
+        if blind:
+            num_scheduled[blind] = 1 + batch.num_spec[rows[blind]]
+        return rows, num_scheduled
 
     def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray):
         batch, bs = self.input_batch, self.block_size
@@ -397,7 +405,7 @@ class ModelRunner:
             if pending is None or pending[0].step_id != so.step_id:
                 return None  # the step it completes failed (already reported) or was reset
             return self._sample(*pending, so)
-        rows = self._apply_scheduler_output(so)
+        rows, num_scheduled = self._apply_scheduler_output(so)
         out = pb.ModelRunnerOutput(step_id=so.step_id)
         if self.lockstep:  # every engine's ranks, once per step: does the group go on after it?
             out.dp_global_unfinished = any_engine_unfinished(so.dp_local_unfinished)
@@ -405,7 +413,6 @@ class ModelRunner:
             if self.lockstep:
                 self.model.dummy_step()
             return out
-        num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
         input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)
         with forward_context(self.attn_backend, meta):
             if self.pp.is_first:
@@ -464,6 +471,7 @@ class ModelRunner:
         if plain.any():
             self._sample_plain(out, logits[torch.from_numpy(ends[plain] - 1).to(logits.device)], sample_rows[plain], so)
         out.num_sampled_tokens.extend([1] * len(out.request_ids))
+        out.num_draft_tokens.extend([0] * len(out.request_ids))
         spec_rows, nd = sample_rows[~plain], num_spec[~plain]
         sel = np.concatenate([np.arange(e - n - 1, e) for e, n in zip(ends[~plain], nd, strict=True)])
         rep_rows = np.repeat(spec_rows, nd + 1)
@@ -482,6 +490,7 @@ class ModelRunner:
         for tokens in emitted:
             out.sampled_token_ids.extend(tokens)
             out.num_sampled_tokens.append(len(tokens))
+        out.num_draft_tokens.extend(nd.tolist())
         if logprobs is not None or len(out.logprobs):
             # Logprobs stay parallel to the tokens: empty entries where the rows asked for none.
             num_plain = int(plain.sum())

@@ -139,6 +139,9 @@ def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int,
             if num_blocks > batch.max_blocks_per_req:
                 raise InvalidStep(f"cached_requests[{i}].new_block_ids",
                                   f"{num_blocks} blocks > {batch.max_blocks_per_req} per request")
+        if r.num_worker_drafts or r.drafts_in_flight:
+            _check_blind_row(i, r, int(scheduled[offset + i]), batch, row, num_blocks, max_len)
+            continue
         known, num_spec, computed = int(num_tokens[row]), len(r.spec_token_ids), r.num_computed_tokens
         if r.new_token_ids:
             _check_ids(f"cached_requests[{i}].new_token_ids", r.new_token_ids, vocab_size)
@@ -155,6 +158,26 @@ def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int,
                               f"tokens [{computed}, {end}) beyond the request's {known + num_spec} tokens "
                               f"or its {num_blocks} blocks of {bs}")
     _check_bitmask(so, vocab_size)
+
+
+def _check_blind_row(i: int, r: pb.CachedRequestData, scheduled: int, batch: InputBatch, row: int, num_blocks: int,
+                     max_len: int) -> None:
+    """A row scheduled without knowing its previous step's outcome (num_worker_drafts /
+    drafts_in_flight): the worker runs its last token and up to num_worker_drafts of its own
+    drafts; the scheduler's counts must bound that, and the row's blocks must hold it."""
+    field = f"cached_requests[{i}]"
+    if r.spec_token_ids or r.new_token_ids:
+        raise InvalidStep(f"{field}.spec_token_ids", "a row scheduled with num_worker_drafts / drafts_in_flight "
+                                                     "carries no token ids")
+    if r.num_worker_drafts < 0 or scheduled != 1 + r.num_worker_drafts:
+        raise InvalidStep(f"{field}.num_worker_drafts", f"{r.num_worker_drafts} worker drafts scheduled as "
+                                                        f"{scheduled} tokens (must be 1 + num_worker_drafts)")
+    start = int(batch.num_tokens[row]) - 1  # every token but the last is computed
+    end = start + 1 + min(r.num_worker_drafts, int(batch.num_own_drafts[row]))
+    if r.num_computed_tokens < start or end > max_len or end > num_blocks * batch.block_size:
+        raise InvalidStep(f"{field}.num_computed_tokens",
+                          f"the row runs tokens [{start}, {end}): below the scheduled {r.num_computed_tokens}, past "
+                          f"max_model_len {max_len} or its {num_blocks} blocks of {batch.block_size}")
 
 
 def _check_bitmask(so: pb.SchedulerOutput, vocab_size: int) -> None:

@@ -25,6 +25,7 @@ class TargetRunner(Protocol):
 
     dtype: torch.dtype
     device: torch.device
+    seed: int
     vocab_size: int
     block_size: int
     eos_token_ids: list[int]
@@ -68,6 +69,8 @@ class SpecProposer:
         drafts = self.propose_rows(rows)
         if not any(drafts):
             return
+        for row, d in zip(rows, drafts, strict=True):
+            batch.set_own_drafts(row, d)  # (verified next step if the scheduler asks for them blind)
         by_id = {batch.row_req_ids[r]: d for r, d in zip(rows, drafts, strict=True)}
         out.spec_token_ids.extend(pb.TokenIds(ids=by_id.get(rid, ())) for rid in out.request_ids)
 
