@@ -15,6 +15,12 @@ Stages (python scripts/gpu_check.py STAGE [options]); exit 0 pass, 1 fail, 77 sk
               generated *_pb2 modules): `LLM(..., attention_backend="triton")` greedy against
               HF transformers on the GPU, on SmolLM2 when models/ holds it, else on a tiny
               random Qwen3 written on the fly.
+  cudagraphs  the engine with CUDA graphs for pure-decode steps (cudagraph_mode full_decode_only, graphs
+              captured at start-up per padded batch size) against --enforce-eager, greedy token for
+              token on a tiny random Qwen3 (or SmolLM2 with --smollm2), batches that pad (3 -> 4,
+              5 -> 8) and shrink as requests finish, with mixed prefill steps; prints the decode
+              time per token of each at batch 1 and 8. `--device cpu` smoke-runs the stage's code
+              with the eager "static" buffers instead of graphs.
   throughput  a Qwen3-0.6B-shaped random-weight model (written on the fly; needs the engine,
               hence transformers) in bf16: 256 requests, input and output lengths uniform in
               100..1024, ignore_eos; prints output tok/s.
@@ -504,6 +510,88 @@ def stage_tp2(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# --------------------------------------------------------------------------- cudagraphs
+
+
+def stage_cudagraphs(args: argparse.Namespace) -> int:
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else None)
+    if device is None:
+        say("cudagraphs: SKIPPED, CUDA is absent")
+        return SKIP
+    why = engine_import_error()
+    if why is None and not try_import("transformers")[0]:
+        why = "transformers is missing"
+    if why is not None:
+        say(f"cudagraphs: SKIPPED, the engine does not import here: {why}")
+        return SKIP
+    from services.common.sampling_params import SamplingParams
+    from services.sdk.llm import LLM
+    torch.set_float32_matmul_precision("highest")  # no TF32: greedy equality in fp32
+    graphs_mode = "full_decode_only" if device == "cuda" else "static"  # cpu: a smoke run of this code
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        if args.smollm2 and (SMOLLM2_DIR / "model.safetensors").is_file():
+            model_dir, label = str(SMOLLM2_DIR), "SmolLM2-135M-Instruct"
+        else:
+            model_dir, label = str(Path(tmp) / "tiny-qwen3"), "a tiny random Qwen3"
+            write_random_checkpoint(Path(model_dir), TINY_QWEN3, torch.float32, device, seed=3, std=0.1,
+                                    embed_std=1.0)
+        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(5)
+        lens = (5, 17, 40, 9, 77, 3, 130, 23, 11, 60, 31, 8)
+        outs = (24, 9, 17, 30, 5, 12, 20, 3, 28, 14, 7, 19)
+        prompts = [{"prompt_token_ids": torch.randint(100, vocab - 1, (n,), generator=gen).tolist()} for n in lens]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
+        single = [{"prompt_token_ids": prompts[1]["prompt_token_ids"]}]
+        batch8 = prompts[:8]
+        got: dict[str, list[list[int]]] = {}
+        timing: dict[str, str] = {}
+        ok = True
+        for name, flags in (("eager", {"enforce_eager": True}), ("graphs", {"cudagraph_mode": graphs_mode})):
+            t0 = time.perf_counter()
+            llm = LLM(model_dir, dtype="float32", attention_backend="triton" if device == "cuda" else None,
+                      max_num_seqs=8, max_num_batched_tokens=64, block_size=16, max_model_len=1024,
+                      kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, seed=0, **flags)
+            try:
+                runner = llm.worker.runner
+                static = runner.static_decode
+                say(f"  {name}: mode {runner.cudagraph_mode}, loaded in {time.perf_counter() - t0:.1f} s"
+                    + (f", graphs for sizes {sorted(static.graphs)}" if static is not None and static.graphs else ""))
+                if name == "graphs" and device == "cuda" and (static is None or not static.graphs):
+                    say("  graphs: FAIL, no CUDA graph was captured")
+                    ok = False
+                got[name] = [list(o.outputs[0].token_ids)
+                             for o in llm.generate(prompts, params, use_tqdm=False)]
+                lines = []
+                for what, batch, n_tok in (("batch 1", single, 128), ("batch 8", batch8, 64)):
+                    p = SamplingParams(temperature=0.0, max_tokens=n_tok, ignore_eos=True)
+                    llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                 use_tqdm=False)  # warm
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    llm.generate(batch, p, use_tqdm=False)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    lines.append(f"{what}: {1000 * (time.perf_counter() - t0) / n_tok:.2f} ms per step")
+                if static is not None:
+                    by_size = dict(sorted(static.padded_steps.items()))
+                    lines.append(f"{static.replays} replays, padded steps by size {by_size}")
+                    if name == "graphs" and device == "cuda" and not static.replays:
+                        say("  graphs: FAIL, no step replayed a graph")
+                        ok = False
+                timing[name] = "; ".join(lines)
+            finally:
+                llm.close()
+            say(f"  {name}: {timing.get(name, '')}")
+        equal = compare_greedy("graphs vs eager", got["graphs"], got["eager"], None)
+        say(f"  {label}: {len(prompts)} prompts, greedy with {graphs_mode} {'equal to' if equal else 'DIFFERENT from'} "
+            "--enforce-eager")
+    ok = ok and equal
+    say(f"cudagraphs: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 # --------------------------------------------------------------------------- throughput
 
 
@@ -582,11 +670,13 @@ def stage_throughput(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["probe", "kernels", "greedy", "tp2", "throughput"])
+    ap.add_argument("stage", choices=["probe", "kernels", "greedy", "tp2", "cudagraphs", "throughput"])
     ap.add_argument("--device", default=None, help="force a device (e.g. cpu with TRITON_INTERPRET=1, for testing)")
     ap.add_argument("--interpret", action="store_true", help="kernels: run under TRITON_INTERPRET=1 even with CUDA")
     ap.add_argument("--quick", action="store_true", help="greedy: fewer, shorter prompts")
     ap.add_argument("--no-smollm2", action="store_true", help="greedy: the tiny random model even if SmolLM2 is here")
+    ap.add_argument("--smollm2", action="store_true",
+                    help="cudagraphs: SmolLM2 (when models/ holds it), not the tiny model")
     ap.add_argument("--tiny", action="store_true", help="throughput: a tiny model shape (smoke run)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--num-requests", type=int, default=256)
@@ -597,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=int, default=64)
     args = ap.parse_args(argv)
     stage = {"probe": stage_probe, "kernels": stage_kernels, "greedy": stage_greedy, "tp2": stage_tp2,
-             "throughput": stage_throughput}[args.stage]
+             "cudagraphs": stage_cudagraphs, "throughput": stage_throughput}[args.stage]
     try:
         return stage(args)
     except Exception:  # noqa: BLE001 - a stage that raises fails with its traceback

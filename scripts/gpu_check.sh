@@ -8,10 +8,12 @@
 #                   engine vs HF transformers (where the engine and transformers import)
 #   (c) tp2         LLM(tensor_parallel_size=2), then LLM(pipeline_parallel_size=2), over NCCL vs HF
 #                   transformers, when two GPUs are present (says so and skips otherwise)
-#   (d) throughput  Qwen3-0.6B-shaped random weights, 256 requests, lengths 100..1024, output tok/s
+#   (d) cudagraphs  CUDA graphs for pure-decode steps (full_decode_only) vs --enforce-eager: greedy token
+#                   for token, and the decode time per step of each at batch 1 and 8
+#   (e) throughput  Qwen3-0.6B-shaped random weights, 256 requests, lengths 100..1024, output tok/s
 #
-# Each stage runs under `timeout` (30 + 100 + 110 + 90 + 220 s: inside 9 minutes). A stage whose packages are
-# missing says which and is skipped; a failing or timed-out stage makes the script exit non-zero.
+# Each stage runs under `timeout` (30 + 100 + 110 + 90 + 60 + 220 s; tp2 skips at once on one GPU).
+# A stage whose packages are missing says which and is skipped; a failing or timed-out stage makes the script exit non-zero.
 # Without CUDA it runs the kernel tests under TRITON_INTERPRET=1 only.
 set -u
 cd "$(dirname "$0")/.."
@@ -90,6 +92,7 @@ run_stage() {  # name, timeout in seconds, gpu_check.py arguments...
 run_stage kernels 100 kernels
 run_stage greedy 110 greedy
 run_stage tp2 90 tp2 --quick
+run_stage cudagraphs 60 cudagraphs
 run_stage throughput 220 throughput
 echo "[gpu-check] ===== summary"
 printf '%s' "$SUMMARY"

@@ -20,7 +20,7 @@ from services.common.config import (
 
 MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "tensor_parallel_size",
               "pipeline_parallel_size", "enable_expert_parallel", "data_parallel_size", "compile_model", "runner",
-              "convert", "pooler_config")
+              "convert", "pooler_config", "enforce_eager", "cuda_graph_sizes", "cudagraph_mode")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
                    "speculative_config", "structured_outputs_compile_timeout")
@@ -48,7 +48,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooler-config", default=None,
                    help='the pooling runner\'s pooler, vLLM\'s JSON: \'{"pooling_type": "LAST"|"MEAN", '
                         '"normalize": true}\' (default LAST, normalized)')
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step runs eager (vLLM's flag; on CPU steps always do)")
+    p.add_argument("--cuda-graph-sizes", nargs="+", action=_JoinSizes, default=None, metavar="N",
+                   help="batch sizes pure-decode steps are padded to and captured at, e.g. 1 2 4 8 (or 1,2,4,8); "
+                        "default vLLM's list, 1 2 4 8 16 24 ... 248 256 272 ... 512, up to the first size >= "
+                        "--max-num-seqs")
+    p.add_argument("--cudagraph-mode", default=None, type=str.lower, choices=["none", "static", "full_decode_only"],
+                   help="vLLM's compilation_config.cudagraph_mode: full_decode_only captures one CUDA graph per "
+                        "size at start-up and replays it for pure-decode steps (mixed and prefill steps run eager); "
+                        "static runs those steps eagerly on the same padded buffers (any device: what the CPU tests "
+                        "check); none: plain steps. Default: full_decode_only on CUDA with the triton backend "
+                        "(unless --enforce-eager, --compile, tensor/pipeline/expert parallelism or --runner "
+                        "pooling), none elsewhere")
     add_parallel_args(p)
+
+
+class _JoinSizes(argparse.Action):
+    """--cuda-graph-sizes 1 2 4 or 1,2,4: kept as one "1,2,4" string (EngineConfig parses it), so
+    that serve forwards it to the worker as one argument."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, ",".join(str(v) for v in values))
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

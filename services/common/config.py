@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.cudagraph_config import check_cudagraph_mode, parse_capture_sizes
 from services.common.pooling_config import CONVERTS, RUNNERS, PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
@@ -165,6 +166,15 @@ class EngineConfig:
     runner: str = "generate"
     convert: str | None = None
     pooler_config: PoolerConfig | dict | str | None = None
+    # CUDA graphs for pure-decode steps (services/worker/cuda_graphs.py), vLLM's names:
+    # enforce_eager turns them off; cuda_graph_sizes (a list, or "1,2,4,8") are the batch sizes
+    # steps are padded to (None: vLLM's default list up to max_num_seqs); cudagraph_mode is
+    # "none", "static" (the padded buffers run eagerly, on any device: what the CPU tests check)
+    # or "full_decode_only" (CUDA graphs); None: full_decode_only on CUDA with the triton
+    # backend, none elsewhere.
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | str | None = None
+    cudagraph_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -173,6 +183,7 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             self._check_speculation()
+        self._check_cuda_graphs()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not self.structured_outputs_compile_timeout > 0:
@@ -227,6 +238,13 @@ class EngineConfig:
         # hidden state, and a prefix-cache hit would skip computing them (vLLM turns it off too).
         self.enable_prefix_caching = False
 
+    def _check_cuda_graphs(self) -> None:
+        """Parse --cuda-graph-sizes and refuse a --cudagraph-mode that cannot apply (the worker
+        checks the device-dependent rest)."""
+        self.cuda_graph_sizes = parse_capture_sizes(self.cuda_graph_sizes)
+        self.cudagraph_mode = check_cudagraph_mode(self.cudagraph_mode, self.enforce_eager, self.compile_model,
+                                                   self.pipeline_parallel_size)
+
     @property
     def expert_parallel_group(self) -> bool:
         """The data-parallel engines form one expert-parallel group that steps in lockstep."""
@@ -268,7 +286,10 @@ class EngineConfig:
                                         attention_backend=self.attention_backend or "",
                                         compile_model=self.compile_model, runner=self.runner,
                                         convert=self.convert,
-                                        pooler_config=self.pooler_config.to_proto() if self.pooler_config else None)
+                                        pooler_config=self.pooler_config.to_proto() if self.pooler_config else None,
+                                        enforce_eager=self.enforce_eager,
+                                        cuda_graph_sizes=self.cuda_graph_sizes or (),
+                                        cudagraph_mode=self.cudagraph_mode or "")
             if with_model_config else None,
             cache_config=pb.CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                         num_gpu_blocks_override=self.num_gpu_blocks_override or 0,
@@ -293,6 +314,8 @@ class EngineConfig:
                    attention_backend=m.attention_backend or None, compile_model=m.compile_model,
                    runner=m.runner or "generate", convert=m.convert or None,
                    pooler_config=PoolerConfig.from_proto(m.pooler_config) if m.HasField("pooler_config") else None,
+                   enforce_eager=m.enforce_eager, cuda_graph_sizes=list(m.cuda_graph_sizes) or None,
+                   cudagraph_mode=m.cudagraph_mode or None,
                    block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
                    num_gpu_blocks_override=c.num_gpu_blocks_override or None,
                    kv_cache_memory_bytes=c.kv_cache_memory_bytes or None,
@@ -314,6 +337,9 @@ class EngineConfig:
         self.runner, self.convert = model_config.runner or "generate", model_config.convert or None
         self.pooler_config = PoolerConfig.from_proto(model_config.pooler_config) \
             if model_config.HasField("pooler_config") else None
+        self.enforce_eager = model_config.enforce_eager
+        self.cuda_graph_sizes = list(model_config.cuda_graph_sizes) or None
+        self.cudagraph_mode = model_config.cudagraph_mode or None
         self._apply_runner()
 
     @property

@@ -51,7 +51,9 @@ class LLM:
     kv_cache_memory_bytes, dtype, seed, scheduling_policy, attention_backend,
     tensor_parallel_size, pipeline_parallel_size (T x P ranks: rank 0 here, the rest as
     local processes; `close()` stops them), enable_expert_parallel, data_parallel_size (with
-    enable_expert_parallel: D engines of T ranks each, one expert-parallel group).
+    enable_expert_parallel: D engines of T ranks each, one expert-parallel group), enforce_eager,
+    cuda_graph_sizes and cudagraph_mode (CUDA graphs for pure-decode steps; "static" runs their
+    padded buffers eagerly on any device).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

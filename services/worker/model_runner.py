@@ -24,6 +24,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.attention.selector import get_attention_backend
 from services.worker.cpu.malloc_tuning import keep_freed_memory
+from services.worker.cuda_graphs import StaticDecode, build_static_decode, resolve_cudagraph_mode
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch
 from services.worker.kv_memory import zeroed_kv_cache
@@ -97,7 +98,9 @@ class ModelRunner:
                  distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,
                  pipeline_parallel_size: int = 1, speculative_config: pb.SpeculativeConfig | None = None,
                  enable_expert_parallel: bool = False, data_parallel_rank: int = 0,
-                 data_parallel_size: int = 1, pooler_config: PoolerConfig | None = None) -> None:
+                 data_parallel_size: int = 1, pooler_config: PoolerConfig | None = None,
+                 cudagraph_mode: str | None = None, enforce_eager: bool = False,
+                 cuda_graph_sizes: list[int] | None = None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Data-parallel engines join one process group only as an expert-parallel group.
         dp_size = data_parallel_size if enable_expert_parallel else 1
@@ -135,6 +138,16 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or model_max, model_max)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config)
         self.attn_backend = get_attention_backend(attention_backend, self.device)
+        # Pure-decode steps on persistent padded buffers, eager or as CUDA graphs (cuda_graphs.py;
+        # made by init_kv_cache): "none" | "static" | "full_decode_only".
+        self.cudagraph_mode = resolve_cudagraph_mode(
+            cudagraph_mode, enforce_eager=enforce_eager, device=self.device, compile_model=compile_model,
+            pipeline_parallel_size=pipeline_parallel_size, tensor_parallel_size=tensor_parallel_size,
+            attention_backend=self.attn_backend.name, expert_parallel=enable_expert_parallel and num_ranks > 1,
+            pooling=pooler_config is not None)
+        self.cudagraph_mode_explicit = bool(cudagraph_mode)
+        self.cuda_graph_sizes = list(cuda_graph_sizes) if cuda_graph_sizes else None
+        self.static_decode: StaticDecode | None = None
         # Pooling runner (pooler_config set): every request is pooled after the final norm, none
         # sampled; the per-row pooling state lives with the persistent batch (reset_batch).
         self.pooler_config = pooler_config
@@ -240,6 +253,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_kv_blocks = num_blocks
         layers = self.model.attention_layers()
+        self.static_decode = None  # a re-initialisation: its graphs (and their memory) read the old cache
         for layer in layers:  # a re-initialisation: free the old cache before the new one exists
             layer.kv_cache = None
         if self.device.type == "cuda":
@@ -252,6 +266,7 @@ class ModelRunner:
         self.reset_batch()
         if self.compiled is not None and self.compiled.enabled:
             self._compile()
+        self.static_decode = build_static_decode(self)  # after the cache: graphs capture its addresses
 
     @torch.inference_mode()
     def _compile(self) -> None:
@@ -415,7 +430,9 @@ class ModelRunner:
             return out
         input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)
         with forward_context(self.attn_backend, meta):
-            if self.pp.is_first:
+            if self.static_decode is not None and self.static_decode.applies(self, rows, num_scheduled):
+                hidden = self.static_decode.forward(input_ids, positions, meta)  # padded; graphs on CUDA
+            elif self.pp.is_first:
                 hidden = self.forward(input_ids, positions)
             else:
                 received = recv_from_previous_stage((meta.num_tokens, self.config.hidden_size), self.dtype,

@@ -69,7 +69,9 @@ class Worker:
             enable_expert_parallel=parallel.enable_expert_parallel,
             data_parallel_rank=req.data_parallel_rank, data_parallel_size=parallel.data_parallel_size or 1,
             speculative_config=c.speculative_config if c.HasField("speculative_config") else None,
-            pooler_config=PoolerConfig.from_proto(model.pooler_config) if model.runner == "pooling" else None)
+            pooler_config=PoolerConfig.from_proto(model.pooler_config) if model.runner == "pooling" else None,
+            cudagraph_mode=model.cudagraph_mode or None, enforce_eager=model.enforce_eager,
+            cuda_graph_sizes=list(model.cuda_graph_sizes) or None)
         r = self.runner
         self._loaded_key = weights_key(req)
         self.info = pb.ModelInfo(model=model.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
@@ -83,8 +85,9 @@ class Worker:
         # vLLM's engine core freezes its start-up heap the same way.
         gc.collect()
         gc.freeze()
-        logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s", model.model,
-                       time.monotonic() - started, self.info.dtype, self.info.device, self.info.attention_backend)
+        logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s, cudagraph mode %s", model.model,
+                       time.monotonic() - started, self.info.dtype, self.info.device, self.info.attention_backend,
+                       r.cudagraph_mode)
         return self.info
 
     def get_kv_capacity(self, req: pb.KVCapacityRequest) -> pb.KVCapacity:
