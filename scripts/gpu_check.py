@@ -21,9 +21,18 @@ Stages (python scripts/gpu_check.py STAGE [options]); exit 0 pass, 1 fail, 77 sk
               5 -> 8) and shrink as requests finish, with mixed prefill steps; prints the decode
               time per token of each at batch 1 and 8. `--device cpu` smoke-runs the stage's code
               with the eager "static" buffers instead of graphs.
+  sampling    the sampler on the GPU under torch.cuda.set_sync_debug_mode("error"): greedy, top-k,
+              top-p and min-p rows in one batch sample without a single host sync (the one copy of
+              the sampled ids per step happens after it, in the model runner).
   throughput  a Qwen3-0.6B-shaped random-weight model (written on the fly; needs the engine,
               hence transformers) in bf16: 256 requests, input and output lengths uniform in
-              100..1024, ignore_eos; prints output tok/s.
+              100..1024, ignore_eos, once with --enforce-eager and once with CUDA graphs; prints
+              output tok/s of each. Then, per mode, a torch-profiler run of a decode-bound batch
+              (64 requests, 16 prompt tokens, 48 outputs): GPU kernel time over wall time and
+              kernel launches per engine step.
+  report      merges the stages' figures (kept as JSON under $GPU_CHECK_RESULTS) with the verdicts
+              scripts/gpu_check.sh collected into gpu_check.json and a table, gpu_check.md, under
+              --out (the device tool's $OUT when set).
 
 The machine may have no network and nothing beyond torch and triton: every stage says what
 it could not import and skips (77) rather than fails when the missing piece is a package.
@@ -79,6 +88,31 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Each stage's figures, one JSON file per stage, merged by `report` (stages run as separate processes).
+RESULTS_DIR = Path(os.environ.get("GPU_CHECK_RESULTS", Path(tempfile.gettempdir()) / "gpu-check-results"))
+
+
+def record(stage: str, **figures: object) -> None:
+    """Keep figures of `stage` for the report (merged into what the stage recorded before)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{stage}.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.update(figures)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def engine_stage_skip(stage: str, device: str | None, packages: tuple[str, ...] = ("transformers",)) -> str | None:
+    """Why an engine-level stage cannot run here (None: it can), said and recorded."""
+    why = "CUDA is absent" if device is None else engine_import_error()
+    for name in packages:
+        if why is None and not try_import(name)[0]:
+            why = f"{name} is missing"
+    if why is not None:
+        say(f"{stage}: SKIPPED, {why}")
+        record(stage, skipped=why)
+    return why
+
+
 # --------------------------------------------------------------------------- probe
 
 
@@ -91,6 +125,8 @@ def stage_probe(_args: argparse.Namespace) -> int:
     import torch
     cuda = torch.cuda.is_available()
     say(f"torch {torch.__version__}; CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'absent'}")
+    record("probe", python=sys.version.split()[0], torch=torch.__version__,
+           gpu=torch.cuda.get_device_name(0) if cuda else None, triton=try_import("triton")[1] or None)
     for name in ("triton", "numpy", "pytest", "transformers", "tokenizers", "safetensors", "google.protobuf",
                  "grpc", "tqdm"):
         ok, info = try_import(name)
@@ -516,14 +552,7 @@ def stage_tp2(args: argparse.Namespace) -> int:
 def stage_cudagraphs(args: argparse.Namespace) -> int:
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else None)
-    if device is None:
-        say("cudagraphs: SKIPPED, CUDA is absent")
-        return SKIP
-    why = engine_import_error()
-    if why is None and not try_import("transformers")[0]:
-        why = "transformers is missing"
-    if why is not None:
-        say(f"cudagraphs: SKIPPED, the engine does not import here: {why}")
+    if engine_stage_skip("cudagraphs", device):
         return SKIP
     from services.common.sampling_params import SamplingParams
     from services.sdk.llm import LLM
@@ -573,7 +602,9 @@ def stage_cudagraphs(args: argparse.Namespace) -> int:
                     llm.generate(batch, p, use_tqdm=False)
                     if device == "cuda":
                         torch.cuda.synchronize()
-                    lines.append(f"{what}: {1000 * (time.perf_counter() - t0) / n_tok:.2f} ms per step")
+                    ms = 1000 * (time.perf_counter() - t0) / n_tok
+                    lines.append(f"{what}: {ms:.2f} ms per step")
+                    record("cudagraphs", **{f"{name}_ms_per_step_{what.replace(' ', '')}": round(ms, 3)})
                 if static is not None:
                     by_size = dict(sorted(static.padded_steps.items()))
                     lines.append(f"{static.replays} replays, padded steps by size {by_size}")
@@ -588,6 +619,7 @@ def stage_cudagraphs(args: argparse.Namespace) -> int:
         say(f"  {label}: {len(prompts)} prompts, greedy with {graphs_mode} {'equal to' if equal else 'DIFFERENT from'} "
             "--enforce-eager")
     ok = ok and equal
+    record("cudagraphs", model=label, greedy_equal=equal, mode=graphs_mode)
     say(f"cudagraphs: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -605,22 +637,11 @@ QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden
 def stage_throughput(args: argparse.Namespace) -> int:
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else None)
-    if device is None:
-        say("throughput: SKIPPED, CUDA is absent")
-        return SKIP
-    why = engine_import_error()
-    if why is None:
-        for name in ("transformers", "safetensors", "tokenizers"):
-            if not try_import(name)[0]:
-                why = f"{name} is missing"
-    if why is not None:
-        say(f"throughput: SKIPPED, the engine cannot load a model here ({why}); our loader reads config.json "
-            "through transformers.AutoConfig")
+    if engine_stage_skip("throughput", device, ("transformers", "safetensors", "tokenizers")):
         return SKIP
     import numpy as np
 
     from services.common.sampling_params import SamplingParams
-    from services.sdk.llm import LLM
     config = dict(QWEN3_0_6B)
     if args.tiny:  # a smoke run of this stage's code on a small shape
         config.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -631,37 +652,189 @@ def stage_throughput(args: argparse.Namespace) -> int:
     in_lens, out_lens = rng.integers(lo, hi + 1, n), rng.integers(lo, hi + 1, n)
     prompts = [{"prompt_token_ids": rng.integers(100, config["vocab_size"] - 1, int(k)).tolist()} for k in in_lens]
     params = [SamplingParams(temperature=0.0, max_tokens=int(k), ignore_eos=True) for k in out_lens]
+    want = int(out_lens.sum())
+    record("throughput", model="tiny" if args.tiny else "Qwen3-0.6B-shaped, random weights", dtype=args.dtype,
+           num_requests=n, lengths=f"{lo}..{hi}", prompt_tokens=int(in_lens.sum()), output_tokens=want)
+    ok = True
+    tok_s: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         t0 = time.perf_counter()
         write_random_checkpoint(Path(tmp), config, dtype, device, seed=0)
         say(f"throughput: wrote a random {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint "
             f"({time.perf_counter() - t0:.1f} s)")
-        t0 = time.perf_counter()
-        kv_bytes = args.kv_cache_gib << 30
-        if device == "cuda":
-            kv_bytes = min(kv_bytes, int(torch.cuda.mem_get_info()[0] * 0.6))
-        llm = LLM(tmp, dtype=args.dtype, attention_backend="triton", max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=16, max_model_len=2 * hi + 16,
-                  kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=True, seed=0)
-        say(f"throughput: engine loaded ({time.perf_counter() - t0:.1f} s); warming up")
-        warm = [{"prompt_token_ids": rng.integers(100, config["vocab_size"] - 1, k).tolist()}
-                for k in (lo, (lo + hi) // 2, hi)]
+        for mode in args.modes.split(","):
+            flags = {"enforce_eager": True} if mode == "eager" else \
+                {"cudagraph_mode": "full_decode_only" if device == "cuda" else "static"}
+            got, elapsed, figures = throughput_run(args, tmp, device, config, flags, prompts, params)
+            if got != want:
+                say(f"throughput {mode}: FAIL, generated {got} tokens, expected {want}")
+                ok = False
+                continue
+            tok_s[mode] = got / elapsed
+            say(f"throughput {mode}: {n} requests, {int(in_lens.sum())} prompt + {got} output tokens in "
+                f"{elapsed:.1f} s: {tok_s[mode]:.1f} output tok/s, {(got + int(in_lens.sum())) / elapsed:.1f} total")
+            for key, value in figures.items():
+                say(f"  {mode} {key}: {value}")
+            record("throughput", **{f"{mode}_output_tok_s": round(tok_s[mode], 1), f"{mode}_seconds": round(elapsed, 2),
+                                    **{f"{mode}_{k}": v for k, v in figures.items()}})
+    if "eager" in tok_s and "graphs" in tok_s:
+        record("throughput", graphs_over_eager=round(tok_s["graphs"] / tok_s["eager"], 2))
+        say(f"throughput: graphs / eager {tok_s['graphs'] / tok_s['eager']:.2f}x")
+    return 0 if ok else 1
+
+
+def throughput_run(args: argparse.Namespace, model_dir: str, device: str, config: dict, flags: dict,
+                   prompts: list[dict], params: list) -> tuple[int, float, dict]:
+    """One engine with `flags` (eager or graphs): the timed run, then a profiled decode-bound one.
+    Returns (output tokens, seconds, figures)."""
+    import numpy as np
+    import torch
+
+    from services.common.sampling_params import SamplingParams
+    from services.sdk.llm import LLM
+    rng = np.random.default_rng(1)
+    t0 = time.perf_counter()
+    kv_bytes = args.kv_cache_gib << 30
+    if device == "cuda":
+        kv_bytes = min(kv_bytes, int(torch.cuda.mem_get_info()[0] * 0.6))
+    llm = LLM(model_dir, dtype=args.dtype, attention_backend="triton" if device == "cuda" else None,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=16,
+              max_model_len=2 * args.max_len + 16, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=True,
+              seed=0, **flags)
+    try:
+        runner = llm.worker.runner
+        static = runner.static_decode
+        figures: dict[str, object] = {
+            "mode": runner.cudagraph_mode, "load_s": round(time.perf_counter() - t0, 1),
+            "graphs_captured": len(static.graphs) if static is not None else 0}
+        vocab = config["vocab_size"]
+        warm = [{"prompt_token_ids": rng.integers(100, vocab - 1, k).tolist()}
+                for k in (args.min_len, (args.min_len + args.max_len) // 2, args.max_len)]
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        say(f"throughput: {n} requests, input and output lengths uniform in {lo}..{hi}, ignore_eos")
+        sync(device)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         elapsed = time.perf_counter() - t0
-    got = sum(len(o.outputs[0].token_ids) for o in outs)
-    want = int(out_lens.sum())
-    if got != want:
-        say(f"throughput: FAIL, generated {got} tokens, expected {want}")
+        if static is not None:
+            figures["graph_replays"] = static.replays
+        if device == "cuda" and not args.no_profile:
+            figures.update(profile_decode(llm, vocab, rng))
+        return sum(len(o.outputs[0].token_ids) for o in outs), elapsed, figures
+    finally:
+        llm.close()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+# Launch calls the profiler records on the CPU side, one per kernel or graph launched.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def profile_decode(llm, vocab: int, rng) -> dict[str, object]:
+    """A decode-bound batch (64 requests, 16 prompt tokens, 48 outputs) under torch.profiler: GPU
+    kernel time over wall time, and kernel/graph launches per engine step (the profiler's own
+    overhead is in the wall time, so the ratio is a lower bound)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.common.sampling_params import SamplingParams
+    prompts = [{"prompt_token_ids": rng.integers(100, vocab - 1, 16).tolist()} for _ in range(64)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    steps_before = llm.stats()["num_steps"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    steps = max(llm.stats()["num_steps"] - steps_before, 1)
+    events = prof.events()
+    kernel_us = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches = sum(1 for e in events if e.name in LAUNCH_CALLS)
+    return {"profiled_steps": steps, "profiled_wall_s": round(wall, 3), "kernel_s": round(kernel_us / 1e6, 3),
+            "kernel_over_wall": round(kernel_us / 1e6 / wall, 3), "launches_per_step": round(launches / steps, 1)}
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def stage_sampling(args: argparse.Namespace) -> int:
+    """The sampler on the GPU with no host sync (torch raises on one under sync debug mode "error")."""
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else None)
+    if engine_stage_skip("sampling", device, ()):
+        return SKIP
+    from services.common.proto import myvllm_pb2 as pb
+    from services.worker.sampler import Sampler
+    from services.worker.sampling_metadata import build_sampling_metadata
+    vocab, rows = 151936, 256
+    kinds = [pb.SamplingParams(temperature=0.0), pb.SamplingParams(temperature=0.8, top_k=20),
+             pb.SamplingParams(temperature=1.0, top_p=0.9), pb.SamplingParams(temperature=0.7, top_k=200, top_p=0.95),
+             pb.SamplingParams(temperature=1.0, min_p=0.05), pb.SamplingParams(temperature=1.0, top_k=5000)]
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    md = build_sampling_metadata(params, {}, vocab, device)  # built on the host, as each step does
+    sampler = Sampler(max_num_reqs=rows, vocab_size=vocab, device=device)
+    logits = torch.randn(rows, vocab, device=device)
+    sampler(logits.clone(), md)  # warm (lazy inits, kernels compiled)
+    sync(device)
+    timings = []
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            x = logits.clone()
+            t0 = time.perf_counter()
+            sampled, _ = sampler(x, md)
+            timings.append(time.perf_counter() - t0)
+    except RuntimeError as e:
+        say(f"sampling: FAIL, the sampler synchronised with the host: {e}")
+        record("sampling", host_syncs=True, error=str(e)[:300])
         return 1
-    say(f"throughput: {n} requests, {int(in_lens.sum())} prompt + {got} output tokens in {elapsed:.1f} s")
-    say(f"throughput: output tok/s: {got / elapsed:.1f}   total tok/s: {(got + int(in_lens.sum())) / elapsed:.1f}")
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    ids = sampled.cpu()  # the step's one copy
+    ok = bool(((ids >= 0) & (ids < vocab)).all())
+    launch_ms = 1000 * sorted(timings)[len(timings) // 2]
+    say(f"sampling: {rows} rows (greedy, top-k, top-p, top-k+top-p, min-p, large top-k) without a host sync; "
+        f"{launch_ms:.2f} ms to enqueue")
+    record("sampling", host_syncs=False, rows=rows, enqueue_ms=round(launch_ms, 3))
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------- report
+
+
+def stage_report(args: argparse.Namespace) -> int:
+    """gpu_check.json and gpu_check.md under --out: each stage's verdict and seconds (the lines
+    `name<TAB>verdict<TAB>seconds` in --verdicts) with the figures it recorded."""
+    stages = []
+    verdicts = Path(args.verdicts).read_text().splitlines() if args.verdicts and Path(args.verdicts).is_file() else []
+    for line in verdicts:
+        name, verdict, seconds = line.split("\t")
+        path = RESULTS_DIR / f"{name}.json"
+        figures = json.loads(path.read_text()) if path.is_file() else {}
+        stages.append({"stage": name, "verdict": verdict, "seconds": int(seconds), "figures": figures})
+    probe = RESULTS_DIR / "probe.json"
+    report = {"machine": json.loads(probe.read_text()) if probe.is_file() else {}, "stages": stages,
+              "total_seconds": sum(s["seconds"] for s in stages)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+    lines = [f"# make gpu-check: {report['machine'].get('gpu') or 'no GPU'}, torch {report['machine'].get('torch')}",
+             "", "| stage | verdict | seconds | figures |", "| --- | --- | ---: | --- |"]
+    for s in stages:
+        figures = ", ".join(f"{k} {v}" for k, v in s["figures"].items())
+        lines.append(f"| {s['stage']} | {s['verdict']} | {s['seconds']} | {figures} |")
+    lines.append(f"\nTotal {report['total_seconds']} s.")
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
     return 0
 
 
@@ -670,7 +843,8 @@ def stage_throughput(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["probe", "kernels", "greedy", "tp2", "cudagraphs", "throughput"])
+    ap.add_argument("stage", choices=["probe", "kernels", "greedy", "tp2", "cudagraphs", "sampling", "throughput",
+                                      "report"])
     ap.add_argument("--device", default=None, help="force a device (e.g. cpu with TRITON_INTERPRET=1, for testing)")
     ap.add_argument("--interpret", action="store_true", help="kernels: run under TRITON_INTERPRET=1 even with CUDA")
     ap.add_argument("--quick", action="store_true", help="greedy: fewer, shorter prompts")
@@ -685,9 +859,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-gib", type=int, default=64)
+    ap.add_argument("--modes", default="eager,graphs", help="throughput: the engine modes to run, in order")
+    ap.add_argument("--no-profile", action="store_true", help="throughput: skip the profiled decode run")
+    ap.add_argument("--verdicts", default=None, help="report: the stages' verdicts (name, verdict, seconds per line)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "build" / "gpu-check"),
+                    help="report: where gpu_check.json and gpu_check.md go (default $OUT, else build/gpu-check)")
     args = ap.parse_args(argv)
     stage = {"probe": stage_probe, "kernels": stage_kernels, "greedy": stage_greedy, "tp2": stage_tp2,
-             "cudagraphs": stage_cudagraphs, "throughput": stage_throughput}[args.stage]
+             "cudagraphs": stage_cudagraphs, "sampling": stage_sampling, "throughput": stage_throughput,
+             "report": stage_report}[args.stage]
     try:
         return stage(args)
     except Exception:  # noqa: BLE001 - a stage that raises fails with its traceback

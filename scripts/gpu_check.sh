@@ -10,14 +10,34 @@
 #                   transformers, when two GPUs are present (says so and skips otherwise)
 #   (d) cudagraphs  CUDA graphs for pure-decode steps (full_decode_only) vs --enforce-eager: greedy token
 #                   for token, and the decode time per step of each at batch 1 and 8
-#   (e) throughput  Qwen3-0.6B-shaped random weights, 256 requests, lengths 100..1024, output tok/s
+#   (e) sampling    the sampler on the GPU under sync debug mode "error": no host sync
+#   (f) throughput  Qwen3-0.6B-shaped random weights, 256 requests, lengths 100..1024, output tok/s with
+#                   --enforce-eager and with CUDA graphs; per mode a profiled decode-bound run: GPU kernel
+#                   time / wall time and launches per step
+#   then a report: gpu_check.json and gpu_check.md (every stage's verdict, seconds and figures) under
+#   $OUT when the device tool runs this, else build/gpu-check.
 #
-# Each stage runs under `timeout` (30 + 100 + 110 + 90 + 60 + 220 s; tp2 skips at once on one GPU).
-# A stage whose packages are missing says which and is skipped; a failing or timed-out stage makes the script exit non-zero.
+# What the GPU machine lacks travels with the repository: `make gpu-prep` (here, with network)
+# generates the protobuf modules and downloads into .whl/ the wheels of the protobuf and grpcio
+# versions they were generated for; this script installs .whl/*.whl into /tmp/site when present.
+# The device call: carry [".whl", "services/common/proto/myvllm_pb2.py",
+# "services/common/proto/myvllm_pb2_grpc.py"], command `bash scripts/gpu_check.sh`.
+#
+# Each stage runs under `timeout` (20 + 120 + 70 + 20 + 50 + 30 + 170 s = 480 s at most; tp2 skips at once
+# on one GPU, and the stages are meant to end inside theirs, about 6 minutes in all on an H200: not
+# yet measured, the first GPU run will say). A stage whose packages are missing says which and is skipped; a failing or timed-out
+# stage makes the script exit non-zero.
 # Without CUDA it runs the kernel tests under TRITON_INTERPRET=1 only.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+
+# Wheels carried for what the machine lacks (make gpu-prep), installed beside its own packages.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+        && echo "[gpu-check] installed $(ls .whl | tr '\n' ' ')into /tmp/site"
+fi
 
 # The python: the repo's .venv if its torch sees CUDA, else python3 / python; without CUDA anywhere,
 # the first of them that imports torch and triton.
@@ -50,6 +70,9 @@ if [ -z "$PY" ]; then
     exit 1
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export GPU_CHECK_RESULTS=${GPU_CHECK_RESULTS:-$(mktemp -d /tmp/gpu-check-results.XXXX)}
+VERDICTS=$GPU_CHECK_RESULTS/verdicts.tsv
+: > "$VERDICTS"
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 echo "[gpu-check] using $PY"
@@ -60,7 +83,7 @@ if [ ! -f services/common/proto/myvllm_pb2.py ] && "$PY" -c 'import grpc_tools' 
         --pyi_out=. proto/myvllm.proto && echo "[gpu-check] generated services/common/proto/myvllm_pb2*.py"
 fi
 
-timeout 30 "$PY" scripts/gpu_check.py probe
+timeout 20 "$PY" scripts/gpu_check.py probe
 
 if [ "$HAVE_CUDA" = 0 ]; then
     TRITON_INTERPRET=1 timeout 300 "$PY" scripts/gpu_check.py kernels --interpret
@@ -87,13 +110,16 @@ run_stage() {  # name, timeout in seconds, gpu_check.py arguments...
         *) verdict="FAIL (exit $rc)"; FAILED=1 ;;
     esac
     SUMMARY="$SUMMARY[gpu-check] $name: $verdict in $((SECONDS - start)) s"$'\n'
+    printf '%s\t%s\t%s\n' "$name" "${verdict%% *}" "$((SECONDS - start))" >> "$VERDICTS"
 }
 
-run_stage kernels 100 kernels
-run_stage greedy 110 greedy
-run_stage tp2 90 tp2 --quick
-run_stage cudagraphs 60 cudagraphs
-run_stage throughput 220 throughput
+run_stage kernels 120 kernels
+run_stage greedy 70 greedy
+run_stage tp2 20 tp2 --quick
+run_stage cudagraphs 50 cudagraphs
+run_stage sampling 30 sampling
+run_stage throughput 170 throughput
 echo "[gpu-check] ===== summary"
 printf '%s' "$SUMMARY"
+"$PY" scripts/gpu_check.py report --verdicts "$VERDICTS"
 exit $FAILED
