@@ -162,7 +162,7 @@ async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metr
     # The replica is chosen for the first prompt (a completions batch may carry several).
     prompt = RoutePrompt(choices[0].engine.prompt_token_ids, choices[0].engine.cache_salt) if choices else \
         RoutePrompt([])
-    replica = await _connect_some_replica(router, prompt)
+    replica = await connect_some_replica(router, prompt)
     run = _Run(router, replica, metrics, migration or MigrationPolicy(), arrival_time, prompt,
                router.cached_tokens(replica, prompt))
     merged = _merge_choices(run, choices)
@@ -185,7 +185,7 @@ async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metr
     return _prepend(first, merged, watcher)
 
 
-async def _connect_some_replica(router: ReplicaRouter, prompt: RoutePrompt) -> Replica:
+async def connect_some_replica(router: ReplicaRouter, prompt: RoutePrompt) -> Replica:
     """The picked replica, once its stream is open; the next one while they turn out down."""
     tried: set[str] = set()
     while True:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.context import GatewayContext
 from services.gateway.errors import OpenAIError, invalid_request
-from services.gateway.generation import DisconnectWatcher, _connect_some_replica
+from services.gateway.generation import DisconnectWatcher, connect_some_replica
 from services.gateway.prompts import PromptBound, check_token_ids
 from services.gateway.protocol_embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from services.gateway.router import Replica
@@ -47,7 +47,7 @@ async def create_embedding(ctx: GatewayContext, request: EmbeddingRequest, http_
                                           ctx.prompt_bound(max_model_len))
     pooling = pb.PoolingParams(dimensions=request.dimensions or 0)
     request_id = f"embd-{uuid.uuid4().hex}"
-    replica = await _connect_some_replica(ctx.router, RoutePrompt(prompts[0]))
+    replica = await connect_some_replica(ctx.router, RoutePrompt(prompts[0]))
     tasks = [asyncio.create_task(_embed_one(ctx, replica, f"{request_id}-{i}", ids, pooling, arrival_time))
              for i, ids in enumerate(prompts)]
 
