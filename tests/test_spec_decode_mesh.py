@@ -1,7 +1,8 @@
-"""Speculative decoding through the real mesh (`myvllm serve --speculative-config`), with the
-official `openai` client: greedy text equal to the offline engine's without drafts, several
-tokens per streamed chunk, the spec_decode counters on /metrics, and a clear refusal of a bad
-configuration at start-up."""
+"""Speculative decoding through the real mesh (`myvllm serve --speculative-config`, with async
+scheduling: each step verifies the worker's own drafts of the step still in flight, over real
+gRPC), with the official `openai` client: greedy text equal to the offline engine's without
+drafts, several tokens per streamed chunk, the spec_decode counters on /metrics, and a clear
+refusal of a bad configuration at start-up."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ PROMPT = ("Rewrite the paragraph, changing only the names.\n\nParagraph: Alice w
 @pytest.fixture(scope="module")
 def mesh(smollm2_dir: str):
     m = Mesh(["--model", smollm2_dir, "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20),
-              "--speculative-config", json.dumps(SPEC)])
+              "--speculative-config", json.dumps(SPEC), "--async-scheduling"])
     yield m
     assert m.stop() == 0, "serve did not stop cleanly on Ctrl-C"
 
