@@ -201,3 +201,28 @@ def test_a_worker_failure_forgets_every_transfer_and_frees_every_block() -> None
     s.abort_requests(list(s.requests))
     s.forget_worker_state()
     assert free_blocks(s) == total and not s.finishing and not s.has_unfinished_requests()
+
+
+def test_loads_in_flight_are_bounded_by_max_num_seqs_and_the_pool() -> None:
+    s = Scheduler(num_blocks=64, block_size=BS, max_num_seqs=2, max_num_batched_tokens=1000, max_model_len=256,
+                  kv_transfer_config=KVTransferConfig(kv_connector="SharedMemoryConnector", kv_role="kv_consumer"))
+    for i in range(3):
+        tokens = prompt(14, start=1000 * (i + 1))
+        s.add_request(request(f"c{i}", tokens, remote_params(tokens)))
+    so = s.schedule()
+    assert [load.request_id for load in so.kv_connector_metadata.loads] == ["c0", "c1"]
+    assert [r.request_id for r in s.waiting] == ["c2"] and s.num_waiting == 3
+    s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, finished_recving=["c0"]))
+    so = s.schedule()
+    assert [r.request_id for r in so.new_requests] == ["c0"]
+    assert [load.request_id for load in so.kv_connector_metadata.loads] == ["c2"]
+    # A pool too small for the load: the request waits (no load, no blocks), and asks again later.
+    small = make_scheduler("kv_consumer", num_blocks=6)
+    small.add_request(request("r", prompt(14, start=50000), None))
+    so = small.schedule()
+    small.update_from_output(so, sampled(so))  # "r" holds 4 of the 5 blocks
+    tokens = prompt(14)
+    small.add_request(request("big", tokens, remote_params(tokens)))
+    so = small.schedule()
+    assert not so.kv_connector_metadata.loads and small.requests["big"].kv_load_decided is False
+    assert small.requests["big"].status == RequestStatus.WAITING and not small.kv_cache_manager.block_ids("big")

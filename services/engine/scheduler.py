@@ -355,9 +355,15 @@ class Scheduler:
                 if self.kv_connector is not None:
                     num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
                     if num_external:
-                        if not self._wait_for_remote_kvs(request, hit_blocks, num_hit_tokens, num_external):
-                            request.kv_load_decided = False  # (asked again when blocks free up)
+                        # At most max_num_seqs loads in flight, each within the step's message.
+                        load_bytes = message_limits.kv_transfer_bytes(len(request.request_id),
+                                                                      request.num_tokens // self.block_size)
+                        if len(self.waiting_for_remote) >= self.max_num_seqs or step_bytes + load_bytes > \
+                                STEP_BUDGET_BYTES or not self._wait_for_remote_kvs(request, hit_blocks,
+                                                                                   num_hit_tokens, num_external):
+                            request.kv_load_decided = False  # (asked again next time)
                             break  # waiting requests wait; they never preempt
+                        step_bytes += load_bytes
                         continue
             # (A request whose prompt KV was loaded from a producer has computed tokens already.)
             num_computed = request.num_computed_tokens or num_hit_tokens
@@ -425,6 +431,9 @@ class Scheduler:
                                                          self._max_blocks(request.num_tokens), request.sampling_bytes)
         if request.grammar is not None:
             num_bytes += self.bitmask_row_bytes * (1 + len(request.spec_token_ids))
+        if request.kv_transfer_params is not None and request.kv_transfer_params.do_remote_decode:
+            num_bytes += message_limits.kv_transfer_bytes(len(request.request_id),
+                                                          request.num_prompt_tokens // self.block_size)  # its save
         return num_bytes
 
     def drafts_off(self) -> bool:
