@@ -9,8 +9,10 @@ import os
 
 import pytest
 
+from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.sdk.llm import LLM
+from services.worker.step_validation import InvalidStep
 
 BLOCK = 4
 ENGINE = dict(dtype="float32", seed=0, block_size=BLOCK, max_model_len=256, num_gpu_blocks_override=96,
@@ -204,3 +206,23 @@ def test_kv_both_with_async_scheduling_mixes_loads_with_running_requests(tiny_ll
         assert token_ids(b.generate(PROMPTS, mixed, use_tqdm=False)) == expected
         assert b.engine.scheduler.kv_connector.num_loads == 2
         assert segments(shm) == [] and all_blocks_free(a) and all_blocks_free(b)
+
+
+def test_the_worker_refuses_connector_metadata_it_cannot_apply(engines):
+    producer, consumer, colocated = engines
+    handle = "mvkv-" + "a" * 32
+    load = pb.KVLoad(request_id="x", handle=handle, block_ids=[1], block_hashes=[b"\0" * 32])
+    cases = [
+        (colocated, pb.KVConnectorMetadata(discard_handles=[handle]), "has no KV connector"),
+        (producer, pb.KVConnectorMetadata(loads=[load]), "sent to a kv_producer"),
+        (consumer, pb.KVConnectorMetadata(loads=[pb.KVLoad(request_id="x", handle=handle, block_ids=[10**6],
+                                                           block_hashes=[b"\0" * 32])]), "outside"),
+        (consumer, pb.KVConnectorMetadata(loads=[pb.KVLoad(request_id="x", handle=handle, block_ids=[0],
+                                                           block_hashes=[b"\0" * 32])]), "outside"),
+        (consumer, pb.KVConnectorMetadata(loads=[pb.KVLoad(request_id="x", handle=handle, block_ids=[1, 2],
+                                                           block_hashes=[b"\0" * 32])]), "differ in length"),
+        (consumer, pb.KVConnectorMetadata(discard_handles=["../etc/passwd"]), "not a transfer handle"),
+    ]
+    for llm, meta, message in cases:
+        with pytest.raises(InvalidStep, match=message):
+            llm.worker.execute(pb.SchedulerOutput(step_id=10**6, kv_connector_metadata=meta))
