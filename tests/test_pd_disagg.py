@@ -226,3 +226,16 @@ def test_the_worker_refuses_connector_metadata_it_cannot_apply(engines):
     for llm, meta, message in cases:
         with pytest.raises(InvalidStep, match=message):
             llm.worker.execute(pb.SchedulerOutput(step_id=10**6, kv_connector_metadata=meta))
+
+
+def test_a_consumer_without_prefix_caching_loads_too(tiny_llama_dir, engines):
+    producer, _, colocated = engines
+    shm = producer.worker.kv_connector.directory  # (the module's shared directory)
+    expected = token_ids(colocated.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                                            use_tqdm=False))
+    with LLM(tiny_llama_dir, kv_transfer_config=kv_config("kv_consumer", shm), enable_prefix_caching=False,
+             **ENGINE) as consumer:
+        params = prefill(producer, PROMPTS[:2])
+        assert token_ids(decode(consumer, PROMPTS[:2], params)) == expected
+        assert consumer.engine.scheduler.kv_connector.num_loads == 2
+        assert segments(shm) == [] and all_blocks_free(consumer)

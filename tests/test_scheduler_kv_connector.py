@@ -226,3 +226,15 @@ def test_loads_in_flight_are_bounded_by_max_num_seqs_and_the_pool() -> None:
     so = small.schedule()
     assert not so.kv_connector_metadata.loads and small.requests["big"].kv_load_decided is False
     assert small.requests["big"].status == RequestStatus.WAITING and not small.kv_cache_manager.block_ids("big")
+
+
+def test_a_request_asking_for_prompt_logprobs_computes_its_prompt_and_discards_the_segment() -> None:
+    s = make_scheduler("kv_consumer")
+    tokens = prompt(14)
+    params = remote_params(tokens)
+    r = Request("c", tokens, pb.SamplingParams(max_tokens=5, logprobs=-1, prompt_logprobs=1), frozenset({EOS}),
+                max_tokens=5, kv_transfer_params=params)
+    s.add_request(r)
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == [14] and not so.kv_connector_metadata.loads
+    assert list(so.kv_connector_metadata.discard_handles) == [params.remote_handle]

@@ -350,6 +350,9 @@ class Scheduler:
                     skipped.append(request)
                 continue
             hit_blocks, num_hit_tokens = [], 0
+            if request.needs_prompt_logprobs and self.kv_connector is not None:
+                # Every prompt position is computed here: its producer's segment is not needed.
+                self.kv_connector.get_num_new_matched_tokens(request, request.num_tokens)
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self.kv_connector is not None:
