@@ -2,7 +2,7 @@
 
 The worker reads the model flags (what weights, in what dtype, with which attention
 backend); the scheduler reads the scheduling flags (batch bounds, KV block accounting); both
-read the parallel and speculative flags, which must agree (LoadModel checks).
+read the parallel, speculative and KV transfer flags, which must agree (LoadModel checks).
 `myvllm worker` and `myvllm scheduler` list only their own group; `serve`, `generate`
 and `bench` (one process, or all three services) take both.
 """
@@ -23,7 +23,7 @@ MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "t
               "convert", "pooler_config", "enforce_eager", "cuda_graph_sizes", "cudagraph_mode")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
-                   "speculative_config", "structured_outputs_compile_timeout")
+                   "speculative_config", "structured_outputs_compile_timeout", "kv_transfer_config")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -112,6 +112,16 @@ def add_scheduling_args(p: argparse.ArgumentParser) -> None:
                         f"{STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR}x it of wall-clock time); the request then ends "
                         f"with a 400 (default {DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S:g})")
     add_speculative_arg(p)
+    add_kv_transfer_arg(p)
+
+
+def add_kv_transfer_arg(p: argparse.ArgumentParser) -> None:
+    """Read by the scheduler (requests that wait for remote KV, blocks kept until saved) and by the
+    worker (the transport)."""
+    p.add_argument("--kv-transfer-config", default=None,
+                   help='prefill/decode disaggregation, vLLM\'s JSON: \'{"kv_connector": "SharedMemoryConnector", '
+                        '"kv_role": "kv_producer"}\' (or "kv_consumer", "kv_both"); "kv_connector_extra_config": '
+                        '{"shm_dir": DIR, "segment_ttl_s": S}')
 
 
 def add_speculative_arg(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from services.common.config import EngineConfig, check_model_dir, default_model_
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.engine_args import (
+    add_kv_transfer_arg,
     add_model_args,
     add_parallel_args,
     add_scheduler_service_args,
@@ -402,6 +403,7 @@ def add_subcommands(sub) -> None:
     _add_internal_token_arg(w)
     add_model_args(w)
     add_speculative_arg(w)
+    add_kv_transfer_arg(w)
     w.set_defaults(func=_cmd_worker)
 
     s = sub.add_parser("scheduler", help="run a scheduler service (queues, KV block accounting)")

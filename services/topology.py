@@ -29,6 +29,7 @@ from services.common.auth import TOKEN_ENV
 from services.common.redis_registry import REDIS_URL_ENV
 from services.engine_args import (
     add_engine_args,
+    add_kv_transfer_arg,
     add_model_args,
     add_parallel_args,
     add_scheduler_service_args,
@@ -284,6 +285,7 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
     redis_env = (REDIS_URL_ENV,) if topology.redis else ()
     worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved model directory
     worker_flags = (forwarded_flags(worker_args, add_model_args) + forwarded_flags(worker_args, add_speculative_arg)
+                    + forwarded_flags(worker_args, add_kv_transfer_arg)
                     + forwarded_flags(worker_args, add_device_arg))
     group = None
     if topology.expert_parallel_group:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.cudagraph_config import check_cudagraph_mode, parse_capture_sizes
+from services.common.kv_transfer_config import KVTransferConfig
 from services.common.pooling_config import CONVERTS, RUNNERS, PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
@@ -175,6 +176,10 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | str | None = None
     cudagraph_mode: str | None = None
+    # Prefill/decode disaggregation, vLLM's kv_transfer_config dict (or its JSON text):
+    # {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+    # "kv_connector_extra_config": {...}}. None: no KV connector.
+    kv_transfer_config: KVTransferConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -183,6 +188,9 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             self._check_speculation()
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None:
+            self._check_kv_transfer()
         self._check_cuda_graphs()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
@@ -269,6 +277,19 @@ class EngineConfig:
             raise ValueError("speculative_config method draft_model does not combine with data_parallel_size > 1 and "
                              "enable_expert_parallel (the engines' forwards must match step for step; ngram does)")
 
+    def _check_kv_transfer(self) -> None:
+        """Refuse what the KV connector does not transfer (yet), naming the flag."""
+        refused = [(self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (--tensor-parallel-size)"),
+                   (self.pipeline_parallel_size > 1, "pipeline_parallel_size > 1 (--pipeline-parallel-size)"),
+                   (self.expert_parallel_group, "data_parallel_size > 1 with enable_expert_parallel"),
+                   (self.runner == "pooling", "runner 'pooling' (--runner pooling)"),
+                   (self.speculative_config is not None and self.speculative_config.method == "draft_model",
+                    "speculative_config method draft_model (the draft's own KV is not transferred)")]
+        for hit, what in refused:
+            if hit:
+                raise ValueError(f"kv_transfer_config does not combine with {what} yet: the connector moves one "
+                                 "rank's whole KV cache")
+
     def resolve_async_scheduling(self, device: str) -> bool:
         """Fix the automatic choice once the worker's device is known."""
         if self.async_scheduling is None:
@@ -304,7 +325,8 @@ class EngineConfig:
                                                 async_scheduling=self.async_scheduling),
             speculative_config=spec.to_proto() if spec else None,
             structured_outputs_config=pb.StructuredOutputsConfig(
-                compile_timeout_s=self.structured_outputs_compile_timeout))
+                compile_timeout_s=self.structured_outputs_compile_timeout),
+            kv_transfer_config=self.kv_transfer_config.to_proto() if self.kv_transfer_config else None)
 
     @classmethod
     def from_proto(cls, config: pb.VllmConfig) -> EngineConfig:
@@ -326,7 +348,9 @@ class EngineConfig:
                    async_scheduling=s.async_scheduling if s.HasField("async_scheduling") else None,
                    speculative_config=SpeculativeConfig.from_proto(config.speculative_config)
                    if config.HasField("speculative_config") else None,
-                   structured_outputs_compile_timeout=config.structured_outputs_config.compile_timeout_s)
+                   structured_outputs_compile_timeout=config.structured_outputs_config.compile_timeout_s,
+                   kv_transfer_config=KVTransferConfig.from_proto(config.kv_transfer_config)
+                   if config.HasField("kv_transfer_config") else None)
 
     def adopt_model_config(self, model_config: pb.ModelConfig) -> None:
         """A scheduler takes its worker's model part (model_config is the worker's)."""
@@ -355,7 +379,7 @@ class EngineConfig:
 # worker's flags set the model part (a scheduler adopts it from ModelInfo); both read these
 # parts, which must agree; the rest is the scheduler's, and the worker takes it from LoadModel.
 WORKER_OWNED_PARTS = ("model_config",)
-SHARED_PARTS = ("parallel_config", "speculative_config")
+SHARED_PARTS = ("parallel_config", "speculative_config", "kv_transfer_config")
 
 
 def config_mismatches(ours: pb.VllmConfig, theirs: pb.VllmConfig, parts: Iterable[str]) -> list[str]:

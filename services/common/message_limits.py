@@ -94,6 +94,12 @@ def cached_request_bytes(request_id_chars: int, num_ids: int) -> int:
     return 4 * _FIELD + 4 * request_id_chars + _INT * (num_ids + 2)
 
 
+def kv_transfer_bytes(request_id_chars: int, num_blocks: int) -> int:
+    """A KVLoad or KVSave in a step's KV connector metadata: ids, handle, and per block its id and
+    its 32-byte hash."""
+    return 6 * _FIELD + 4 * request_id_chars + 64 + num_blocks * (_INT + _FIELD + 32)
+
+
 def bitmask_row_bytes(vocab_size: int) -> int:
     """One request's allowed-token row (ceil(vocab / 32) int32 words) and its request id."""
     return 4 * -(-vocab_size // 32) + _string_bytes(MAX_REQUEST_ID_CHARS)

@@ -66,6 +66,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Token-id sequences for bad_words, filled from `bad_words` by whoever holds the tokenizer.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's extra_args: settings for engine extensions. "kv_transfer_params" (P/D disaggregation,
+    # services/common/kv_transfer_params.py) is the one this engine reads; the offline LLM sends it
+    # with the request, never in the sampling settings.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,6 +140,8 @@ class SamplingParams:
             if not (math.isfinite(v) and -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS):
                 raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
                                                         f"{MAX_ABS_LOGIT_BIAS:g}], got {v}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise SamplingParamsError("extra_args", "extra_args must be a dict")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise SamplingParamsError("structured_outputs",

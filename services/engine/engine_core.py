@@ -7,6 +7,7 @@ worker (a direct call or a gRPC stream) is the caller's business.
 from __future__ import annotations
 
 from services.common.config import EngineConfig
+from services.common.kv_transfer_params import check_params
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request
@@ -30,7 +31,8 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
             async_scheduling=config.async_scheduling, pipeline_parallel=config.pipeline_parallel_size > 1,
-            structured_output=self.structured_output, speculative_config=config.speculative_config)
+            structured_output=self.structured_output, speculative_config=config.speculative_config,
+            kv_transfer_config=config.kv_transfer_config)
         self.num_steps = 0
         self.num_dummy_steps = 0  # lockstep steps with nothing scheduled (services/engine/step_loop.py)
 
@@ -52,9 +54,11 @@ class EngineCore:
         max_tokens = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else room
         resumed = list(req.resumed_output_token_ids)
         self._check_resumed(resumed, max_tokens)
+        kv_params = self._check_kv_transfer_params(req)
         request = Request(
             req.request_id, prompt, req.sampling, self.eos_token_ids, max_tokens=max_tokens,
-            priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed)
+            priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed,
+            kv_transfer_params=kv_params)
         if req.sampling.HasField("structured_outputs"):
             # Parsed and compiled in the background, within --structured-outputs-compile-timeout (the
             # request waits for it, the batch does not).
@@ -73,6 +77,24 @@ class EngineCore:
                                      list(info.matryoshka_dimensions))
             if error is not None:
                 raise InvalidRequest(error)
+
+    def _check_kv_transfer_params(self, req: pb.GenerateRequest) -> pb.KVTransferParams | None:
+        """A request's kv_transfer_params, if any: well formed, and for a role this engine plays."""
+        if not req.HasField("kv_transfer_params"):
+            return None
+        params = req.kv_transfer_params
+        try:
+            check_params(params)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        kv = self.config.kv_transfer_config
+        if params.do_remote_decode and (kv is None or not kv.is_producer):
+            raise InvalidRequest("kv_transfer_params.do_remote_decode needs an engine started with "
+                                 "--kv-transfer-config kv_role kv_producer or kv_both")
+        if params.do_remote_prefill and (kv is None or not kv.is_consumer):
+            raise InvalidRequest("kv_transfer_params.do_remote_prefill needs an engine started with "
+                                 "--kv-transfer-config kv_role kv_consumer or kv_both")
+        return params if params.do_remote_decode or params.do_remote_prefill else None
 
     def _check_resumed(self, resumed: list[int], max_tokens: int) -> None:
         """A migrated request must still have something left to generate."""

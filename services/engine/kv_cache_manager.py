@@ -65,12 +65,14 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[KVBlock] | None:
         """Give `request` room for `num_new_tokens` more tokens after its computed ones.
 
         `new_computed_blocks` are prefix-cache hits found this step (touched here).
         Returns the newly allocated blocks, or None (and changes nothing) if the pool
-        cannot supply them.
+        cannot supply them. `delay_cache_blocks`: their KV comes from elsewhere (a remote load):
+        the caller caches them (`cache_full_blocks`) once it is there.
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -91,7 +93,8 @@ class KVCacheManager:
         # Full blocks whose tokens are known are cached now, before their KV is written, so
         # requests scheduled later in this same step (n > 1 siblings, shared prefixes) hit
         # them: the worker stores every token's K/V of a step before any attention reads.
-        self.cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        if not delay_cache_blocks:
+            self.cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
     def uncache_blocks_from(self, request: Request, first_block: int) -> None:

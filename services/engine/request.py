@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
+    # P/D disaggregation: the request holds blocks its producer's KV is being loaded into; it is
+    # not scheduled until the worker reports the load (services/engine/kv_connector.py).
+    WAITING_FOR_REMOTE_KVS = -1
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -49,6 +52,7 @@ class Request:
         arrival_time: float | None = None,
         resumed_output_token_ids: list[int] | None = None,
         pooling_params: pb.PoolingParams | None = None,
+        kv_transfer_params: pb.KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -92,6 +96,13 @@ class Request:
         # prompt-only request and finishes (blocks freed) when the step that completes its prompt
         # returns its pooler output; it never samples.
         self.pooling_params = pooling_params
+        # P/D disaggregation (vLLM's kv_transfer_params; services/engine/kv_connector.py): whether a
+        # consumer already decided on loading, the producer's segment handle (None: undecided, "":
+        # nothing saved), and whether an aborted producer request's segment goes once saved.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_load_decided = False
+        self.kv_save_handle: str | None = None
+        self.kv_discard_after_save = False
 
     @property
     def needs_prompt_logprobs(self) -> bool:

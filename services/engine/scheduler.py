@@ -15,11 +15,13 @@ from collections import deque
 from concurrent.futures import wait
 
 from services.common import message_limits
+from services.common.kv_transfer_config import KVTransferConfig
 from services.common.message_limits import STEP_BUDGET_BYTES
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig, may_speculate
 from services.common.structured_outputs import StructuredOutputsError
 from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_connector import KVConnectorScheduler
 from services.engine.request import Request, RequestStatus
 from services.engine.spec_decode import (
     WORKER_DRAFT,
@@ -50,6 +52,7 @@ class Scheduler:
         pipeline_parallel: bool = False,
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -70,6 +73,13 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Requests whose state the worker holds (scheduled since their last preemption).
         self.worker_known: set[str] = set()
+        # P/D disaggregation (None: no KV connector). Requests whose blocks a remote load fills
+        # (they hold blocks, not a batch slot), and ended requests whose blocks wait for a transfer
+        # to end (a producer's save, an aborted consumer's load) before they are freed.
+        self.kv_connector = KVConnectorScheduler(kv_transfer_config, block_size) \
+            if kv_transfer_config is not None else None
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.finishing: dict[str, Request] = {}
         self.num_preemptions = 0
         self.step_id = 0
         # Grammars and step bitmasks of constrained requests (None: no request may be constrained).
@@ -108,7 +118,7 @@ class Scheduler:
     # ------------------------------------------------------------------ queue management
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.finishing:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         # (An embedding request generates nothing: its prompt may fill the context.)
         if request.num_tokens > self.max_model_len or (request.num_tokens == self.max_model_len
@@ -148,20 +158,75 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_remote[rid]
             else:
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             aborted.append(request)
         return aborted
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus) -> pb.KVTransferParams | None:
+        """End `request` and free its blocks (unless a transfer still uses them: then when it ends).
+        Returns the KV transfer params its final output carries (a producer's), if any."""
         request.status = status
         request.spec_token_ids = []
-        self.kv_cache_manager.free(request)
+        delay, params = False, None
+        if self.kv_connector is not None:
+            delay, params = self.kv_connector.request_finished(request, status == RequestStatus.FINISHED_ABORTED)
+            delay = delay or request.request_id in self.kv_connector.loading
+        if delay:
+            self.finishing[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         if request.request_id in self.worker_known:
             self.worker_known.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
+        return params
+
+    def _transfer_ended(self, request_id: str) -> None:
+        """A transfer of an ended request is over: its blocks go back now."""
+        request = self.finishing.pop(request_id, None)
+        if request is not None:
+            self.kv_cache_manager.free(request)
+
+    def _update_from_kv_xfer_finished(self, runner_output: pb.ModelRunnerOutput) -> None:
+        """The worker's transfer reports (vLLM's name). A finished save frees an ended producer
+        request's blocks; a finished load makes its request schedulable with those tokens computed
+        (their blocks now cached), a failed one makes it compute its prompt itself."""
+        connector = self.kv_connector
+        if connector is None:
+            return
+        for rid in runner_output.finished_sending:
+            if connector.save_finished(rid):
+                request = self.finishing.get(rid)
+                if request is not None and request.kv_discard_after_save:
+                    connector.discard_later(request.kv_save_handle)
+                self._transfer_ended(rid)
+        reports = [(rid, True) for rid in runner_output.finished_recving]
+        reports += [(rid, False) for rid in runner_output.failed_recving]
+        for rid, ok in reports:
+            num_loaded = connector.load_finished(rid, ok)
+            if num_loaded is None:
+                continue
+            request = self.waiting_for_remote.pop(rid, None)
+            if request is None:
+                self._transfer_ended(rid)  # aborted while loading
+                continue
+            if num_loaded:
+                request.num_computed_tokens += num_loaded
+                self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+            else:
+                logger.warning("request %s: loading its prompt's KV failed; computing it here", rid)
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+                request.num_cached_tokens = -1
+            request.status = RequestStatus.WAITING
+            if self.policy == "priority":
+                self._enqueue_waiting(request)
+            else:
+                self.waiting.appendleft(request)
 
     def forget_worker_state(self) -> None:
         """The worker lost its batch and its KV (it failed, or is a fresh one): abort every
@@ -171,14 +236,20 @@ class Scheduler:
         self.worker_known.clear()
         self.finished_req_ids.clear()
         self.deferred_bitmasks.clear()
+        for rid in list(self.finishing):  # the worker's transfers are gone with it
+            self._transfer_ended(rid)
+        if self.kv_connector is not None:
+            self.kv_connector.reset()
         self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or transfers the worker has yet to report (it must see steps)."""
+        return bool(self.waiting or self.running or self.waiting_for_remote or self.finishing
+                    or (self.kv_connector is not None and self.kv_connector.has_pending))
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_for_remote)
 
     @property
     def num_running(self) -> int:
@@ -279,10 +350,28 @@ class Scheduler:
                     skipped.append(request)
                 continue
             hit_blocks, num_hit_tokens = [], 0
+            if request.needs_prompt_logprobs and self.kv_connector is not None:
+                # Every prompt position is computed here: its producer's segment is not needed.
+                self.kv_connector.get_num_new_matched_tokens(request, request.num_tokens)
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, token_budget)
-            if request.grammar is not None and self._waits_for_row(request, num_new, num_hit_tokens):
+                if self.kv_connector is not None:
+                    num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    if num_external:
+                        # At most max_num_seqs loads in flight, each within the step's message.
+                        load_bytes = message_limits.kv_transfer_bytes(len(request.request_id),
+                                                                      request.num_tokens // self.block_size)
+                        if len(self.waiting_for_remote) >= self.max_num_seqs or step_bytes + load_bytes > \
+                                STEP_BUDGET_BYTES or not self._wait_for_remote_kvs(request, hit_blocks,
+                                                                                   num_hit_tokens, num_external):
+                            request.kv_load_decided = False  # (asked again next time)
+                            break  # waiting requests wait; they never preempt
+                        step_bytes += load_bytes
+                        continue
+            # (A request whose prompt KV was loaded from a producer has computed tokens already.)
+            num_computed = request.num_computed_tokens or num_hit_tokens
+            num_new = min(request.num_tokens - num_computed, token_budget)
+            if request.grammar is not None and self._waits_for_row(request, num_new, num_computed):
                 self.waiting.popleft()
                 skipped.append(request)
                 continue
@@ -294,9 +383,9 @@ class Scheduler:
             if new_blocks is None:
                 break  # waiting requests wait; they never preempt
             self.waiting.popleft()
-            if self.kv_cache_manager.enable_prefix_caching:
+            if self.kv_cache_manager.enable_prefix_caching and request.num_computed_tokens == 0:  # (not a loaded one)
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
@@ -308,6 +397,24 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         return self._build_output(scheduled_new, scheduled_cached)
+
+    def _wait_for_remote_kvs(self, request: Request, hit_blocks: list, num_hit_tokens: int,
+                             num_external: int) -> bool:
+        """Allocate `request`'s blocks for its local hits and the `num_external` tokens its producer
+        holds (not cached until loaded) and park it until the worker reports the load; False when
+        the pool cannot supply them."""
+        if self.kv_cache_manager.allocate_slots(request, num_external, hit_blocks, delay_cache_blocks=True) is None:
+            return False
+        self.waiting.popleft()
+        if self.kv_cache_manager.enable_prefix_caching:
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[request.request_id] = request
+        self.kv_connector.update_state_after_alloc(request, self.kv_cache_manager.block_ids(request.request_id),
+                                                   num_hit_tokens, num_external)
+        return True
 
     def _max_blocks(self, num_tokens: int) -> int:
         """The most KV blocks a request of `num_tokens` tokens holds (with its lookahead slots)."""
@@ -327,6 +434,9 @@ class Scheduler:
                                                          self._max_blocks(request.num_tokens), request.sampling_bytes)
         if request.grammar is not None:
             num_bytes += self.bitmask_row_bytes * (1 + len(request.spec_token_ids))
+        if request.kv_transfer_params is not None and request.kv_transfer_params.do_remote_decode:
+            num_bytes += message_limits.kv_transfer_bytes(len(request.request_id),
+                                                          request.num_prompt_tokens // self.block_size)  # its save
         return num_bytes
 
     def drafts_off(self) -> bool:
@@ -475,6 +585,12 @@ class Scheduler:
             self.finished_req_ids.clear()
         # The worker will compute these tokens: count them as computed now.
         scheduled = [(r, n) for r, n in scheduled_new] + [(r, n) for r, n, _ in scheduled_cached]
+        if self.kv_connector is not None:
+            for request, num_new in scheduled:  # producer: prompts this step completes are saved after it
+                self.kv_connector.request_saves(request, num_new, self.kv_cache_manager.block_ids(request.request_id))
+            meta = self.kv_connector.build_connector_meta()
+            if meta is not None:
+                out.kv_connector_metadata.CopyFrom(meta)
         # Constrained requests whose matcher still waits for a token in flight (async scheduling).
         lagging = any(r.grammar is not None and r.num_output_placeholders for r, _ in scheduled)
         for request, num_new in scheduled:
@@ -524,6 +640,7 @@ class Scheduler:
     ) -> list[pb.RequestOutput]:
         """Append sampled tokens, check token-level stops, free finished requests."""
         outputs: list[pb.RequestOutput] = self.take_failed_outputs()
+        self._update_from_kv_xfer_finished(runner_output)
         outputs += self._finish_pooled(runner_output.pooler_output)
         self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         logprobs = runner_output.logprobs
@@ -582,7 +699,9 @@ class Scheduler:
                 out.finish_reason = status.finish_reason
                 out.stop_token_id = request.stop_token_id
                 self.running.remove(request)
-                self._finish(request, status)
+                params = self._finish(request, status)
+                if params is not None:
+                    out.kv_transfer_params.CopyFrom(params)
             outputs.append(out)
         return outputs
 

@@ -29,6 +29,10 @@ from typing import Protocol
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.engine_core import EngineCore
 
+# How long the loop waits between steps that only poll the worker's KV transfers (nothing else
+# to run): short next to a transfer, long enough not to spin a core the transfer needs.
+KV_TRANSFER_POLL_S = 0.002
+
 
 class WorkerHandle(Protocol):
     """An engine's ranks, as the step loop drives them."""
@@ -78,8 +82,10 @@ class StepLoop:
         while True:
             while len(in_flight) < self.depth and core.has_unfinished_requests():
                 so = core.schedule()
-                if not so.num_scheduled_tokens:
+                if not so.num_scheduled_tokens and not so.HasField("kv_connector_metadata"):
                     break
+                # (A step of KV connector metadata alone starts transfers, or lets the worker report
+                # those in flight: requests wait on them, and nothing else may be runnable.)
                 await workers.submit(so)
                 in_flight.append(so)
             if not in_flight:
@@ -92,7 +98,9 @@ class StepLoop:
                 await workers.submit(followup)  # the next step's constrained rows: their bitmask
             self.emit(outputs)
             self.after_step()
-            await asyncio.sleep(0)  # let the owner's other tasks (gateway streams) run between steps
+            # Let the owner's other tasks (gateway streams) run between steps; a step that only
+            # polled the worker's transfers waits a moment before the next poll.
+            await asyncio.sleep(0 if so.num_scheduled_tokens else KV_TRANSFER_POLL_S)
 
     async def _run_in_lockstep(self) -> int:
         """Step while the group's wave runs or this engine has work (its steps then wait in the

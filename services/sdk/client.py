@@ -235,6 +235,7 @@ class AsyncClient:
         resumed_output_token_ids: list[int] | None = None,
         dp_wave: int = 0,
         pooling: pb.PoolingParams | None = None,
+        kv_transfer_params: pb.KVTransferParams | None = None,
     ) -> AsyncGenerator[pb.RequestOutput, None]:
         """Submit one request and yield its `RequestOutput`s as engine steps produce them.
 
@@ -245,7 +246,9 @@ class AsyncClient:
         tokens this request already generated elsewhere; only tokens after them come back.
         `dp_wave`: the expert-parallel group's wave the sender last saw (services/common/dp_wave.py).
         `pooling`: an embedding request (a pooling engine; `sampling_params` is ignored): one output,
-        its `pooled_output` the embedding.
+        its `pooled_output` the embedding. `kv_transfer_params` (P/D disaggregation, an engine with
+        --kv-transfer-config): do_remote_decode, whose final output carries the params for the
+        consumer; or do_remote_prefill with those params.
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = sampling_params.to_proto()
@@ -264,6 +267,7 @@ class AsyncClient:
             resumed_output_token_ids=resumed_output_token_ids or [],
             dp_wave=dp_wave,
             pooling=pooling,
+            kv_transfer_params=kv_transfer_params,
         )))
         finished = False
         try:

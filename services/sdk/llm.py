@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from services.common.config import EngineConfig
+from services.common.kv_transfer_params import params_from_dict, params_to_dict
 from services.common.pooling_config import PoolingParams
 from services.common.proto import myvllm_pb2 as pb
 from services.common.rendezvous import RendezvousStore
@@ -145,6 +146,7 @@ class LLM:
                 results.append(result)
                 if sp.bad_words and not sp.bad_words_token_ids:
                     sp.bad_words_token_ids = self.text_tokenizer.bad_words_token_ids(sp.bad_words)
+                kv_params = params_from_dict((sp.extra_args or {}).get("kv_transfer_params"))
                 for index in range(sp.n):
                     child = CompletionOutput(index=index, text="", token_ids=[],
                                              logprobs=[] if sp.logprobs is not None else None,
@@ -157,7 +159,7 @@ class LLM:
                     engine = min(range(len(self.engines)), key=per_engine.__getitem__)  # the least loaded
                     self.engines[engine].add_request(pb.GenerateRequest(
                         request_id=rid, prompt_token_ids=token_ids, sampling=msg,
-                        priority=priority[i] if priority else 0))
+                        priority=priority[i] if priority else 0, kv_transfer_params=kv_params))
                     per_engine[engine] += 1
                     children[rid] = (result, child,
                                      ChoiceOutputProcessor(index, self.text_tokenizer, token_ids, sp))
@@ -253,6 +255,8 @@ class LLM:
             self._append(child, processor, out)
             if processor.index == 0:
                 result.num_cached_tokens = out.num_cached_tokens
+                if out.HasField("kv_transfer_params"):
+                    result.kv_transfer_params = params_to_dict(out.kv_transfer_params)
                 if result.prompt_logprobs == [] and out.new_token_ids:  # asked for, not yet filled
                     result.prompt_logprobs = [None] + [
                         _logprob_entry(token_id, lp)

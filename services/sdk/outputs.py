@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -37,6 +38,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing before it),
     # then {token id: Logprob} holding the prompt token and the top-k alternatives.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # P/D disaggregation (vLLM's field): a do_remote_decode request's params for its consumer
+    # request (pass them as SamplingParams.extra_args["kv_transfer_params"] there).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -10,10 +10,14 @@ import gc
 import logging
 import time
 
+from services.common.kv_transfer_config import KVTransferConfig
 from services.common.pooling_config import PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.cpu.malloc_tuning import release_freed_memory
+from services.worker.kv_connector import SharedMemoryConnector, model_id
+from services.worker.kv_segment import KVLayout
 from services.worker.model_runner import ModelRunner
+from services.worker.step_validation import InvalidStep
 
 logger = logging.getLogger("myvllm.worker")
 
@@ -41,6 +45,9 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.info: pb.ModelInfo | None = None
         self._loaded_key: bytes | None = None
+        # P/D disaggregation: the KV connector's settings, and its transport once the cache exists.
+        self.kv_transfer_config: KVTransferConfig | None = None
+        self.kv_connector: SharedMemoryConnector | None = None
 
     def load_model(self, req: pb.LoadModelRequest) -> pb.ModelInfo:
         """Load the weights, unless the same weights are already loaded (then only the batch
@@ -48,6 +55,8 @@ class Worker:
         c = req.config
         model, parallel = c.model_config, c.parallel_config
         max_num_seqs = c.scheduler_config.max_num_seqs
+        self.kv_transfer_config = KVTransferConfig.from_proto(c.kv_transfer_config) \
+            if c.HasField("kv_transfer_config") else None
         if self.runner is not None and self._loaded_key == weights_key(req):
             if self.runner.max_num_seqs != max_num_seqs:
                 self.runner.set_max_num_seqs(max_num_seqs)
@@ -97,22 +106,52 @@ class Worker:
                              bytes_per_block=r.kv_bytes_per_block(req.block_size))
 
     def init_kv_cache(self, req: pb.InitKVCacheRequest) -> pb.Empty:
-        self._loaded().init_kv_cache(req.num_blocks, req.block_size)
+        runner = self._loaded()
+        self._close_kv_connector()  # (its transfers would write into the old cache)
+        runner.init_kv_cache(req.num_blocks, req.block_size)
+        if self.kv_transfer_config is not None:
+            layers = runner.model.attention_layers()
+            layout = KVLayout(model_id=model_id(runner.model_dir), dtype=runner.dtype, num_layers=len(layers),
+                              block_size=req.block_size, num_kv_heads=layers[0].num_kv_heads,
+                              head_dim=layers[0].head_dim)
+            self.kv_connector = SharedMemoryConnector(self.kv_transfer_config, layout,
+                                                      [layer.kv_cache for layer in layers])
         return pb.Empty()
 
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
         """The step's output; None for a step that waits for its grammar bitmask (the output
-        comes with the `grammar_bitmask_only` message that brings it)."""
-        return self._loaded().execute(so)
+        comes with the `grammar_bitmask_only` message that brings it). A KV connector starts the
+        step's loads before its forward and its saves after it, and reports ended transfers."""
+        runner, connector = self._loaded(), self.kv_connector
+        meta = so.kv_connector_metadata if so.HasField("kv_connector_metadata") else None
+        if meta is not None:
+            if connector is None:
+                raise InvalidStep("kv_connector_metadata", "this worker has no KV connector (--kv-transfer-config)")
+            connector.check(meta)
+            connector.start_loads(meta)
+        out = runner.execute(so)
+        if meta is not None and meta.saves:
+            connector.start_saves(meta)
+        if out is not None and connector is not None:
+            connector.report(out)
+        return out
 
     def reset_batch(self) -> None:
-        """Forget every request (a new scheduler stream, or after a failed step)."""
+        """Forget every request (a new scheduler stream, or after a failed step), and every transfer."""
         if self.runner is not None and self.runner.input_batch is not None:
             self.runner.reset_batch()
+        if self.kv_connector is not None:
+            self.kv_connector.reset()
+
+    def _close_kv_connector(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
 
     def close(self) -> None:
         """Drop the model and its KV cache, and hand the freed memory back to the OS (an offline
         `LLM` closed in a long-lived process; ParallelWorkers stops its rank processes here)."""
+        self._close_kv_connector()
         self.runner = None
         self.info = None
         gc.unfreeze()  # load_model froze them

@@ -1,0 +1,102 @@
+"""The KV connector's settings, vLLM's `kv_transfer_config` names (prefill/decode disaggregation).
+
+`--kv-transfer-config '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer"}'`: a
+producer engine prefills requests that ask for it (do_remote_decode) and keeps their prompt's KV
+for a consumer engine, which loads it instead of computing it (do_remote_prefill). Read by the
+scheduler (which requests wait for remote KV, whose blocks it keeps until they are saved) and by
+the worker (the transport): both must agree, as speculative_config must.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.proto import myvllm_pb2 as pb
+
+CONNECTORS = ("SharedMemoryConnector",)
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# kv_connector_extra_config of SharedMemoryConnector: the directory its segments live in (a tmpfs:
+# /dev/shm where there is one), and how long a saved segment may wait for its consumer before the
+# producer's worker deletes it (a consumer that never comes must not leak memory).
+EXTRA_KEYS = {"shm_dir": str, "segment_ttl_s": (int, float)}
+DEFAULT_SEGMENT_TTL_S = 120.0
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: str
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector must be one of {CONNECTORS}, got {self.kv_connector!r}")
+        if self.kv_role not in ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {ROLES}, got {self.kv_role!r}")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict (JSON object)")
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown field(s) {unknown}; "
+                             f"known: {sorted(EXTRA_KEYS)}")
+        for key, types in EXTRA_KEYS.items():
+            if key in extra and (isinstance(extra[key], bool) or not isinstance(extra[key], types)):
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key} has the wrong type "
+                                 f"({type(extra[key]).__name__})")
+        if "segment_ttl_s" in extra and not extra["segment_ttl_s"] > 0:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.segment_ttl_s must be positive, "
+                             f"got {extra['segment_ttl_s']}")
+        if "shm_dir" in extra and not extra["shm_dir"]:
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.shm_dir must not be empty")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def segment_ttl_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("segment_ttl_s", DEFAULT_SEGMENT_TTL_S))
+
+    @property
+    def shm_dir(self) -> str | None:
+        return self.kv_connector_extra_config.get("shm_dir")
+
+    @classmethod
+    def parse(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
+        """From vLLM's dict (or its JSON text, as `--kv-transfer-config` takes it); None stays None."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a dict (JSON object), got {type(value).__name__}")
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown field(s) {unknown}; known: {sorted(known)}")
+        for key in ("kv_connector", "kv_role"):
+            if key not in value:
+                raise ValueError(f"kv_transfer_config.{key} is required")
+        return cls(kv_connector=value["kv_connector"], kv_role=value["kv_role"],
+                   kv_connector_extra_config=dict(value.get("kv_connector_extra_config") or {}))
+
+    @classmethod
+    def from_proto(cls, config: pb.KVTransferConfig) -> KVTransferConfig:
+        extra = config.kv_connector_extra_config
+        return cls.parse({"kv_connector": config.kv_connector, "kv_role": config.kv_role,
+                          "kv_connector_extra_config": json.loads(extra) if extra else {}})
+
+    def to_proto(self) -> pb.KVTransferConfig:
+        extra = self.kv_connector_extra_config
+        return pb.KVTransferConfig(kv_connector=self.kv_connector, kv_role=self.kv_role,
+                                   kv_connector_extra_config=json.dumps(extra, sort_keys=True) if extra else "")
