@@ -26,6 +26,12 @@ def position_seed(seed: int, output_index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def runs_own_counts(data: pb.CachedRequestData) -> bool:
+    """Whether a cached row runs from this worker's counts, not the scheduler's (async scheduling
+    with speculative decoding: the scheduler's are upper bounds while a step is in flight)."""
+    return bool(data.num_worker_drafts or data.drafts_in_flight)
+
+
 class InputBatch:
     """Token ids, block tables and sampling settings of every live request, by row."""
 
@@ -109,13 +115,8 @@ class InputBatch:
             start = self.num_blocks[row]
             self.block_table[row, start:start + blocks.size] = blocks
             self.num_blocks[row] = start + blocks.size
-        if data.num_worker_drafts or data.drafts_in_flight:
-            # Async scheduling with speculative decoding: the scheduler's counts are upper bounds
-            # (it does not know yet what the step before accepted); this row's are exact. The
-            # previous step sampled, so every token but the last is computed, and the drafts
-            # verified are (up to num_worker_drafts of) those proposed after it, already in place.
-            self.num_computed_tokens[row] = self.num_tokens[row] - 1
-            self.num_spec[row] = min(data.num_worker_drafts, self.num_own_drafts[row])
+        if runs_own_counts(data):
+            self.num_computed_tokens[row], self.num_spec[row] = self.own_counts(row, data.num_worker_drafts)
             return row
         self.num_computed_tokens[row] = data.num_computed_tokens
         if data.new_token_ids:
@@ -160,6 +161,12 @@ class InputBatch:
             self.token_ids[row, n:n + len(tokens)] = tokens
             self.num_tokens[row] = n + len(tokens)
         self.num_own_drafts[rows] = 0
+
+    def own_counts(self, row: int, num_worker_drafts: int) -> tuple[int, int]:
+        """(computed tokens, drafts to verify) of a row that runs from its own counts: the previous
+        step sampled, so every token but the last is computed, and the drafts verified are (up to
+        num_worker_drafts of) those proposed after it, already in place."""
+        return int(self.num_tokens[row]) - 1, min(num_worker_drafts, int(self.num_own_drafts[row]))
 
     def set_own_drafts(self, row: int, drafts: list[int]) -> None:
         """Keep the drafts just proposed for `row` after its last token (see num_own_drafts)."""

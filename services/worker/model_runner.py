@@ -26,7 +26,7 @@ from services.worker.attention.selector import get_attention_backend
 from services.worker.cpu.malloc_tuning import keep_freed_memory
 from services.worker.cuda_graphs import StaticDecode, build_static_decode, resolve_cudagraph_mode
 from services.worker.grammar_mask import apply_grammar_bitmask
-from services.worker.input_batch import InputBatch
+from services.worker.input_batch import InputBatch, runs_own_counts
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.loader import load_model, resolve_dtype
@@ -313,8 +313,7 @@ class ModelRunner:
         rows += [batch.update(r) for r in so.cached_requests]
         rows = np.array(rows, dtype=np.int64)
         num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
-        blind = [len(so.new_requests) + i for i, r in enumerate(so.cached_requests)
-                 if r.num_worker_drafts or r.drafts_in_flight]
+        blind = [len(so.new_requests) + i for i, r in enumerate(so.cached_requests) if runs_own_counts(r)]
         if blind:
             num_scheduled[blind] = 1 + batch.num_spec[rows[blind]]
         return rows, num_scheduled

@@ -20,7 +20,7 @@ import numpy as np
 
 from services.common.pooling_config import dimensions_error
 from services.common.proto import myvllm_pb2 as pb
-from services.worker.input_batch import InputBatch
+from services.worker.input_batch import InputBatch, runs_own_counts
 
 
 class InvalidStep(ValueError):
@@ -139,7 +139,7 @@ def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int,
             if num_blocks > batch.max_blocks_per_req:
                 raise InvalidStep(f"cached_requests[{i}].new_block_ids",
                                   f"{num_blocks} blocks > {batch.max_blocks_per_req} per request")
-        if r.num_worker_drafts or r.drafts_in_flight:
+        if runs_own_counts(r):
             _check_blind_row(i, r, int(scheduled[offset + i]), batch, row, num_blocks, max_len)
             continue
         known, num_spec, computed = int(num_tokens[row]), len(r.spec_token_ids), r.num_computed_tokens
@@ -172,8 +172,8 @@ def _check_blind_row(i: int, r: pb.CachedRequestData, scheduled: int, batch: Inp
     if r.num_worker_drafts < 0 or scheduled != 1 + r.num_worker_drafts:
         raise InvalidStep(f"{field}.num_worker_drafts", f"{r.num_worker_drafts} worker drafts scheduled as "
                                                         f"{scheduled} tokens (must be 1 + num_worker_drafts)")
-    start = int(batch.num_tokens[row]) - 1  # every token but the last is computed
-    end = start + 1 + min(r.num_worker_drafts, int(batch.num_own_drafts[row]))
+    start, num_spec = batch.own_counts(row, r.num_worker_drafts)
+    end = start + 1 + num_spec
     if r.num_computed_tokens < start or end > max_len or end > num_blocks * batch.block_size:
         raise InvalidStep(f"{field}.num_computed_tokens",
                           f"the row runs tokens [{start}, {end}): below the scheduled {r.num_computed_tokens}, past "
