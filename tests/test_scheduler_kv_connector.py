@@ -151,15 +151,35 @@ def test_producer_saves_the_prompt_blocks_and_frees_them_when_saved() -> None:
     (save,) = so.kv_connector_metadata.saves
     assert save.request_id == "p" and list(save.block_ids) == s.kv_cache_manager.block_ids("p")[:2]
     assert list(save.block_hashes) == block_hashes(tokens, BS)[:2]
-    (out,) = s.update_from_output(so, sampled(so))
-    assert out.finish_reason == "length"
+    # Its final output waits for the save: the consumer it names must find a whole segment.
+    assert s.update_from_output(so, sampled(so)) == []
+    assert "p" in s.finishing and free_blocks(s) < total and s.has_unfinished_requests()
+    so = s.schedule()
+    assert s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id)) == []  # not yet saved
+    so = s.schedule()
+    (out,) = s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, finished_sending=["p"]))
+    assert out.finish_reason == "length" and list(out.new_token_ids) == [7]
     assert out.kv_transfer_params == pb.KVTransferParams(
         do_remote_prefill=True, remote_handle=save.handle, remote_num_tokens=8,
         remote_block_hash=block_hashes(tokens, BS)[1])
-    assert "p" in s.finishing and free_blocks(s) < total and s.has_unfinished_requests()
-    so = s.schedule()
-    s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, finished_sending=["p"]))
     assert free_blocks(s) == total and not s.finishing and not s.has_unfinished_requests()
+
+
+def test_a_producer_request_aborted_while_its_output_waits_for_the_save_discards_the_segment() -> None:
+    s = make_scheduler("kv_producer")
+    total = free_blocks(s)
+    s.add_request(request("p", prompt(11), pb.KVTransferParams(do_remote_decode=True), max_tokens=1))
+    so = s.schedule()
+    (save,) = so.kv_connector_metadata.saves
+    assert s.update_from_output(so, sampled(so)) == []  # held
+    (aborted,) = s.abort_requests(["p"])
+    assert aborted.request_id == "p" and s.abort_requests(["p"]) == []
+    so = s.schedule()
+    assert s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, finished_sending=["p"])) == []
+    assert free_blocks(s) == total
+    so = s.schedule()
+    assert list(so.kv_connector_metadata.discard_handles) == [save.handle]
+    assert not s.has_unfinished_requests()
 
 
 def test_producer_prompt_shorter_than_a_block_saves_nothing() -> None:
@@ -199,6 +219,8 @@ def test_a_worker_failure_forgets_every_transfer_and_frees_every_block() -> None
     assert so.kv_connector_metadata.loads and so.kv_connector_metadata.saves
     s.update_from_output(so, sampled(so))
     s.abort_requests(list(s.requests))
+    (held,) = s.take_held_outputs()  # "p" ended, waiting for a save the dead worker never reports
+    assert held.request_id == "p" and held.kv_transfer_params.remote_handle
     s.forget_worker_state()
     assert free_blocks(s) == total and not s.finishing and not s.has_unfinished_requests()
 

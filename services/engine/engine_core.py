@@ -113,6 +113,9 @@ class EngineCore:
         """The worker failed: end every request with `message` and start from a clean slate
         (no request state on the worker, no prefix-cache entry whose KV may be missing)."""
         outputs = self.abort(list(self.scheduler.requests))
+        for held in self.scheduler.take_held_outputs():  # their segments may never be whole
+            outputs.append(pb.RequestOutput(request_id=held.request_id, finish_reason="abort",
+                                            num_prompt_tokens=held.num_prompt_tokens, stop_token_id=-1))
         for out in outputs:
             out.error, out.error_kind = message, kind
         self.scheduler.forget_worker_state()

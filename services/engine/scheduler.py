@@ -80,6 +80,9 @@ class Scheduler:
             if kv_transfer_config is not None else None
         self.waiting_for_remote: dict[str, Request] = {}
         self.finishing: dict[str, Request] = {}
+        # A producer's final output, held until its save is reported: the handle it carries then
+        # names a whole segment, so the consumer it goes to never waits for one or reads half.
+        self.held_outputs: dict[str, pb.RequestOutput] = {}
         self.num_preemptions = 0
         self.step_id = 0
         # Grammars and step bitmasks of constrained requests (None: no request may be constrained).
@@ -153,6 +156,11 @@ class Scheduler:
         """Finish the given requests as aborted; returns those that were live."""
         aborted = []
         for rid in request_ids:
+            if self.held_outputs.pop(rid, None) is not None:  # ended; its save not yet reported
+                request = self.finishing[rid]
+                request.kv_discard_after_save = True  # nobody will read it
+                aborted.append(request)
+                continue
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
@@ -191,18 +199,23 @@ class Scheduler:
         if request is not None:
             self.kv_cache_manager.free(request)
 
-    def _update_from_kv_xfer_finished(self, runner_output: pb.ModelRunnerOutput) -> None:
+    def _update_from_kv_xfer_finished(self, runner_output: pb.ModelRunnerOutput) -> list[pb.RequestOutput]:
         """The worker's transfer reports (vLLM's name). A finished save frees an ended producer
-        request's blocks; a finished load makes its request schedulable with those tokens computed
-        (their blocks now cached), a failed one makes it compute its prompt itself."""
+        request's blocks and releases its held final output; a finished load makes its request
+        schedulable with those tokens computed (their blocks now cached), a failed one makes it
+        compute its prompt itself."""
         connector = self.kv_connector
+        released: list[pb.RequestOutput] = []
         if connector is None:
-            return
+            return released
         for rid in runner_output.finished_sending:
             if connector.save_finished(rid):
                 request = self.finishing.get(rid)
                 if request is not None and request.kv_discard_after_save:
                     connector.discard_later(request.kv_save_handle)
+                held = self.held_outputs.pop(rid, None)
+                if held is not None:
+                    released.append(held)
                 self._transfer_ended(rid)
         reports = [(rid, True) for rid in runner_output.finished_recving]
         reports += [(rid, False) for rid in runner_output.failed_recving]
@@ -227,12 +240,18 @@ class Scheduler:
                 self._enqueue_waiting(request)
             else:
                 self.waiting.appendleft(request)
+        return released
+
+    def take_held_outputs(self) -> list[pb.RequestOutput]:
+        """The held final outputs (the worker failed: their saves will never be reported)."""
+        held, self.held_outputs = list(self.held_outputs.values()), {}
+        return held
 
     def forget_worker_state(self) -> None:
         """The worker lost its batch and its KV (it failed, or is a fresh one): abort every
         request first; then nothing needs dropping on the worker and no cached prefix is real."""
-        if self.requests:
-            raise RuntimeError("forget_worker_state with live requests: abort them first")
+        if self.requests or self.held_outputs:
+            raise RuntimeError("forget_worker_state with live requests or held outputs: abort or take them first")
         self.worker_known.clear()
         self.finished_req_ids.clear()
         self.deferred_bitmasks.clear()
@@ -640,7 +659,7 @@ class Scheduler:
     ) -> list[pb.RequestOutput]:
         """Append sampled tokens, check token-level stops, free finished requests."""
         outputs: list[pb.RequestOutput] = self.take_failed_outputs()
-        self._update_from_kv_xfer_finished(runner_output)
+        outputs += self._update_from_kv_xfer_finished(runner_output)
         outputs += self._finish_pooled(runner_output.pooler_output)
         self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         logprobs = runner_output.logprobs
@@ -702,6 +721,9 @@ class Scheduler:
                 params = self._finish(request, status)
                 if params is not None:
                     out.kv_transfer_params.CopyFrom(params)
+                    if params.remote_handle and rid in self.finishing:
+                        self.held_outputs[rid] = out  # until its save is reported
+                        continue
             outputs.append(out)
         return outputs
 
