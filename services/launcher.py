@@ -50,6 +50,8 @@ from services.topology import (
     Topology,
     add_device_arg,
     add_topology_args,
+    apply_disaggregation,
+    kv_transfer_config_of,
     processes,
     redis_url,
 )
@@ -253,7 +255,9 @@ def _service_env(spec: ProcessSpec, values: dict[str, str | None]) -> dict[str, 
 
 def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
     d, t, p = args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size
-    parts = [f"{d} engine replica{'s' if d > 1 else ''} (data parallel)",
+    kind = f"{args.prefill_replicas} prefill + {args.decode_replicas} decode" if args.prefill_replicas \
+        else "data parallel"
+    parts = [f"{d} engine replica{'s' if d > 1 else ''} ({kind})",
              f"{t * p} worker rank{'s' if t * p > 1 else ''} each "
              f"({t} tensor parallel x {p} pipeline stage{'s' if p > 1 else ''})"]
     if redis_port is not None:
@@ -271,7 +275,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         return _fail(str(e))
     try:  # a bad --speculative-config (or a flag it does not combine with) fails here, not in a service
-        EngineConfig(**{**engine_kwargs(args), "model": model})
+        apply_disaggregation(args)
+        EngineConfig(**{**engine_kwargs(args), "model": model, "kv_transfer_config": kv_transfer_config_of(args, 0)})
     except ValueError as e:
         return _fail(str(e))
     if not _port_free(args.host, args.port):

@@ -20,12 +20,14 @@ checks that), and a serve flag added here reaches compose and Kubernetes too.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.auth import TOKEN_ENV
+from services.common.kv_transfer_config import KVTransferConfig
 from services.common.redis_registry import REDIS_URL_ENV
 from services.engine_args import (
     add_engine_args,
@@ -61,6 +63,55 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     add_scheduler_service_args(p)
     add_gateway_options(p)
     add_engine_args(p)
+    add_disaggregation_args(p)
+
+
+def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-replicas", type=int, default=0, metavar="P",
+                   help="prefill/decode disaggregation: P engine replicas that prefill (kv_producer) and "
+                        "--decode-replicas D that decode (kv_consumer), instead of --data-parallel-size; the "
+                        "gateway sends each request's prompt to a prefill replica (by its cached prefix), then the "
+                        "request to a decode replica (by load), which loads the prompt's KV from shared memory "
+                        "(one host) instead of computing it. --kv-transfer-config, if given, supplies the "
+                        "connector settings (its kv_role is set per replica)")
+    p.add_argument("--decode-replicas", type=int, default=0, metavar="D",
+                   help="with --prefill-replicas: the decode replicas (kv_consumer)")
+
+
+def apply_disaggregation(args: argparse.Namespace) -> None:
+    """With --prefill-replicas P --decode-replicas D: check the combination (ValueError naming
+    the flag) and make the deployment P + D data-parallel replicas (their roles:
+    `kv_transfer_config_of`)."""
+    p, d = args.prefill_replicas, args.decode_replicas
+    if not p and not d:
+        return
+    if p < 1 or d < 1:
+        raise ValueError("--prefill-replicas and --decode-replicas go together, each at least 1")
+    if args.data_parallel_size != 1:
+        raise ValueError("--prefill-replicas P --decode-replicas D make P + D replicas: leave --data-parallel-size "
+                         "out")
+    if args.enable_expert_parallel:
+        raise ValueError("--prefill-replicas does not combine with --enable-expert-parallel (lockstep replicas)")
+    if args.runner != "generate":
+        raise ValueError("--prefill-replicas needs --runner generate (pooling requests have no decode)")
+    KVTransferConfig.parse(kv_transfer_config_of(args, 0))  # the connector settings given, if any, are valid
+    args.data_parallel_size = p + d
+
+
+def kv_transfer_config_of(args: argparse.Namespace, replica: int) -> str | None:
+    """Replica `replica`'s --kv-transfer-config: with --prefill-replicas P, the first P replicas are
+    kv_producer and the others kv_consumer, with --kv-transfer-config's connector settings (else
+    SharedMemoryConnector's defaults); otherwise --kv-transfer-config as given."""
+    if not getattr(args, "prefill_replicas", 0):
+        return args.kv_transfer_config
+    try:
+        base = json.loads(args.kv_transfer_config) if args.kv_transfer_config else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+    if not isinstance(base, dict):
+        raise ValueError("kv_transfer_config must be a JSON object")
+    role = "kv_producer" if replica < args.prefill_replicas else "kv_consumer"
+    return json.dumps({"kv_connector": "SharedMemoryConnector", **base, "kv_role": role})
 
 
 def forwarded_flags(args: argparse.Namespace, add_args: Callable[[argparse.ArgumentParser], None],
@@ -110,6 +161,9 @@ class Topology:
 
     @classmethod
     def of(cls, args: argparse.Namespace, *, redis_server: bool, external_redis: bool = False) -> Topology:
+        if getattr(args, "prefill_replicas", 0) or getattr(args, "decode_replicas", 0):
+            raise ValueError("--prefill-replicas / --decode-replicas: the KV transfer between them is shared memory, "
+                             "one host's (myvllm serve); containers and pods do not share /dev/shm")
         d = args.data_parallel_size
         return cls(d, args.tensor_parallel_size, args.pipeline_parallel_size,
                    expert_parallel_group=bool(args.enable_expert_parallel) and d > 1,
@@ -285,7 +339,6 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
     redis_env = (REDIS_URL_ENV,) if topology.redis else ()
     worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved model directory
     worker_flags = (forwarded_flags(worker_args, add_model_args) + forwarded_flags(worker_args, add_speculative_arg)
-                    + forwarded_flags(worker_args, add_kv_transfer_arg)
                     + forwarded_flags(worker_args, add_device_arg))
     group = None
     if topology.expert_parallel_group:
@@ -293,8 +346,12 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
         group = f"{group_host}:{placement.port(GROUP)}"
     schedulers: list[ProcessSpec] = []
     for replica in range(topology.data_parallel_size):
+        # (Its KV transfer role: a prefill or decode replica of a disaggregated deployment.)
+        replica_args = argparse.Namespace(**{**vars(args), "kv_transfer_config": kv_transfer_config_of(args, replica)})
+        kv_flags = forwarded_flags(replica_args, add_kv_transfer_arg)
         ranks = [spec(topology.worker_name(replica, rank), WORKER,
-                      cli + ["worker"] + listen(WORKER, replica, rank) + worker_flags, replica, rank, (TOKEN_ENV,))
+                      cli + ["worker"] + listen(WORKER, replica, rank) + worker_flags + kv_flags, replica, rank,
+                      (TOKEN_ENV,))
                  for rank in range(topology.ranks)]
         name = topology.scheduler_name(replica)
         address = f"{placement.dial_host(name, SCHEDULER, replica)}:{placement.port(SCHEDULER, replica)}"
@@ -304,7 +361,7 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
             + ["--workers", ",".join(r.address for r in ranks), "--advertise-address", address] \
             + (["--engine-id", f"replica-{replica}"] if topology.redis else []) \
             + (["--data-parallel-rank", str(replica), "--data-parallel-address", group] if group else []) \
-            + forwarded_flags(args, add_scheduling_args) + forwarded_flags(args, add_scheduler_service_args) \
+            + forwarded_flags(replica_args, add_scheduling_args) + forwarded_flags(args, add_scheduler_service_args) \
             + forwarded_flags(args, add_parallel_args)
         schedulers.append(spec(name, SCHEDULER, argv, replica, env=(TOKEN_ENV, *redis_env)))
         specs += ranks + [schedulers[-1]]

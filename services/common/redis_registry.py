@@ -35,10 +35,14 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from services.common.kv_transfer_config import ROLES
+
 REDIS_URL_ENV = "MYVLLM_REDIS_URL"
 # The hash every scheduler writes its entry to and every gateway reads.
 ENGINES_KEY = "myvllm:engines"
 MAC_FIELD = "mac"
+# An entry's kv_role: its --kv-transfer-config role, "" (or absent) without one.
+KV_ROLES = ("", *ROLES)
 _KEY_LABEL = b"myvllm:engines entry MAC v1"
 
 
@@ -153,6 +157,8 @@ def parse_entry(raw: bytes | str) -> dict:
     usage = entry.get("kv_cache_usage", 0.0)
     if not _number(usage) or not 0.0 <= usage <= 1.0:
         raise BadEntry("kv_cache_usage is not a fraction")
+    if entry.get("kv_role", "") not in KV_ROLES:
+        raise BadEntry("kv_role is not a KV transfer role")
     group = entry.get("dp_group")  # an engine of a data-parallel expert-parallel group (common/dp_wave.py)
     if group is not None and not is_group_name(group):
         raise BadEntry("dp_group is not a name")

@@ -161,4 +161,6 @@ class EngineCore:
 
     def load(self) -> pb.Load:
         s = self.scheduler
-        return pb.Load(num_waiting=s.num_waiting, num_running=s.num_running, kv_cache_usage=s.kv_cache_manager.usage)
+        kv = self.config.kv_transfer_config
+        return pb.Load(num_waiting=s.num_waiting, num_running=s.num_running, kv_cache_usage=s.kv_cache_manager.usage,
+                       kv_role=kv.kv_role if kv is not None else "")

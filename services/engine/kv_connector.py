@@ -44,11 +44,16 @@ class KVConnectorScheduler:
         self._discards: list[str] = []
         self.loading: dict[str, int] = {}   # request id -> tokens its load brings, until reported
         self.saving: set[str] = set()       # request ids whose save was sent, until reported
-        # What happened, for stats and tests.
+        # What happened, for stats (/metrics) and tests.
         self.num_loads = 0
         self.num_loaded_tokens = 0
         self.num_load_failures = 0
-        self.num_saves = 0
+        self.num_saves = 0          # sent to the worker
+        self.num_saves_done = 0     # reported by it
+        self.saved_bytes = 0
+        self.loaded_bytes = 0
+        self.save_seconds = 0.0
+        self.load_seconds = 0.0
 
     # ------------------------------------------------------------------ consumer
 
@@ -147,7 +152,23 @@ class KVConnectorScheduler:
         if request_id not in self.saving:
             return False
         self.saving.discard(request_id)
+        self.num_saves_done += 1
         return True
+
+    def observe(self, runner_output: pb.ModelRunnerOutput) -> None:
+        """Count the bytes and seconds of the transfers the worker reports in `runner_output`."""
+        self.saved_bytes += runner_output.kv_saved_bytes
+        self.loaded_bytes += runner_output.kv_loaded_bytes
+        self.save_seconds += runner_output.kv_save_seconds
+        self.load_seconds += runner_output.kv_load_seconds
+
+    def stats(self) -> dict[str, float | str]:
+        """Stats fields (proto Stats.kv_transfer_*, kv_role)."""
+        return {"kv_role": self.config.kv_role, "kv_transfer_saves": self.num_saves_done,
+                "kv_transfer_loads": self.num_loads, "kv_transfer_load_failures": self.num_load_failures,
+                "kv_transfer_loaded_tokens": self.num_loaded_tokens, "kv_transfer_saved_bytes": self.saved_bytes,
+                "kv_transfer_loaded_bytes": self.loaded_bytes, "kv_transfer_save_seconds": self.save_seconds,
+                "kv_transfer_load_seconds": self.load_seconds}
 
     def discard_later(self, handle: str) -> None:
         self._discards.append(handle)

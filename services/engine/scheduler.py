@@ -208,6 +208,7 @@ class Scheduler:
         released: list[pb.RequestOutput] = []
         if connector is None:
             return released
+        connector.observe(runner_output)
         for rid in runner_output.finished_sending:
             if connector.save_finished(rid):
                 request = self.finishing.get(rid)
@@ -784,4 +785,5 @@ class Scheduler:
             "num_running": self.num_running,
             "kv_cache_usage": kv.usage,
             **self.spec_stats.as_dict(),
+            **(self.kv_connector.stats() if self.kv_connector is not None else {}),
         }

@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
+from services.gateway.disaggregation import remote_prefill, wants_remote_prefill
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, ResumableRequest, resumable_outputs
 from services.gateway.router import Replica, ReplicaRouter
@@ -35,6 +36,9 @@ class ChoiceRequest:
 
     engine: ResumableRequest
     processor: ChoiceOutputProcessor
+    # The first sample of its prompt: prefilled on a prefill replica first when the decode replica
+    # loads remote KV (the other samples share the blocks its load brings, by the prefix cache).
+    first_of_prompt: bool = True
 
     @property
     def request_id(self) -> str:
@@ -77,6 +81,12 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
     # Prediction vs. outcome of cache-aware routing, for the engine requests of the routed prompt.
     check_prediction = choice.engine.prompt_token_ids is run.route_prompt.token_ids
     try:
+        prompt = run.route_prompt if check_prediction else RoutePrompt(choice.engine.prompt_token_ids,
+                                                                        choice.engine.cache_salt)
+        if choice.first_of_prompt and wants_remote_prefill(choice.engine) and run.router.disaggregates(run.replica,
+                                                                                                        prompt):
+            # (Before the generator's first step, which reads the params.)
+            choice.engine.kv_transfer_params = await remote_prefill(run.router, choice.engine, run.metrics)
         # aclosing: leaving this loop early (stop string) must abort the request *now*.
         async with contextlib.aclosing(outputs):
             async for output in outputs:
@@ -226,5 +236,5 @@ def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: Tokenizer
                                       sampling=sampling_for_choice(prompt.sampling, sample), priority=priority,
                                       cache_salt=cache_salt)
             choices.append(ChoiceRequest(engine, ChoiceOutputProcessor(index, tokenizer, prompt.token_ids,
-                                                                       prompt.params)))
+                                                                       prompt.params), first_of_prompt=sample == 0))
     return choices

@@ -34,6 +34,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # vLLM's `finished_reason` values (vllm.v1.engine.FinishReason): each is served, from 0.
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 VLLM_ENGINE = "0"
+REMOTE_PREFILL_OUTCOMES = ("transferred", "nothing_to_transfer", "failed", "no_prefill_replica")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -139,6 +140,8 @@ class GatewayMetrics:
         self.routed_prompts = 0
         self.predicted_cached_tokens = 0
         self.actual_cached_tokens = 0
+        # Prefill/decode disaggregation: prefill halves by outcome (services/gateway/disaggregation.py).
+        self.remote_prefills: dict[str, int] = dict.fromkeys(REMOTE_PREFILL_OUTCOMES, 0)
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """The engine's context limit is known: the per-request token histograms can exist."""
@@ -151,6 +154,9 @@ class GatewayMetrics:
 
     def on_migration(self) -> None:
         self.request_migrations += 1
+
+    def on_remote_prefill(self, outcome: str) -> None:
+        self.remote_prefills[outcome] += 1
 
     def on_routed_prompt(self, predicted_cached_tokens: int, actual_cached_tokens: int) -> None:
         self.routed_prompts += 1
@@ -199,6 +205,21 @@ class GatewayMetrics:
                    "group).", stats.dp_wave)
         scrape.add("gauge", "dp_engines_running", "1 while the data-parallel expert-parallel group's wave runs, 0 "
                    "while it is paused.", int(stats.dp_engines_running))
+        # Prefill/decode disaggregation (the KV connector), summed over the replicas.
+        scrape.add("counter", "kv_transfer_saves", "Prompt KV segments written by prefill replicas (saves reported "
+                   "done).", stats.kv_transfer_saves)
+        scrape.add("counter", "kv_transfer_loads", "Prompt KV segments loaded by decode replicas.",
+                   stats.kv_transfer_loads)
+        scrape.add("counter", "kv_transfer_load_failures", "KV loads that failed (the request then computed its "
+                   "prompt itself).", stats.kv_transfer_load_failures)
+        scrape.add("counter", "kv_transfer_loaded_tokens", "Prompt tokens whose KV was loaded instead of computed.",
+                   stats.kv_transfer_loaded_tokens)
+        scrape.add_labelled("counter", "kv_transfer_bytes", "KV bytes written (save) and read (load) by the "
+                            "workers' transfer threads.", "direction",
+                            (("save", stats.kv_transfer_saved_bytes), ("load", stats.kv_transfer_loaded_bytes)))
+        scrape.add_labelled("counter", "kv_transfer_seconds", "Time the workers' transfer threads spent writing "
+                            "(save) and reading (load) KV segments.", "direction",
+                            (("save", stats.kv_transfer_save_seconds), ("load", stats.kv_transfer_load_seconds)))
 
     def render(self, stats: pb.Stats | None, routed: Mapping[str, int] | None = None) -> str:
         """The exposition text; scheduler gauges and counters only if `stats` came back;
@@ -223,6 +244,11 @@ class GatewayMetrics:
         scrape.add("counter", "routing_actual_cached_tokens", "Prompt tokens the chosen replica served from its "
                    "prefix cache (same requests).", self.actual_cached_tokens)
         scrape.add("counter", "routing_prompts", "Engine requests counted in the two above.", self.routed_prompts)
+        scrape.add_labelled("counter", "remote_prefills", "Requests sent to a prefill replica before their decode "
+                            "replica (P/D disaggregation), by outcome: transferred (the decode replica loaded "
+                            "the prompt's KV), nothing_to_transfer (a prompt under a block), failed or "
+                            "no_prefill_replica (the decode replica computed the prompt).", "outcome",
+                            sorted(self.remote_prefills.items()))
         if routed:
             scrape.add_labelled("counter", "replica_requests", "Engine requests routed to each replica.", "replica",
                                 sorted(routed.items()))

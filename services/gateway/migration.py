@@ -66,6 +66,9 @@ class ResumableRequest:
     cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)  # every token received, over all replicas
     num_migrations: int = 0
+    # Its prompt's KV on a prefill replica (services/gateway/disaggregation.py): for the first
+    # attempt, on a replica that loads remote KV (a migrated request computes what it needs).
+    kv_transfer_params: pb.KVTransferParams | None = None
     # Where the request runs now: the replica's client and the engine request id there.
     _current: tuple[AsyncClient, str] | None = field(default=None, repr=False)
     _aborted: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -109,12 +112,17 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
     the current attempt."""
     failed_on: set[str] = set()
     deadline: float | None = None
+    if request.aborted:  # (while its prefill half ran on a prefill replica)
+        yield pb.RequestOutput(request_id=request.attempt_id, finish_reason="abort", stop_token_id=-1)
+        return
     while True:
         request._current = (replica.client, request.attempt_id)
         outputs = replica.client.generate(
             request.prompt_token_ids, request.resume_sampling(), request_id=request.attempt_id,
             priority=request.priority, cache_salt=request.cache_salt,
-            resumed_output_token_ids=request.output_token_ids, dp_wave=router.dp_wave_for(replica))
+            resumed_output_token_ids=request.output_token_ids, dp_wave=router.dp_wave_for(replica),
+            kv_transfer_params=request.kv_transfer_params
+            if request.num_migrations == 0 and replica.loads_remote_kv else None)
         try:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:

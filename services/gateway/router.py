@@ -45,6 +45,12 @@ WAITING_WEIGHT = 4           # vLLM's DP load balancer: score = 4 * waiting + ru
 REFRESH_INTERVAL_S = 0.25
 REDIS_MAX_AGE_S = 5.0        # schedulers refresh their entry about once a second
 MAX_REJECTED_LOGGED = 1024   # refused Redis entries logged by (engine id, address), once each
+# Prefill/decode disaggregation: which replicas take which half of a request.
+PRODUCER_ROLES = ("kv_producer", "kv_both")
+CONSUMER_ROLES = ("kv_consumer", "kv_both")
+KV_TRANSFER_STATS = ("kv_transfer_saves", "kv_transfer_loads", "kv_transfer_load_failures",
+                     "kv_transfer_loaded_tokens", "kv_transfer_saved_bytes", "kv_transfer_loaded_bytes",
+                     "kv_transfer_save_seconds", "kv_transfer_load_seconds")
 
 
 @dataclass
@@ -64,11 +70,27 @@ class Replica:
     index: PrefixIndex = field(default_factory=PrefixIndex)       # its cached blocks (cache-aware routing)
     dp_group: str | None = None   # its data-parallel expert-parallel group (from its Redis entry), if any
     dp_rank: int = 0
+    kv_role: str = ""             # its --kv-transfer-config role (from its load), "" without one
     events_task: asyncio.Task | None = None                       # keeps `index` following its KV events
 
     @property
     def score(self) -> int:
         return WAITING_WEIGHT * (self.num_waiting + self.sent_since_update) + self.num_running
+
+    @property
+    def prefills(self) -> bool:
+        """It prefills disaggregated requests (saves their prompt's KV for a decode replica)."""
+        return self.kv_role in PRODUCER_ROLES
+
+    @property
+    def loads_remote_kv(self) -> bool:
+        """It can decode a request another replica prefilled (loads that KV)."""
+        return self.kv_role in CONSUMER_ROLES
+
+    @property
+    def prefill_only(self) -> bool:
+        """A kv_producer: decodes go elsewhere while any other replica is up."""
+        return self.kv_role == "kv_producer"
 
     def update_load(self, num_waiting: int, num_running: int, ts: float, kv_cache_usage: float = 0.0) -> None:
         if ts <= self.load_ts:
@@ -132,16 +154,24 @@ class ReplicaRouter:
 
     # ------------------------------------------------------------------ routing
 
-    def pick(self, exclude: set[str] = frozenset(), prompt: RoutePrompt | None = None) -> Replica:
+    def pick(self, exclude: set[str] = frozenset(), prompt: RoutePrompt | None = None,
+             prefill: bool = False) -> Replica:
         """The replica for the next request (counted as sent to it), by the routing policy;
         `prompt` lets cache-aware routing look up its cached prefix. Healthy replicas first;
-        if every one is down, any (its error then tells the client). Raises
-        `SchedulerUnavailable` when no replica is known or all are excluded."""
+        if every one is down, any (its error then tells the client); prefill-only replicas
+        (kv_producer) only when no other is up. `prefill`: the prefill half of a disaggregated
+        request instead, among the healthy replicas that prefill. Raises `SchedulerUnavailable`
+        when no replica is known or all are excluded (with `prefill`: when none is up)."""
         candidates = [r for r in self.replicas.values() if r.address not in exclude]
+        if prefill:
+            candidates = [r for r in candidates if r.prefills and r.healthy]
+            if not candidates:
+                raise SchedulerUnavailable("no prefill replica is up")
         if not candidates:
             raise SchedulerUnavailable("no engine replica is available" if not exclude else
                                        f"every engine replica failed ({', '.join(sorted(exclude))})")
-        healthy = [r for r in candidates if r.healthy] or candidates
+        healthy = [r for r in candidates if r.healthy]
+        healthy = [r for r in healthy if not r.prefill_only] or healthy or candidates
         # Ties go to the replica with the oldest routing (dict order rotates in note_sent).
         policy = self.routing.policy
         if policy == RoutingPolicy.ROUND_ROBIN:
@@ -184,7 +214,18 @@ class ReplicaRouter:
     def ranked(self, avoid: set[str] = frozenset()) -> list[Replica]:
         """Every known replica, best first: healthy before down, lowest score first, and the
         ones in `avoid` (they just failed a request) last of all."""
-        return sorted(self.replicas.values(), key=lambda r: (r.address in avoid, not r.healthy, r.score))
+        return sorted(self.replicas.values(),
+                      key=lambda r: (r.address in avoid, not r.healthy, r.prefill_only, r.score))
+
+    def disaggregates(self, replica: Replica, prompt: RoutePrompt) -> bool:
+        """Whether `prompt`, decoding on `replica`, should be prefilled elsewhere first: `replica`
+        loads remote KV, some other replica that prefills is up, and `replica` would otherwise
+        compute more than a block of the prompt (by its KV events: a prompt it has cached, say a
+        repeated one, needs no transfer)."""
+        if not replica.loads_remote_kv or not any(r.prefills and r.healthy and r is not replica
+                                                  for r in self.replicas.values()):
+            return False
+        return len(prompt.token_ids) - self.cached_tokens(replica, prompt) > (replica.index.block_size or 1)
 
     def mark_down(self, replica: Replica, reason: BaseException) -> None:
         if replica.healthy:
@@ -249,6 +290,7 @@ class ReplicaRouter:
                                         float(entry.get("kv_cache_usage", 0.0)))
                     replica.last_published = now
                     replica.dp_group, replica.dp_rank = entry.get("dp_group"), int(entry.get("dp_rank", 0))
+                    replica.kv_role = entry.get("kv_role", "")
                     published.add(address)
                 groups = {r.dp_group for r in self.replicas.values() if r.dp_group is not None}
                 if groups:
@@ -282,6 +324,7 @@ class ReplicaRouter:
             self.mark_down(replica, e)
             return
         replica.update_load(load.num_waiting, load.num_running, time.time(), load.kv_cache_usage)
+        replica.kv_role = load.kv_role
 
     # ------------------------------------------------------------------ engine-wide views
 
@@ -309,6 +352,8 @@ class ReplicaRouter:
             total.grammar_compile_timeouts += s.grammar_compile_timeouts
             total.grammar_row_waits += s.grammar_row_waits
             total.num_dummy_steps += s.num_dummy_steps
+            for name in KV_TRANSFER_STATS:
+                setattr(total, name, getattr(total, name) + getattr(s, name))
             total.dp_wave = max(total.dp_wave, s.dp_wave)
             total.dp_engines_running |= s.dp_engines_running
         if total.num_total_blocks:

@@ -357,6 +357,8 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
         raise StartupError(f"scheduler: {e}") from None
     await worker.connect(connect_timeout)
     extra = {"dp_group": dp_group, "dp_rank": data_parallel_rank} if group_init_method else {}
+    if config.kv_transfer_config is not None:  # gateways route prefills and decodes by it
+        extra["kv_role"] = config.kv_transfer_config.kv_role
     reporter = LoadReporter(redis_url, engine_id or address, address, token=token, extra=extra) if redis_url else None
     wave = None
     if group_init_method:

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,14 @@ from services.worker.kv_segment import KVLayout, SegmentError, read_segment, seg
 from services.worker.step_validation import InvalidStep
 
 logger = logging.getLogger("myvllm.worker.kv_connector")
+
+
+class Transfer(NamedTuple):
+    """How one save or load went: whether it did, its payload bytes, its seconds."""
+
+    ok: bool
+    num_bytes: int
+    seconds: float
 
 
 def default_shm_dir() -> str:
@@ -58,8 +67,9 @@ class SharedMemoryConnector:
         self.ttl_s = config.segment_ttl_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
         self._lock = threading.Lock()
-        self._saves: dict[str, Future] = {}   # request id -> its save
-        self._loads: dict[str, Future] = {}   # request id -> its load (True: done, False: failed)
+        # request id -> its save / load, each resolving to a Transfer (a load's .ok False: failed)
+        self._saves: dict[str, Future[Transfer]] = {}
+        self._loads: dict[str, Future[Transfer]] = {}
         self._own: dict[str, float] = {}      # segments this producer wrote -> when
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -112,42 +122,52 @@ class SharedMemoryConnector:
             if future.done():
                 del self._saves[rid]
                 out.finished_sending.append(rid)
+                done = future.result()
+                out.kv_saved_bytes += done.num_bytes
+                out.kv_save_seconds += done.seconds
         for rid, future in list(self._loads.items()):
             if future.done():
                 del self._loads[rid]
-                (out.finished_recving if future.result() else out.failed_recving).append(rid)
+                done = future.result()
+                (out.finished_recving if done.ok else out.failed_recving).append(rid)
+                out.kv_loaded_bytes += done.num_bytes
+                out.kv_load_seconds += done.seconds
 
     # ------------------------------------------------------------------ the transfer thread
 
-    def _save(self, handle: str, layers: list[torch.Tensor], hashes: list[bytes]) -> None:
+    def _save(self, handle: str, layers: list[torch.Tensor], hashes: list[bytes]) -> Transfer:
         path = segment_path(self.directory, handle)
+        start = time.perf_counter()
         try:
-            write_segment(path, self.layout, layers, hashes)
+            num_bytes = write_segment(path, self.layout, layers, hashes)
         except Exception:  # noqa: BLE001 - a failed save only means the consumer computes the prompt
             logger.exception("saving KV segment %s failed", handle)
-            return
+            return Transfer(False, 0, time.perf_counter() - start)
         with self._lock:
             self._own[path] = time.monotonic()
+        return Transfer(True, num_bytes, time.perf_counter() - start)
 
-    def _load(self, handle: str, first_block: int, block_ids: list[int], hashes: list[bytes]) -> bool:
+    def _load(self, handle: str, first_block: int, block_ids: list[int], hashes: list[bytes]) -> Transfer:
         path = segment_path(self.directory, handle)
+        start = time.perf_counter()
         try:
             # (A prompt's blocks never outnumber a cache that holds max_model_len: both engines'.)
             layers = read_segment(path, self.layout, first_block, hashes, max_blocks=self.num_blocks)
         except SegmentError as e:
             logger.warning("KV segment %s refused: %s", handle, e)
             unlink_quietly(path)
-            return False
+            return Transfer(False, 0, time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - any failure: the request computes its prompt itself
             logger.exception("loading KV segment %s failed", handle)
             unlink_quietly(path)
-            return False
+            return Transfer(False, 0, time.perf_counter() - start)
         unlink_quietly(path)  # read once: its memory goes back now
         with torch.inference_mode():
             index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
             for kv, blocks in zip(self.kv_caches, layers, strict=True):
                 kv.index_copy_(1, index, blocks.to(kv.device))
-        return True
+        num_bytes = sum(t.numel() * t.element_size() for t in layers)
+        return Transfer(True, num_bytes, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ lifetime
 
