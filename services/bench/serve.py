@@ -10,7 +10,9 @@ transformers' static batch; a PNG plots throughput against latency over the swee
 line is the ratio against vLLM (with --vllm), else against HF.
 
 `--workload multi-tenant` instead compares the gateway's routing policies over data-parallel
-replicas on tenants sharing system prompts (services/bench/multi_tenant.py).
+replicas on tenants sharing system prompts (services/bench/multi_tenant.py); `--workload mixed`
+compares colocated and prefill/decode-disaggregated deployments on long prompts arriving while
+short streams decode (services/bench/mixed_workload.py).
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ from services.bench.workload import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from services.bench import multi_tenant
+    from services.bench import mixed_workload, multi_tenant
     from services.engine_args import add_engine_args
 
     p.add_argument("--base-url", default=None, help="a running server (default: start `myvllm serve` here)")
-    p.add_argument("--workload", default="random", choices=["random", "multi-tenant"],
-                   help="random prompts at each concurrency, or tenants sharing system prompts over replicas, "
-                        "once per routing policy")
+    p.add_argument("--workload", default="random", choices=["random", "multi-tenant", "mixed"],
+                   help="random prompts at each concurrency; tenants sharing system prompts over replicas, "
+                        "once per routing policy; or long prefills arriving while short streams decode, once per "
+                        "deployment (colocated, prefill/decode disaggregated)")
     multi_tenant.add_arguments(p)
+    mixed_workload.add_arguments(p)
     p.add_argument("--concurrency", default="16", help="concurrent clients; a comma list sweeps (e.g. 1,4,16)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len-min", type=int, default=32)
@@ -92,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
         return multi_tenant.run(args, model_vocab_size(model_dir), warmup_request(model_vocab_size(model_dir),
                                                                                   args.seed))
+    if args.workload == "mixed":
+        from services.bench import mixed_workload
+
+        return mixed_workload.run(args, model_vocab_size(model_dir))
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     requests = random_requests(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len_min,
                                args.output_len_max, model_vocab_size(model_dir), args.seed)

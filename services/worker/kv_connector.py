@@ -1,9 +1,10 @@
 """The KV connector's worker side over shared memory (one host): SharedMemoryConnector.
 
 Producer: after the forward of the step that completed a prompt, its full blocks are gathered
-from every layer's cache (a copy, so the scheduler may reuse the blocks from the next step on)
-and written to a segment named by the transfer handle (services/worker/kv_segment.py) on a
-transfer thread; the next answer reports the save (finished_sending). Consumer: a load reads the
+from every layer's cache and written to a segment named by the transfer handle
+(services/worker/kv_segment.py), both on a transfer thread while the next steps run (the
+scheduler keeps those blocks, and nothing writes them, until the save is reported); the next
+answer after it ends reports it (finished_sending). Consumer: a load reads the
 segment on the transfer thread, checks it against this engine's layout and the prompt's block
 hashes, copies its blocks into the blocks the scheduler allocated (no request of the batch uses
 them), and unlinks it; the next answer reports it (finished_recving, or failed_recving: the
@@ -108,13 +109,11 @@ class SharedMemoryConnector:
                 self._load, load.handle, load.first_block, list(load.block_ids), list(load.block_hashes))
 
     def start_saves(self, meta: pb.KVConnectorMetadata) -> None:
-        """After the step's forward (its KV is written): snapshot the saved blocks, write them out
-        on the transfer thread."""
+        """After the step's forward (its KV is written, or queued on the device before anything the
+        transfer thread queues): gather the saved blocks and write them out on the transfer thread."""
         for save in meta.saves:
-            index = torch.tensor(list(save.block_ids), dtype=torch.long, device=self.kv_caches[0].device)
-            snapshot = [kv.index_select(1, index).to("cpu") for kv in self.kv_caches]
             self._saves[save.request_id] = self._pool.submit(
-                self._save, save.handle, snapshot, list(save.block_hashes))
+                self._save, save.handle, list(save.block_ids), list(save.block_hashes))
 
     def report(self, out: pb.ModelRunnerOutput) -> None:
         """Put the transfers that ended since the last answer into `out`."""
@@ -135,10 +134,13 @@ class SharedMemoryConnector:
 
     # ------------------------------------------------------------------ the transfer thread
 
-    def _save(self, handle: str, layers: list[torch.Tensor], hashes: list[bytes]) -> Transfer:
+    def _save(self, handle: str, block_ids: list[int], hashes: list[bytes]) -> Transfer:
         path = segment_path(self.directory, handle)
         start = time.perf_counter()
         try:
+            with torch.inference_mode():
+                index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
+                layers = [kv.index_select(1, index).to("cpu") for kv in self.kv_caches]
             num_bytes = write_segment(path, self.layout, layers, hashes)
         except Exception:  # noqa: BLE001 - a failed save only means the consumer computes the prompt
             logger.exception("saving KV segment %s failed", handle)
