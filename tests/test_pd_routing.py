@@ -26,8 +26,8 @@ from services.topology import Topology, add_topology_args, apply_disaggregation,
 HANDLE = "mvkv-" + "a" * 32
 
 
-def _router(roles: dict[str, str], policy: RoutingPolicy = RoutingPolicy.LOAD) -> ReplicaRouter:
-    router = ReplicaRouter(list(roles), routing=RoutingConfig(policy=policy))
+def _router(roles: dict[str, str], policy: RoutingPolicy = RoutingPolicy.LOAD, min_tokens: int = 0) -> ReplicaRouter:
+    router = ReplicaRouter(list(roles), routing=RoutingConfig(policy=policy, remote_prefill_min_tokens=min_tokens))
     for address, role in roles.items():
         router.replicas[address].kv_role = role
     return router
@@ -62,6 +62,15 @@ def test_only_uncached_prompts_on_a_replica_that_loads_are_disaggregated() -> No
     assert router.disaggregates(decode, RoutePrompt(list(range(17))))
     router.replicas["p:1"].healthy = False
     assert not router.disaggregates(decode, RoutePrompt(list(range(5000, 5100))))
+
+
+def test_prompts_under_the_threshold_are_prefilled_where_they_decode() -> None:
+    router = _router({"p:1": "kv_producer", "d:1": "kv_consumer"}, min_tokens=256)
+    decode = router.replicas["d:1"]
+    assert not router.disaggregates(decode, RoutePrompt(list(range(255))))
+    assert router.disaggregates(decode, RoutePrompt(list(range(256))))
+    with pytest.raises(ValueError, match="--routing-remote-prefill-min-tokens"):
+        RoutingConfig(remote_prefill_min_tokens=-1)
 
 
 class _FakeClient:

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import pytest
 from mesh import Mesh
 
 FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", str(96 << 20)]
@@ -45,6 +46,31 @@ def _texts(client: openai.OpenAI, model: str, prompts: list[str], stream: bool) 
 def _chat(client: openai.OpenAI, model: str) -> str:
     return client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS,
                                           temperature=0).choices[0].message.content
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _features(client: openai.OpenAI, model: str) -> list:
+    """What else must behave as in the colocated mesh: a stop string with logprobs, a structured
+    output, n=2 seeded samples (three new prompts: three transfers)."""
+    stopped = client.completions.create(model=model, prompt=PROMPTS[0].replace("sing", "paint"), max_tokens=40,
+                                        temperature=0, stop=["."], logprobs=2)
+    structured = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Invent a person who lives in a lighthouse and describe "
+                                "them as JSON with their name and age."}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    sampled = client.completions.create(model=model, prompt=PROMPTS[1].replace("sing", "swim"), max_tokens=12,
+                                        temperature=0.8, seed=7, n=2)
+    choice = stopped.choices[0]
+    return [choice.text, choice.finish_reason, choice.logprobs.tokens, choice.logprobs.token_logprobs,
+            structured.choices[0].message.content, [c.text for c in sampled.choices]]
+
+
+def _same(got: list, want: list) -> None:
+    assert got[:3] == want[:3] and got[4:] == want[4:]
+    assert got[3] == pytest.approx(want[3], abs=1e-3)  # (the prompt's KV computed in another batch)
 
 
 def _at_rest(mesh: Mesh) -> dict[str, float]:
@@ -83,11 +109,14 @@ def test_prefill_and_decode_replicas_answer_like_one_replica_and_survive_the_pre
         want = _texts(client, model, PROMPTS, stream=False)
         want_fresh = _texts(client, model, FRESH, stream=False)
         want_chat = _chat(client, model)
+        want_features = _features(client, model)
     finally:
         assert colocated.stop() == 0
     assert all(want) and all(want_fresh)
 
-    mesh = Mesh(["--model", smollm2_dir, *FLAGS, "--prefill-replicas", "1", "--decode-replicas", "1"],
+    # (Every prompt here is short: all of them go through a prefill replica.)
+    mesh = Mesh(["--model", smollm2_dir, *FLAGS, "--prefill-replicas", "1", "--decode-replicas", "1",
+                 "--routing-remote-prefill-min-tokens", "0"],
                 one_replica=False)
     try:
         assert "1 prefill + 1 decode" in "".join(mesh.banner)
@@ -97,6 +126,9 @@ def test_prefill_and_decode_replicas_answer_like_one_replica_and_survive_the_pre
         saves, loads, failures = _transfers(mesh)
         assert loads == saves == len(PROMPTS) + 1 and failures == 0, _transfers(mesh)
         assert _remote_prefills(mesh)["transferred"] == len(PROMPTS) + 1
+        _same(_features(client, model), want_features)
+        saves, loads, failures = _transfers(mesh)
+        assert loads == saves == len(PROMPTS) + 4 and failures == 0
         # The same prompts again: the decode replica has them cached, nothing moves.
         assert _texts(client, model, PROMPTS, stream=False) == want
         assert _transfers(mesh) == (saves, loads, failures)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
@@ -36,9 +36,11 @@ class ChoiceRequest:
 
     engine: ResumableRequest
     processor: ChoiceOutputProcessor
-    # The first sample of its prompt: prefilled on a prefill replica first when the decode replica
-    # loads remote KV (the other samples share the blocks its load brings, by the prefix cache).
+    # The samples of a prompt whose decode replica loads remote KV: the first is prefilled on a
+    # prefill replica; the others start once it has its first output (the prompt's blocks are then
+    # in that replica's prefix cache) instead of computing the prompt beside its load.
     first_of_prompt: bool = True
+    prompt_started: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def request_id(self) -> str:
@@ -83,13 +85,15 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
     try:
         prompt = run.route_prompt if check_prediction else RoutePrompt(choice.engine.prompt_token_ids,
                                                                         choice.engine.cache_salt)
-        if choice.first_of_prompt and wants_remote_prefill(choice.engine) and run.router.disaggregates(run.replica,
-                                                                                                        prompt):
-            # (Before the generator's first step, which reads the params.)
-            choice.engine.kv_transfer_params = await remote_prefill(run.router, choice.engine, run.metrics)
+        if wants_remote_prefill(choice.engine) and run.router.disaggregates(run.replica, prompt):
+            if choice.first_of_prompt:  # (before the generator's first step, which reads the params)
+                choice.engine.kv_transfer_params = await remote_prefill(run.router, choice.engine, run.metrics)
+            else:
+                await choice.prompt_started.wait()
         # aclosing: leaving this loop early (stop string) must abort the request *now*.
         async with contextlib.aclosing(outputs):
             async for output in outputs:
+                choice.prompt_started.set()
                 if output.num_prompt_tokens:
                     timer.on_prompt(output.num_prompt_tokens)
                 if output.new_token_ids:
@@ -106,6 +110,8 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
     except Exception as e:  # (a cancellation is not an Exception: it propagates)
         deltas.put_nowait(_Done(e))
         return
+    finally:
+        choice.prompt_started.set()  # (the other samples never wait for a choice that ended)
     deltas.put_nowait(_Done())
 
 
@@ -230,11 +236,13 @@ def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: Tokenizer
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         n = prompt.params.n
+        started = asyncio.Event()
         for sample in range(n):
             index = prompt_index * n + sample
             engine = ResumableRequest(request_id=f"{request_id}-{index}", prompt_token_ids=prompt.token_ids,
                                       sampling=sampling_for_choice(prompt.sampling, sample), priority=priority,
                                       cache_salt=cache_salt)
             choices.append(ChoiceRequest(engine, ChoiceOutputProcessor(index, tokenizer, prompt.token_ids,
-                                                                       prompt.params), first_of_prompt=sample == 0))
+                                                                       prompt.params),
+                                         first_of_prompt=sample == 0, prompt_started=started))
     return choices

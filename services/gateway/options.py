@@ -126,6 +126,11 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="cache-aware cost per unit of KV cache usage (0-1)")
     parser.add_argument("--routing-max-imbalance", type=float, default=routing.max_imbalance,
                         help="cache-aware: replicas loaded more than this above the least loaded one are skipped")
+    parser.add_argument("--routing-remote-prefill-min-tokens", type=int, default=routing.remote_prefill_min_tokens,
+                        help="prefill/decode disaggregation: a prompt goes to a prefill replica only when its decode "
+                             "replica would otherwise compute at least this many of its tokens (and more than a "
+                             f"block); shorter ones are prefilled where they decode (default "
+                             f"{routing.remote_prefill_min_tokens})")
 
 
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
@@ -140,4 +145,5 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         api_key=args.api_key, internal_token=args.internal_token,
         tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template,
         routing=RoutingConfig(args.routing, args.routing_prefill_weight, args.routing_load_weight,
-                              args.routing_kv_weight, args.routing_max_imbalance))
+                              args.routing_kv_weight, args.routing_max_imbalance,
+                              args.routing_remote_prefill_min_tokens))

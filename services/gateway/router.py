@@ -220,12 +220,13 @@ class ReplicaRouter:
     def disaggregates(self, replica: Replica, prompt: RoutePrompt) -> bool:
         """Whether `prompt`, decoding on `replica`, should be prefilled elsewhere first: `replica`
         loads remote KV, some other replica that prefills is up, and `replica` would otherwise
-        compute more than a block of the prompt (by its KV events: a prompt it has cached, say a
-        repeated one, needs no transfer)."""
+        compute more than a block of the prompt and at least --routing-remote-prefill-min-tokens
+        (by its KV events: a prompt it has cached, say a repeated one, needs no transfer)."""
         if not replica.loads_remote_kv or not any(r.prefills and r.healthy and r is not replica
                                                   for r in self.replicas.values()):
             return False
-        return len(prompt.token_ids) - self.cached_tokens(replica, prompt) > (replica.index.block_size or 1)
+        uncached = len(prompt.token_ids) - self.cached_tokens(replica, prompt)
+        return uncached > (replica.index.block_size or 1) and uncached >= self.routing.remote_prefill_min_tokens
 
     def mark_down(self, replica: Replica, reason: BaseException) -> None:
         if replica.healthy:

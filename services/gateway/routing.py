@@ -38,10 +38,13 @@ class RoutingConfig:
     load_weight: float = 64.0        # per unit of load (4 per waiting request, 1 per running one)
     kv_weight: float = 256.0         # per unit of KV usage (0..1)
     max_imbalance: float = 32.0      # load above the least loaded replica's beyond which cache is ignored
+    # P/D disaggregation: prompts with fewer uncached tokens on their decode replica are prefilled
+    # there (a short prefill costs the decode batch less than a prefill replica's round trip does).
+    remote_prefill_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", RoutingPolicy(self.policy))  # "load" → the enum; bad → ValueError
-        for name in ("prefill_weight", "load_weight", "kv_weight", "max_imbalance"):
+        for name in ("prefill_weight", "load_weight", "kv_weight", "max_imbalance", "remote_prefill_min_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--routing-{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
 
