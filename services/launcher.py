@@ -50,8 +50,9 @@ from services.topology import (
     Topology,
     add_device_arg,
     add_topology_args,
-    apply_disaggregation,
+    check_disaggregation,
     kv_transfer_config_of,
+    num_replicas,
     processes,
     redis_url,
 )
@@ -275,7 +276,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         return _fail(str(e))
     try:  # a bad --speculative-config (or a flag it does not combine with) fails here, not in a service
-        apply_disaggregation(args)
+        check_disaggregation(args)
+        args.data_parallel_size = num_replicas(args)  # (P/D: serve starts and routes P + D replicas)
         EngineConfig(**{**engine_kwargs(args), "model": model, "kv_transfer_config": kv_transfer_config_of(args, 0)})
     except ValueError as e:
         return _fail(str(e))

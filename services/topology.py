@@ -78,9 +78,9 @@ def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
                    help="with --prefill-replicas: the decode replicas (kv_consumer)")
 
 
-def apply_disaggregation(args: argparse.Namespace) -> None:
+def check_disaggregation(args: argparse.Namespace) -> None:
     """With --prefill-replicas P --decode-replicas D: check the combination (ValueError naming
-    the flag) and make the deployment P + D data-parallel replicas (their roles:
+    the flag). The deployment is then P + D replicas (`num_replicas`; their roles:
     `kv_transfer_config_of`)."""
     p, d = args.prefill_replicas, args.decode_replicas
     if not p and not d:
@@ -95,7 +95,12 @@ def apply_disaggregation(args: argparse.Namespace) -> None:
     if args.runner != "generate":
         raise ValueError("--prefill-replicas needs --runner generate (pooling requests have no decode)")
     KVTransferConfig.parse(kv_transfer_config_of(args, 0))  # the connector settings given, if any, are valid
-    args.data_parallel_size = p + d
+
+
+def num_replicas(args: argparse.Namespace) -> int:
+    """Engine replicas: P + D with --prefill-replicas P --decode-replicas D, else --data-parallel-size."""
+    p = getattr(args, "prefill_replicas", 0)
+    return p + args.decode_replicas if p else args.data_parallel_size
 
 
 def kv_transfer_config_of(args: argparse.Namespace, replica: int) -> str | None:
@@ -161,10 +166,13 @@ class Topology:
 
     @classmethod
     def of(cls, args: argparse.Namespace, *, redis_server: bool, external_redis: bool = False) -> Topology:
-        if getattr(args, "prefill_replicas", 0) or getattr(args, "decode_replicas", 0):
-            raise ValueError("--prefill-replicas / --decode-replicas: the KV transfer between them is shared memory, "
-                             "one host's (myvllm serve); containers and pods do not share /dev/shm")
-        d = args.data_parallel_size
+        check_disaggregation(args)
+        pd = getattr(args, "prefill_replicas", 0)
+        if pd and not KVTransferConfig.parse(kv_transfer_config_of(args, 0)).crosses_hosts:
+            raise ValueError("--prefill-replicas / --decode-replicas with SharedMemoryConnector need one host's "
+                             "shared memory (myvllm serve); containers and pods do not share /dev/shm: use "
+                             "--kv-transfer-config '{\"kv_connector\": \"GrpcConnector\"}'")
+        d = num_replicas(args)
         return cls(d, args.tensor_parallel_size, args.pipeline_parallel_size,
                    expert_parallel_group=bool(args.enable_expert_parallel) and d > 1,
                    redis=redis_server or external_redis, redis_server=redis_server)
@@ -362,7 +370,9 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
             + (["--engine-id", f"replica-{replica}"] if topology.redis else []) \
             + (["--data-parallel-rank", str(replica), "--data-parallel-address", group] if group else []) \
             + forwarded_flags(replica_args, add_scheduling_args) + forwarded_flags(args, add_scheduler_service_args) \
-            + forwarded_flags(args, add_parallel_args)
+            + forwarded_flags(args, add_parallel_args,
+                              # (P/D replicas are independent engines, as in serve, which counts them.)
+                              exclude=("data_parallel_size",) if getattr(args, "prefill_replicas", 0) else ())
         schedulers.append(spec(name, SCHEDULER, argv, replica, env=(TOKEN_ENV, *redis_env)))
         specs += ranks + [schedulers[-1]]
     gateway = cli + ["gateway"] + listen(GATEWAY) + ["--scheduler", ",".join(s.address for s in schedulers),

@@ -21,7 +21,7 @@ from services.gateway.migration import ResumableRequest
 from services.gateway.router import ReplicaRouter
 from services.gateway.routing import RoutePrompt, RoutingConfig, RoutingPolicy
 from services.sdk.client import RequestRejected, SchedulerUnavailable
-from services.topology import Topology, add_topology_args, apply_disaggregation, kv_transfer_config_of
+from services.topology import Topology, add_topology_args, check_disaggregation, kv_transfer_config_of, num_replicas
 
 HANDLE = "mvkv-" + "a" * 32
 
@@ -148,13 +148,13 @@ def test_serve_flags_make_per_replica_roles_and_deploy_refuses_them() -> None:
     args = _serve_args("--prefill-replicas", "2", "--decode-replicas", "1", "--kv-transfer-config",
                        '{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", '
                        '"kv_connector_extra_config": {"segment_ttl_s": 30}}')
-    apply_disaggregation(args)
-    assert args.data_parallel_size == 3
+    check_disaggregation(args)
+    assert num_replicas(args) == 3
     roles = [json.loads(kv_transfer_config_of(args, r)) for r in range(3)]
     assert [r["kv_role"] for r in roles] == ["kv_producer", "kv_producer", "kv_consumer"]
     assert all(r["kv_connector_extra_config"] == {"segment_ttl_s": 30} for r in roles)
     plain = _serve_args("--prefill-replicas", "1", "--decode-replicas", "1")
-    apply_disaggregation(plain)
+    check_disaggregation(plain)
     assert json.loads(kv_transfer_config_of(plain, 0)) == {"kv_connector": "SharedMemoryConnector",
                                                            "kv_role": "kv_producer"}
     for argv, message in ((("--prefill-replicas", "1"), "go together"),
@@ -163,6 +163,9 @@ def test_serve_flags_make_per_replica_roles_and_deploy_refuses_them() -> None:
                           (("--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer-config", "[1]"),
                            "JSON object")):
         with pytest.raises(ValueError, match=message):
-            apply_disaggregation(_serve_args(*argv))
-    with pytest.raises(ValueError, match="shared memory"):
+            check_disaggregation(_serve_args(*argv))
+    with pytest.raises(ValueError, match="GrpcConnector"):
         Topology.of(_serve_args("--prefill-replicas", "1", "--decode-replicas", "1"), redis_server=True)
+    grpc = _serve_args("--prefill-replicas", "1", "--decode-replicas", "2", "--kv-transfer-config",
+                       '{"kv_connector": "GrpcConnector"}')
+    assert Topology.of(grpc, redis_server=True).data_parallel_size == 3

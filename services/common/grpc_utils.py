@@ -99,3 +99,8 @@ async def serve_until_cancelled(server: grpc.aio.Server, grace_s: float = SHUTDO
 def channel(address: str, max_receive_bytes: int) -> grpc.aio.Channel:
     """A channel with the shared options that reads answers of up to `max_receive_bytes`."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + _receive_limit(max_receive_bytes))
+
+
+def sync_channel(address: str, max_receive_bytes: int) -> grpc.Channel:
+    """`channel`'s blocking twin, for threads outside an event loop (a worker's KV transfers)."""
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS + _receive_limit(max_receive_bytes))

@@ -15,13 +15,25 @@ from typing import Any
 
 from services.common.proto import myvllm_pb2 as pb
 
-CONNECTORS = ("SharedMemoryConnector",)
+# SharedMemoryConnector: segments in a tmpfs, between engines of one host. GrpcConnector: the
+# producer's worker keeps them in its memory and serves them (Worker.FetchKV) to consumers on
+# any host that reaches it.
+CONNECTORS = ("SharedMemoryConnector", "GrpcConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-# kv_connector_extra_config of SharedMemoryConnector: the directory its segments live in (a tmpfs:
-# /dev/shm where there is one), and how long a saved segment may wait for its consumer before the
-# producer's worker deletes it (a consumer that never comes must not leak memory).
-EXTRA_KEYS = {"shm_dir": str, "segment_ttl_s": (int, float)}
+# kv_connector_extra_config, per connector. segment_ttl_s: how long a saved segment may wait for
+# its consumer before the producer's worker deletes it (a consumer that never comes must not leak
+# memory). shm_dir: the directory shared-memory segments live in (a tmpfs: /dev/shm where there
+# is one). fetch_timeout_s: how long a consumer's worker waits for a segment from the producer's
+# (a producer that hangs costs that, then a local prefill). max_buffer_bytes: the most segment
+# bytes a GrpcConnector producer holds (a save past it fails: its consumer prefills locally).
+EXTRA_KEYS = {
+    "SharedMemoryConnector": {"shm_dir": str, "segment_ttl_s": (int, float)},
+    "GrpcConnector": {"segment_ttl_s": (int, float), "fetch_timeout_s": (int, float), "max_buffer_bytes": int},
+}
+POSITIVE_KEYS = ("segment_ttl_s", "fetch_timeout_s", "max_buffer_bytes")
 DEFAULT_SEGMENT_TTL_S = 120.0
+DEFAULT_FETCH_TIMEOUT_S = 10.0
+DEFAULT_MAX_BUFFER_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -38,17 +50,19 @@ class KVTransferConfig:
         extra = self.kv_connector_extra_config
         if not isinstance(extra, dict):
             raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict (JSON object)")
-        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        keys = EXTRA_KEYS[self.kv_connector]
+        unknown = sorted(set(extra) - set(keys))
         if unknown:
-            raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown field(s) {unknown}; "
-                             f"known: {sorted(EXTRA_KEYS)}")
-        for key, types in EXTRA_KEYS.items():
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown field(s) {unknown} for "
+                             f"{self.kv_connector}; known: {sorted(keys)}")
+        for key, types in keys.items():
             if key in extra and (isinstance(extra[key], bool) or not isinstance(extra[key], types)):
                 raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key} has the wrong type "
                                  f"({type(extra[key]).__name__})")
-        if "segment_ttl_s" in extra and not extra["segment_ttl_s"] > 0:
-            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.segment_ttl_s must be positive, "
-                             f"got {extra['segment_ttl_s']}")
+        for key in POSITIVE_KEYS:
+            if key in extra and not extra[key] > 0:
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key} must be positive, "
+                                 f"got {extra[key]}")
         if "shm_dir" in extra and not extra["shm_dir"]:
             raise ValueError("kv_transfer_config.kv_connector_extra_config.shm_dir must not be empty")
 
@@ -67,6 +81,19 @@ class KVTransferConfig:
     @property
     def shm_dir(self) -> str | None:
         return self.kv_connector_extra_config.get("shm_dir")
+
+    @property
+    def fetch_timeout_s(self) -> float:
+        return float(self.kv_connector_extra_config.get("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S))
+
+    @property
+    def max_buffer_bytes(self) -> int:
+        return int(self.kv_connector_extra_config.get("max_buffer_bytes", DEFAULT_MAX_BUFFER_BYTES))
+
+    @property
+    def crosses_hosts(self) -> bool:
+        """Whether producer and consumer may run on different hosts (containers, pods)."""
+        return self.kv_connector == "GrpcConnector"
 
     @classmethod
     def parse(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:

@@ -16,7 +16,12 @@ from services.common.proto import myvllm_pb2 as pb
 # A transfer handle names a shared-memory segment: nothing that could leave its directory.
 HANDLE_RE = re.compile(r"^mvkv-[0-9a-f]{32}$")
 HASH_BYTES = 32  # services/common/block_hash.py: sha256
-KEYS = ("do_remote_decode", "do_remote_prefill", "remote_handle", "remote_num_tokens", "remote_block_hash")
+KEYS = ("do_remote_decode", "do_remote_prefill", "remote_handle", "remote_num_tokens", "remote_block_hash",
+        "remote_host", "remote_port")
+# GrpcConnector's producer worker: a DNS name or an IP address (IPv6 in brackets or bare).
+HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]"                             # [IPv6]
+                     r"|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*"                       # bare IPv6
+                     r"|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)$")  # DNS name or IPv4
 
 
 def check_params(params: pb.KVTransferParams) -> None:
@@ -32,6 +37,12 @@ def check_params(params: pb.KVTransferParams) -> None:
     if params.remote_handle and len(params.remote_block_hash) != HASH_BYTES:
         raise ValueError(f"kv_transfer_params.remote_block_hash must be {HASH_BYTES} bytes "
                          f"({2 * HASH_BYTES} hex digits) with a remote_handle")
+    if bool(params.remote_host) != bool(params.remote_port) or (params.remote_host and not params.remote_handle):
+        raise ValueError("kv_transfer_params.remote_host and remote_port go together, with a remote_handle")
+    if params.remote_host and not HOST_RE.match(params.remote_host):
+        raise ValueError(f"kv_transfer_params.remote_host {params.remote_host[:80]!r} is not a host name or address")
+    if not 0 <= params.remote_port <= 65535:
+        raise ValueError(f"kv_transfer_params.remote_port must be a port (1-65535), got {params.remote_port}")
 
 
 def params_from_dict(value: dict[str, Any] | None) -> pb.KVTransferParams | None:
@@ -62,6 +73,15 @@ def params_from_dict(value: dict[str, Any] | None) -> pb.KVTransferParams | None
             msg.remote_block_hash = bytes.fromhex(value["remote_block_hash"])
         except (TypeError, ValueError) as e:
             raise ValueError("kv_transfer_params.remote_block_hash must be hex text") from e
+    if value.get("remote_host") is not None:
+        if not isinstance(value["remote_host"], str):
+            raise ValueError("kv_transfer_params.remote_host must be a string")
+        msg.remote_host = value["remote_host"]
+    if value.get("remote_port") is not None:
+        port = value["remote_port"]
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError("kv_transfer_params.remote_port must be a port (1-65535)")
+        msg.remote_port = port
     check_params(msg)
     return msg
 
@@ -75,4 +95,6 @@ def params_to_dict(msg: pb.KVTransferParams) -> dict[str, Any]:
     if msg.remote_handle:
         out.update(remote_handle=msg.remote_handle, remote_num_tokens=msg.remote_num_tokens,
                    remote_block_hash=msg.remote_block_hash.hex())
+    if msg.remote_host:
+        out.update(remote_host=msg.remote_host, remote_port=msg.remote_port)
     return out

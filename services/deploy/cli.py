@@ -26,7 +26,10 @@ from services.topology import (
     KubernetesPlacement,
     Topology,
     add_topology_args,
+    check_disaggregation,
     forwarded_flags,
+    kv_transfer_config_of,
+    num_replicas,
     processes,
 )
 
@@ -87,7 +90,8 @@ def _model(args: argparse.Namespace) -> str:
     if args.device not in (None, "cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
     model = args.model or IMAGE_MODEL_DIR
-    EngineConfig(**{**engine_kwargs(args), "model": model})
+    check_disaggregation(args)
+    EngineConfig(**{**engine_kwargs(args), "model": model, "kv_transfer_config": kv_transfer_config_of(args, 0)})
     return model
 
 
@@ -118,7 +122,7 @@ def k8s_files(args: argparse.Namespace) -> dict[str, str]:
     if not _DNS_LABEL.fullmatch(args.name) or len(args.name) > 30:
         raise ValueError(f"--name must be a DNS label of at most 30 characters (lower case, digits, '-'): "
                          f"{args.name!r}")
-    topology = Topology.of(args, redis_server=args.data_parallel_size > 1)
+    topology = Topology.of(args, redis_server=num_replicas(args) > 1)
     placement = KubernetesPlacement(args.name)
     options = K8sOptions(image=args.image, device=args.device, shutdown_timeout_s=args.shutdown_timeout,
                          startup_timeout_s=args.startup_timeout,
@@ -135,7 +139,7 @@ def compose_text(args: argparse.Namespace, file_name: str) -> str:
     from services.deploy.compose import USAGE, ComposeOptions, compose_file
 
     model = _model(args)
-    topology = Topology.of(args, redis_server=args.data_parallel_size > 1)
+    topology = Topology.of(args, redis_server=num_replicas(args) > 1)
     placement = ComposePlacement()
     document = compose_file(processes(args, model, topology, placement), placement,
                             ComposeOptions(args.image, args.device, args.startup_timeout))

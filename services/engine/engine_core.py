@@ -17,7 +17,10 @@ from services.engine.structured_output import RequestGrammar, StructuredOutputMa
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_info: pb.ModelInfo, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model_info: pb.ModelInfo, num_blocks: int,
+                 kv_producer_address: str | None = None) -> None:
+        """`kv_producer_address`: where other engines' workers reach this engine's worker
+        (GrpcConnector producers: the params of its saved prompts say it)."""
         self.config = config
         config.resolve_async_scheduling(model_info.device)
         self.model_info = model_info
@@ -32,7 +35,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
             async_scheduling=config.async_scheduling, pipeline_parallel=config.pipeline_parallel_size > 1,
             structured_output=self.structured_output, speculative_config=config.speculative_config,
-            kv_transfer_config=config.kv_transfer_config)
+            kv_transfer_config=config.kv_transfer_config, kv_producer_address=kv_producer_address)
         self.num_steps = 0
         self.num_dummy_steps = 0  # lockstep steps with nothing scheduled (services/engine/step_loop.py)
 

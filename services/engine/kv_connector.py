@@ -36,9 +36,18 @@ def new_handle() -> str:
 
 
 class KVConnectorScheduler:
-    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+    def __init__(self, config: KVTransferConfig, block_size: int, producer_address: str | None = None) -> None:
+        """`producer_address`: host:port of this engine's worker for other engines' workers
+        (GrpcConnector: the consumer's worker fetches segments from there)."""
         self.config = config
         self.block_size = block_size
+        self.producer_host, self.producer_port = None, 0
+        if config.crosses_hosts and config.is_producer:
+            host, _, port = (producer_address or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"a {config.kv_connector} producer needs its worker's host:port, got "
+                                 f"{producer_address!r} (run it as a served engine: myvllm serve / scheduler)")
+            self.producer_host, self.producer_port = host, int(port)
         self._loads: list[pb.KVLoad] = []
         self._saves: list[pb.KVSave] = []
         self._discards: list[str] = []
@@ -71,6 +80,8 @@ class KVConnectorScheduler:
         num_blocks = n // bs
         extend_block_hashes(request, bs)
         usable = n > 0 and n % bs == 0 and n <= ((request.num_prompt_tokens - 1) // bs) * bs
+        # (A segment this engine's transport can fetch: a worker address exactly for GrpcConnector.)
+        usable = usable and bool(params.remote_host) == self.config.crosses_hosts
         if usable:
             # The segment must be this request's prompt (same tokens, same cache salt): its last
             # block's chained hash says so for every block before it too.
@@ -86,9 +97,11 @@ class KVConnectorScheduler:
         """The request's blocks are allocated: load the segment's blocks past its local hits."""
         bs = self.block_size
         first, count = num_computed_tokens // bs, num_external_tokens // bs
-        self._loads.append(pb.KVLoad(request_id=request.request_id, handle=request.kv_transfer_params.remote_handle,
+        params = request.kv_transfer_params
+        self._loads.append(pb.KVLoad(request_id=request.request_id, handle=params.remote_handle,
                                      first_block=first, block_ids=block_ids[first:first + count],
-                                     block_hashes=request.block_hashes[first:first + count]))
+                                     block_hashes=request.block_hashes[first:first + count],
+                                     remote_host=params.remote_host, remote_port=params.remote_port))
         self.loading[request.request_id] = num_external_tokens
 
     def load_finished(self, request_id: str, ok: bool) -> int | None:
@@ -145,7 +158,8 @@ class KVConnectorScheduler:
         num_blocks = (request.num_prompt_tokens - 1) // self.block_size
         return delay, pb.KVTransferParams(do_remote_prefill=True, remote_handle=handle,
                                           remote_num_tokens=num_blocks * self.block_size,
-                                          remote_block_hash=request.block_hashes[num_blocks - 1])
+                                          remote_block_hash=request.block_hashes[num_blocks - 1],
+                                          remote_host=self.producer_host or "", remote_port=self.producer_port)
 
     def save_finished(self, request_id: str) -> bool:
         """The worker's report on a save; whether a save of that request was in flight."""

@@ -53,6 +53,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
+        kv_producer_address: str | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -76,7 +77,7 @@ class Scheduler:
         # P/D disaggregation (None: no KV connector). Requests whose blocks a remote load fills
         # (they hold blocks, not a batch slot), and ended requests whose blocks wait for a transfer
         # to end (a producer's save, an aborted consumer's load) before they are freed.
-        self.kv_connector = KVConnectorScheduler(kv_transfer_config, block_size) \
+        self.kv_connector = KVConnectorScheduler(kv_transfer_config, block_size, kv_producer_address) \
             if kv_transfer_config is not None else None
         self.waiting_for_remote: dict[str, Request] = {}
         self.finishing: dict[str, Request] = {}

@@ -111,7 +111,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             core.structured_output.close()  # (no request is left: the worker's loss ended them all)
             self.kv_events.cleared()  # a new core starts with an empty prefix cache
             self.kv_events.flush()
-        self.core = EngineCore(self.config, info, num_blocks)
+        # (Its worker's address as this scheduler dials it: GrpcConnector consumers fetch from there.)
+        self.core = EngineCore(self.config, info, num_blocks, kv_producer_address=self.worker.links[0].address)
         self.core.scheduler.kv_cache_manager.block_pool.events = self.kv_events
         self.steps = StepLoop(self.core, self.worker, self._route, self._after_step)
         if self.wave is not None:

@@ -1,12 +1,13 @@
-"""One KV transfer segment: a producer's saved prompt blocks, as a file in shared memory.
+"""One KV transfer segment: a producer's saved prompt blocks, as a file in shared memory
+(SharedMemoryConnector) or bytes a producer's worker serves (GrpcConnector).
 
 Layout: MAGIC (8 bytes) | header length (uint32, little-endian) | JSON header | zero padding to a
 64-byte boundary | payload. The header says what the payload is (model, dtype, layout, block
 count, each block's chained hash, the payload's size and CRC-32); the payload is, layer by layer,
 that layer's [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] slice of the cache.
 
-A segment is written under a temporary name and renamed into place, so a reader never sees half
-of one. Everything read back is checked against the reader's own layout and the hashes it expects
+A segment file is written under a temporary name and renamed into place, so a reader never sees
+half of one. Everything read back is checked against the reader's own layout and the hashes it expects
 before a byte reaches its KV cache (the segment comes from another process: a trust boundary).
 """
 
@@ -67,9 +68,9 @@ def _payload_offset(header_len: int) -> int:
     return -(-(len(MAGIC) + 4 + header_len) // _ALIGN) * _ALIGN
 
 
-def write_segment(path: str, layout: KVLayout, layers: list[torch.Tensor], block_hashes: list[bytes]) -> int:
-    """Write `layers` (each [2, n, block_size, heads, head_dim] on the CPU, of layout.dtype) with
-    their blocks' hashes; returns the bytes written. Atomic: a temporary file renamed into place."""
+def encode_segment(layout: KVLayout, layers: list[torch.Tensor], block_hashes: list[bytes]) -> list[memoryview]:
+    """The segment of `layers` (each [2, n, block_size, heads, head_dim] on the CPU, of
+    layout.dtype) with their blocks' hashes, as buffers to write (or send) in order."""
     n = len(block_hashes)
     payload = [t.contiguous().view(torch.uint8).numpy() for t in layers]
     size = sum(p.nbytes for p in payload)
@@ -82,14 +83,26 @@ def write_segment(path: str, layout: KVLayout, layers: list[torch.Tensor], block
                          "block_hashes": [h.hex() for h in block_hashes], "payload_bytes": size,
                          "payload_crc32": crc}).encode()
     offset = _payload_offset(len(header))
+    head = MAGIC + struct.pack("<I", len(header)) + header + b"\0" * (offset - len(MAGIC) - 4 - len(header))
+    return [memoryview(head)] + [memoryview(p) for p in payload]
+
+
+def max_segment_bytes(layout: KVLayout, max_blocks: int) -> int:
+    """The largest segment of at most `max_blocks` blocks: more is refused unread."""
+    max_header = min(_HEADER_FIXED_BYTES + _HEADER_BYTES_PER_BLOCK * max_blocks, MAX_HEADER_BYTES)
+    return _payload_offset(max_header) + max_blocks * layout.num_layers * layout.block_bytes_per_layer
+
+
+def write_segment(path: str, layout: KVLayout, layers: list[torch.Tensor], block_hashes: list[bytes]) -> int:
+    """Write the segment of `layers` to `path`; returns the bytes written. Atomic: a temporary
+    file renamed into place."""
+    parts = encode_segment(layout, layers, block_hashes)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         # Owner-only (a prompt's KV is as private as its text); never an existing file or link.
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(header)) + header)
-            f.write(b"\0" * (offset - len(MAGIC) - 4 - len(header)))
-            for p in payload:
-                f.write(memoryview(p))
+            for part in parts:
+                f.write(part)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -97,17 +110,14 @@ def write_segment(path: str, layout: KVLayout, layers: list[torch.Tensor], block
         except FileNotFoundError:
             pass
         raise
-    return offset + size
+    return sum(part.nbytes for part in parts)
 
 
 def read_segment(path: str, layout: KVLayout, first_block: int, expected_hashes: list[bytes],
                  max_blocks: int) -> list[torch.Tensor]:
-    """Blocks first_block.. (as many as `expected_hashes`) of the segment at `path`, one CPU tensor
-    [2, count, block_size, heads, head_dim] per layer, after checking the header matches `layout`,
-    the hashes match, and the payload is whole and intact. A segment of more than `max_blocks`
-    blocks is refused unread. Raises SegmentError otherwise."""
-    max_header = min(_HEADER_FIXED_BYTES + _HEADER_BYTES_PER_BLOCK * max_blocks, MAX_HEADER_BYTES)
-    limit = _payload_offset(max_header) + max_blocks * layout.num_layers * layout.block_bytes_per_layer
+    """`decode_segment` of the file at `path` (never a link, FIFO or device; never more bytes
+    than a segment of `max_blocks` blocks)."""
+    limit = max_segment_bytes(layout, max_blocks)
     try:
         # Never a link, never a FIFO or device (an open or read that blocks would hang the load).
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -121,6 +131,18 @@ def read_segment(path: str, layout: KVLayout, first_block: int, expected_hashes:
             raise SegmentError(f"{st.st_size} bytes: more than a segment of {max_blocks} blocks can be")
         # (Read no more than that even if it grows meanwhile.)
         data = f.read(limit + 1)
+    return decode_segment(data, layout, first_block, expected_hashes, max_blocks)
+
+
+def decode_segment(data: bytes | bytearray, layout: KVLayout, first_block: int, expected_hashes: list[bytes],
+                   max_blocks: int) -> list[torch.Tensor]:
+    """Blocks first_block.. (as many as `expected_hashes`) of the segment `data`, one CPU tensor
+    [2, count, block_size, heads, head_dim] per layer, after checking the header matches `layout`,
+    the hashes match, and the payload is whole and intact. A segment of more than `max_blocks`
+    blocks is refused. Raises SegmentError otherwise."""
+    max_header = min(_HEADER_FIXED_BYTES + _HEADER_BYTES_PER_BLOCK * max_blocks, MAX_HEADER_BYTES)
+    if len(data) > max_segment_bytes(layout, max_blocks):
+        raise SegmentError(f"{len(data)} bytes: more than a segment of {max_blocks} blocks can be")
     if len(data) < len(MAGIC) + 4 or data[:len(MAGIC)] != MAGIC:
         raise SegmentError("not a KV segment (bad magic)")
     (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
@@ -157,7 +179,7 @@ def read_segment(path: str, layout: KVLayout, first_block: int, expected_hashes:
     if zlib.crc32(payload) != header.get("payload_crc32"):
         raise SegmentError("payload CRC-32 mismatch (corrupt segment)")
     shape = (2, n, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # (a copy the caller owns)
     out = []
     for layer in range(layout.num_layers):
         t = flat[layer * per_layer:(layer + 1) * per_layer].view(layout.dtype).view(shape)

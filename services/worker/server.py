@@ -26,6 +26,7 @@ from services.common.config import SHARED_PARTS, EngineConfig, config_mismatch_m
 from services.common.message_limits import MAX_ERROR_CHARS, WORKER_RECEIVE_BYTES
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
+from services.worker.kv_connector import serve_segment
 from services.worker.model_runner import MemoryBudgetError
 from services.worker.step_validation import InvalidStep
 from services.worker.worker import Worker
@@ -46,10 +47,10 @@ def _is_under(path: str, root: str) -> bool:
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, own: pb.LoadModelRequest, device: str | None = None,
-                 allowed_model_root: str | None = None) -> None:
+                 allowed_model_root: str | None = None, token: str | None = None) -> None:
         self.own = own  # this worker's configuration, from its flags
         self.allowed_model_root = allowed_model_root
-        self.worker = Worker(device)
+        self.worker = Worker(device, token)
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-compute")
 
     async def _run(self, fn, *args):
@@ -153,6 +154,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await self._run(self.worker.reset_batch)
                 yield pb.ModelRunnerOutput(step_id=so.step_id, error=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
 
+    async def FetchKV(self, request: pb.KVFetchRequest, context):
+        """A consumer's worker fetches a segment this (producer) worker saved (GrpcConnector)."""
+        try:
+            chunks = serve_segment(self.worker.kv_connector, request.handle)
+            first = next(chunks, None)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV segment {request.handle[:80]!r} here (expired, "
+                                                           "fetched already, or never saved)")
+        if first is not None:
+            yield first
+        for chunk in chunks:
+            yield chunk
+
     async def Health(self, request: pb.Empty, context) -> pb.HealthResponse:
         info = self.worker.info
         if info is None:
@@ -165,7 +179,7 @@ async def serve_worker(host: str, port: int, own: pb.LoadModelRequest, device: s
                        preload: bool = True, token: str | None = None,
                        allowed_model_root: str | None = None) -> None:
     logger.setLevel(logging.INFO)  # the weight loads and the attention backend chosen belong in the log
-    servicer = WorkerServicer(own, device, allowed_model_root)
+    servicer = WorkerServicer(own, device, allowed_model_root, token)
     if preload:
         await servicer.preload()
     # Steps come within the scheduler's step budget, whatever its configuration (message_limits.py).

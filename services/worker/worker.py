@@ -14,7 +14,7 @@ from services.common.kv_transfer_config import KVTransferConfig
 from services.common.pooling_config import PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.cpu.malloc_tuning import release_freed_memory
-from services.worker.kv_connector import SharedMemoryConnector, model_id
+from services.worker.kv_connector import KVConnectorWorker, make_connector, model_id
 from services.worker.kv_segment import KVLayout
 from services.worker.model_runner import ModelRunner
 from services.worker.step_validation import InvalidStep
@@ -40,14 +40,15 @@ def weights_key(req: pb.LoadModelRequest) -> bytes:
 
 
 class Worker:
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | None = None, token: str | None = None) -> None:
         self.device = device
+        self.token = token  # the mesh's internal token (GrpcConnector: presented to producers' workers)
         self.runner: ModelRunner | None = None
         self.info: pb.ModelInfo | None = None
         self._loaded_key: bytes | None = None
         # P/D disaggregation: the KV connector's settings, and its transport once the cache exists.
         self.kv_transfer_config: KVTransferConfig | None = None
-        self.kv_connector: SharedMemoryConnector | None = None
+        self.kv_connector: KVConnectorWorker | None = None
 
     def load_model(self, req: pb.LoadModelRequest) -> pb.ModelInfo:
         """Load the weights, unless the same weights are already loaded (then only the batch
@@ -114,8 +115,8 @@ class Worker:
             layout = KVLayout(model_id=model_id(runner.model_dir), dtype=runner.dtype, num_layers=len(layers),
                               block_size=req.block_size, num_kv_heads=layers[0].num_kv_heads,
                               head_dim=layers[0].head_dim)
-            self.kv_connector = SharedMemoryConnector(self.kv_transfer_config, layout,
-                                                      [layer.kv_cache for layer in layers])
+            self.kv_connector = make_connector(self.kv_transfer_config, layout, [layer.kv_cache for layer in layers],
+                                               self.token)
         return pb.Empty()
 
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
