@@ -345,21 +345,21 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
                "--appendonly", "no"] + (["--requirepass", password] if password is not None else [])
         specs.append(spec(REDIS, REDIS, argv))
     redis_env = (REDIS_URL_ENV,) if topology.redis else ()
-    worker_args = argparse.Namespace(**{**vars(args), "model": model})  # the resolved model directory
-    worker_flags = (forwarded_flags(worker_args, add_model_args) + forwarded_flags(worker_args, add_speculative_arg)
-                    + forwarded_flags(worker_args, add_device_arg))
     group = None
     if topology.expert_parallel_group:
         group_host = placement.dial_host(topology.scheduler_name(0), GROUP, 0)
         group = f"{group_host}:{placement.port(GROUP)}"
     schedulers: list[ProcessSpec] = []
     for replica in range(topology.data_parallel_size):
-        # (Its KV transfer role: a prefill or decode replica of a disaggregated deployment.)
-        replica_args = argparse.Namespace(**{**vars(args), "kv_transfer_config": kv_transfer_config_of(args, replica)})
-        kv_flags = forwarded_flags(replica_args, add_kv_transfer_arg)
+        # Its flags: its KV transfer role (a prefill or decode replica of a disaggregated deployment,
+        # each an engine of its own), the model directory as its processes see it.
+        pd = {"data_parallel_size": 1} if getattr(args, "prefill_replicas", 0) else {}
+        replica_args = argparse.Namespace(**{**vars(args), "kv_transfer_config": kv_transfer_config_of(args, replica),
+                                             "model": model, **pd})
+        worker_flags = [flag for add in (add_model_args, add_speculative_arg, add_device_arg, add_kv_transfer_arg)
+                        for flag in forwarded_flags(replica_args, add)]
         ranks = [spec(topology.worker_name(replica, rank), WORKER,
-                      cli + ["worker"] + listen(WORKER, replica, rank) + worker_flags + kv_flags, replica, rank,
-                      (TOKEN_ENV,))
+                      cli + ["worker"] + listen(WORKER, replica, rank) + worker_flags, replica, rank, (TOKEN_ENV,))
                  for rank in range(topology.ranks)]
         name = topology.scheduler_name(replica)
         address = f"{placement.dial_host(name, SCHEDULER, replica)}:{placement.port(SCHEDULER, replica)}"
@@ -370,9 +370,7 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
             + (["--engine-id", f"replica-{replica}"] if topology.redis else []) \
             + (["--data-parallel-rank", str(replica), "--data-parallel-address", group] if group else []) \
             + forwarded_flags(replica_args, add_scheduling_args) + forwarded_flags(args, add_scheduler_service_args) \
-            + forwarded_flags(args, add_parallel_args,
-                              # (P/D replicas are independent engines, as in serve, which counts them.)
-                              exclude=("data_parallel_size",) if getattr(args, "prefill_replicas", 0) else ())
+            + forwarded_flags(replica_args, add_parallel_args)
         schedulers.append(spec(name, SCHEDULER, argv, replica, env=(TOKEN_ENV, *redis_env)))
         specs += ranks + [schedulers[-1]]
     gateway = cli + ["gateway"] + listen(GATEWAY) + ["--scheduler", ",".join(s.address for s in schedulers),

@@ -21,7 +21,15 @@ from services.gateway.migration import ResumableRequest
 from services.gateway.router import ReplicaRouter
 from services.gateway.routing import RoutePrompt, RoutingConfig, RoutingPolicy
 from services.sdk.client import RequestRejected, SchedulerUnavailable
-from services.topology import Topology, add_topology_args, check_disaggregation, kv_transfer_config_of, num_replicas
+from services.topology import (
+    LocalPlacement,
+    Topology,
+    add_topology_args,
+    check_disaggregation,
+    kv_transfer_config_of,
+    num_replicas,
+    processes,
+)
 
 HANDLE = "mvkv-" + "a" * 32
 
@@ -169,3 +177,18 @@ def test_serve_flags_make_per_replica_roles_and_deploy_refuses_them() -> None:
     grpc = _serve_args("--prefill-replicas", "1", "--decode-replicas", "2", "--kv-transfer-config",
                        '{"kv_connector": "GrpcConnector"}')
     assert Topology.of(grpc, redis_server=True).data_parallel_size == 3
+
+
+def test_each_replica_s_worker_and_scheduler_get_the_same_engine_flags() -> None:
+    args = _serve_args("--prefill-replicas", "1", "--decode-replicas", "1")
+    check_disaggregation(args)
+    args.data_parallel_size = num_replicas(args)  # (as serve does)
+    topology = Topology(2, redis=True, redis_server=True)
+    placement = LocalPlacement("127.0.0.1", 8000, [[9000], [9001]], [9100, 9101], redis_port=9200)
+    specs = processes(args, "/m", topology, placement)
+    for replica, role in enumerate(("kv_producer", "kv_consumer")):
+        worker, scheduler = [s for s in specs if s.replica == replica]
+        for spec in (worker, scheduler):
+            flags = list(spec.argv)
+            assert json.loads(flags[flags.index("--kv-transfer-config") + 1])["kv_role"] == role
+            assert "--data-parallel-size" not in flags  # (each an engine of its own)
