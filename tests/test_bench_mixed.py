@@ -54,7 +54,7 @@ def test_workload_rejects_bad_sizes(kw):
 def test_describe_and_select_deployments():
     text = _workload().describe(8)
     assert "8 short streams" in text and "3 long prompts (" in text and "every 1.5 s" in text
-    assert mw.select_deployments("colocated,pd") == mw.DEPLOYMENTS
+    assert mw.select_deployments("colocated,pd,pd-grpc") == mw.DEPLOYMENTS
     assert mw.select_deployments(" pd ") == [("pd", ("--prefill-replicas", "1", "--decode-replicas", "1"))]
     with pytest.raises(ValueError, match="unknown"):
         mw.select_deployments("colocated,disagg")

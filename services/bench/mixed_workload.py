@@ -48,6 +48,8 @@ from services.bench.workload import (
 DEPLOYMENTS: list[tuple[str, tuple[str, ...]]] = [
     ("colocated", ("--data-parallel-size", "2")),
     ("pd", ("--prefill-replicas", "1", "--decode-replicas", "1")),
+    ("pd-grpc", ("--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer-config",
+                 '{"kv_connector": "GrpcConnector"}')),
 ]
 
 _STREAM_LONG = 0  # the rng stream of the long prompts; short prompts draw from (1, stream, index)
