@@ -5,7 +5,8 @@ and not; each new prompt's KV goes through shared memory once (the decode replic
 repeated prompt is served from the decode replica's prefix cache without a second transfer;
 every block is free on both replicas afterwards. Then kill -9 of the prefill replica's worker
 while streams are being prefilled: every stream still ends with the no-fault text (the decode
-replica prefills what it cannot load), and the time it took is printed."""
+replica prefills what it cannot load), and the time it took is printed; and kill -9 of the decode
+replica's worker mid-stream: the streams migrate and end with the same text."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import os
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,14 +32,22 @@ FRESH = [p.replace("sing", "dance") for p in PROMPTS]
 CHAT = [{"role": "user", "content": "Explain in three sentences why the sky is blue, for a ten-year-old reader."}]
 
 
-def _texts(client: openai.OpenAI, model: str, prompts: list[str], stream: bool) -> list[str]:
+def _texts(client: openai.OpenAI, model: str, prompts: list[str], stream: bool,
+           first_tokens: threading.Barrier | None = None) -> list[str]:
+    """Each prompt's text (streams wait at `first_tokens` once they have their first chunk)."""
     def one(prompt: str) -> str:
         if not stream:
             return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text
         chunks = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
-        return "".join(c.choices[0].text for c in chunks if c.choices)
+        text, waited = "", first_tokens is None
+        for c in chunks:
+            text += c.choices[0].text if c.choices else ""
+            if not waited and text:
+                waited = True
+                first_tokens.wait(timeout=120)
+        return text
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, prompts))
@@ -100,7 +110,7 @@ def _remote_prefills(mesh: Mesh) -> dict[str, float]:
     return out
 
 
-def test_prefill_and_decode_replicas_answer_like_one_replica_and_survive_the_prefill_worker_dying(
+def test_prefill_and_decode_replicas_answer_like_one_replica_and_survive_either_worker_dying(
         smollm2_dir: str) -> None:
     colocated = Mesh(["--model", smollm2_dir, *FLAGS])
     try:
@@ -160,6 +170,18 @@ def test_prefill_and_decode_replicas_answer_like_one_replica_and_survive_the_pre
               f"the kill; remote prefills {outcomes}")
         assert texts == want_fresh
         assert outcomes["failed"] >= 1
+        _at_rest(mesh)
+
+        # kill -9 of the decode replica's worker mid-stream: the streams migrate (to the prefill
+        # replica, a whole engine, while the decode replica restarts) and end with the same text.
+        migrations = mesh.metrics()["myvllm:request_migrations_total"]
+        first_tokens = threading.Barrier(len(PROMPTS) + 1)
+        with ThreadPoolExecutor(1) as pool:
+            got = pool.submit(_texts, client, model, PROMPTS, True, first_tokens)
+            first_tokens.wait(timeout=120)
+            os.kill(int(re.findall(r"started worker-1 \(pid (\d+)\)", "".join(mesh.output))[-1]), signal.SIGKILL)
+            assert got.result(timeout=300) == want
+        assert mesh.metrics()["myvllm:request_migrations_total"] >= migrations + len(PROMPTS)
         _at_rest(mesh)
         assert mesh.proc.poll() is None  # serve went on (and restarts the worker)
     finally:
