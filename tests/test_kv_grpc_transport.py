@@ -174,3 +174,10 @@ def test_params_and_configuration_of_each_connector() -> None:
                          kv_connector_extra_config={"fetch_timeout_s": 1})
     with pytest.raises(ValueError, match="must be positive"):
         _config("kv_producer", max_buffer_bytes=0)
+
+
+def test_an_offline_llm_cannot_be_a_grpc_producer(tiny_llama_dir: str) -> None:
+    from services.sdk.llm import LLM
+
+    with pytest.raises(ValueError, match="myvllm serve"):
+        LLM(tiny_llama_dir, kv_transfer_config={"kv_connector": "GrpcConnector", "kv_role": "kv_both"})

@@ -63,6 +63,11 @@ class LLM:
             raise ValueError("LLM(data_parallel_size > 1) runs its engines as one expert-parallel group: add "
                              "enable_expert_parallel=True (MoE models); independent replicas are `myvllm serve "
                              "--data-parallel-size`")
+        kv = c.kv_transfer_config
+        if kv is not None and kv.crosses_hosts and kv.is_producer:
+            raise ValueError(f"kv_transfer_config {kv.kv_connector} {kv.kv_role}: a producer serves its KV from its "
+                             "worker's gRPC server, which an offline LLM has not: run it with `myvllm serve` (an "
+                             "offline kv_consumer can fetch from one)")
         self._groups = self._make_rank_groups()
         self.worker = self._groups[0]
         self._handles = [LocalWorkers(group, pipelined=c.pipeline_parallel_size > 1, threaded=c.expert_parallel_group)
