@@ -40,7 +40,13 @@ from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.cpu_backend import HIGHEST_ISA
 from services.worker.attention.torch_backend import TorchAttentionBackend
 
-NUM_BLOCKS = 1024
+
+def _num_blocks(seq_lens: list[int], block_size: int) -> int:
+    """The cache's pool: the null block 0 and twice the blocks the batch uses, so they are drawn
+    at random from among as many unused ones (a pool of a fixed 1,024 blocks made generating and
+    checking the cache, not the kernel, most of these tests' time, under ASan most of all; and
+    with fewer blocks past the used ones, a read past them is likelier to leave the tensor)."""
+    return 1 + 2 * sum(-(-n // block_size) for n in seq_lens)
 
 
 @pytest.fixture(scope="module", params=levels_here(HIGHEST_ISA), ids=lambda level: level or "default")
@@ -55,7 +61,7 @@ def _decode_batch(seq_lens: list[int], block_size: int, seed: int) -> AttentionM
     rng = np.random.default_rng(seed)
     lens = np.array(seq_lens, dtype=np.int64)
     blocks_per_req = -(-lens // block_size)
-    ids = rng.permutation(np.arange(1, NUM_BLOCKS))[:blocks_per_req.sum()]  # block 0 is the null block
+    ids = rng.permutation(np.arange(1, _num_blocks(seq_lens, block_size)))[:blocks_per_req.sum()]  # 0: the null block
     table = np.zeros((len(lens), blocks_per_req.max()), dtype=np.int32)
     start = 0
     for i, n in enumerate(blocks_per_req):
@@ -164,7 +170,8 @@ def _compare(cpu_backend, case: int, dtype: torch.dtype, threads: int, q_scale: 
     seq_lens, num_heads, num_kv_heads, head_dim, block_size = CASES[case]
     meta = _decode_batch(seq_lens, block_size, seed=case)
     gen = torch.Generator().manual_seed(case)
-    kv_cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, _num_blocks(seq_lens, block_size), block_size, num_kv_heads, head_dim,
+                           generator=gen).to(dtype)
     batch = len(seq_lens)
     q_dtype = q_dtype or dtype
     q = (q_scale * torch.randn(batch, num_heads, head_dim, generator=gen)).to(q_dtype)

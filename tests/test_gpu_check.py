@@ -13,18 +13,35 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _stage(results: Path, *args: str) -> subprocess.CompletedProcess:
+def _start(results: Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, GPU_CHECK_RESULTS=str(results), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "scripts/gpu_check.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "scripts/gpu_check.py", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _stage(results: Path, *args: str) -> subprocess.CompletedProcess:
+    return _finish(_start(results, *args))
 
 
 def test_cpu_paths_of_the_gpu_check_stages_and_their_report(tmp_path: Path) -> None:
     results, out = tmp_path / "results", tmp_path / "out"
-    sampling = _stage(results, "sampling", "--device", "cpu")
-    assert sampling.returncode == 0, sampling.stdout + sampling.stderr
-    throughput = _stage(results, "throughput", "--device", "cpu", "--tiny", "--num-requests", "12", "--min-len", "8",
+    # The two stages are independent (each writes its own figures): run side by side, their
+    # start-ups (imports, a model load) overlap.
+    sampling = _start(results, "sampling", "--device", "cpu")
+    throughput = _start(results, "throughput", "--device", "cpu", "--tiny", "--num-requests", "12", "--min-len", "8",
                         "--max-len", "24", "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-gib", "1")
+    sampling, throughput = _finish(sampling), _finish(throughput)
+    assert sampling.returncode == 0, sampling.stdout + sampling.stderr
     assert throughput.returncode == 0, throughput.stdout + throughput.stderr
     figures = json.loads((results / "throughput.json").read_text())
     assert figures["eager_mode"] == "none" and figures["graphs_mode"] == "static"
