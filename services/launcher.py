@@ -189,6 +189,23 @@ def _http_healthy(url: str) -> bool:
         return False
 
 
+def _gateway_ready(base_url: str, num_replicas: int) -> bool:
+    """The gateway answers /health and routes to all `num_replicas` replicas serve started (so
+    the first requests after the banner see the whole topology, P/D roles included)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not _http_healthy(f"{base_url}/health"):
+        return False
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=1.0).text
+    except httpx.HTTPError:
+        return False
+    routable = sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "myvllm:engine_replicas_routable" for sample in family.samples)
+    return routable >= num_replicas
+
+
 def _redis_healthy(url: str) -> bool:
     import redis
 
@@ -231,7 +248,7 @@ def _serve_plan(args: argparse.Namespace, model: str, worker_ports: list[list[in
         if spec.role == REDIS:
             healthy = functools.partial(_redis_healthy, redis_url)
         elif spec.role == GATEWAY:
-            healthy = functools.partial(_http_healthy, f"http://127.0.0.1:{spec.port}/health")
+            healthy = functools.partial(_gateway_ready, f"http://127.0.0.1:{spec.port}", len(scheduler_ports))
         else:
             healthy = functools.partial(_grpc_healthy, f"127.0.0.1:{spec.port}", spec.role)
         plan.append((spec, healthy))

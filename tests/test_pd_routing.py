@@ -192,3 +192,35 @@ def test_each_replica_s_worker_and_scheduler_get_the_same_engine_flags() -> None
             flags = list(spec.argv)
             assert json.loads(flags[flags.index("--kv-transfer-config") + 1])["kv_role"] == role
             assert "--data-parallel-size" not in flags  # (each an engine of its own)
+
+
+def test_replicas_count_as_routable_once_their_load_and_role_are_heard() -> None:
+    """What `serve` waits for before it prints its banner: a replica whose scheduler has not
+    answered yet (or went down) is not counted, so no request after the banner finds a P/D
+    topology half known."""
+
+    class LoadClient:
+        def __init__(self, role: str, up: bool) -> None:
+            self.role, self.up = role, up
+
+        async def get_load(self) -> pb.Load:
+            if not self.up:
+                raise SchedulerUnavailable("not yet")
+            return pb.Load(num_waiting=0, num_running=0, kv_role=self.role)
+
+    router = ReplicaRouter(["p:1", "d:1"])
+    clients = {"p:1": LoadClient("kv_producer", up=False), "d:1": LoadClient("kv_consumer", up=True)}
+    for address, client in clients.items():
+        router.replicas[address].client = client
+    assert router.routable() == {}  # nothing heard yet, though both start out "healthy"
+    asyncio.run(router.refresh())
+    assert router.routable() == {"kv_consumer": 1}
+    clients["p:1"].up = True
+    asyncio.run(router.refresh())
+    assert router.routable() == {"kv_consumer": 1, "kv_producer": 1}
+    text = GatewayMetrics("m").render(None, routable=router.routable())
+    assert 'myvllm:engine_replicas_routable{kv_role="kv_producer",model_name="m"} 1.0' in text
+    single = ReplicaRouter(["c:1"])  # the one-replica deployment polls no load: up unless marked down
+    assert single.routable() == {"none": 1}
+    single.mark_down(single.replicas["c:1"], SchedulerUnavailable("gone"))
+    assert single.routable() == {}

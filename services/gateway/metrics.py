@@ -221,9 +221,11 @@ class GatewayMetrics:
                             "(save) and reading (load) KV segments.", "direction",
                             (("save", stats.kv_transfer_save_seconds), ("load", stats.kv_transfer_load_seconds)))
 
-    def render(self, stats: pb.Stats | None, routed: Mapping[str, int] | None = None) -> str:
+    def render(self, stats: pb.Stats | None, routed: Mapping[str, int] | None = None,
+               routable: Mapping[str, int] | None = None) -> str:
         """The exposition text; scheduler gauges and counters only if `stats` came back;
-        engine requests routed to each replica (by address) when `routed` is given."""
+        engine requests routed to each replica (by address) when `routed` is given, the replicas
+        routed to now (by KV role) when `routable` is."""
         scrape = _Scrape(self.model_name)
         if stats is not None:
             self._scheduler(scrape, stats)
@@ -249,6 +251,11 @@ class GatewayMetrics:
                             "the prompt's KV), nothing_to_transfer (a prompt under a block), failed or "
                             "no_prefill_replica (the decode replica computed the prompt).", "outcome",
                             sorted(self.remote_prefills.items()))
+        if routable is not None:
+            # (`serve` waits for every replica it started to show here before it says it serves.)
+            scrape.add_labelled("gauge", "engine_replicas_routable", "Engine replicas requests are routed to "
+                                "now (answering, load heard), by KV role (none: no KV connector).", "kv_role",
+                                sorted(routable.items()))
         if routed:
             scrape.add_labelled("counter", "replica_requests", "Engine requests routed to each replica.", "replica",
                                 sorted(routed.items()))

@@ -247,10 +247,15 @@ class ReplicaRouter:
 
     # ------------------------------------------------------------------ load updates
 
+    @property
+    def follows_loads(self) -> bool:
+        """Whether replica loads are refreshed (not for a single static replica: nothing to choose)."""
+        return self._redis is not None or len(self.replicas) > 1
+
     def start(self) -> None:
         """Start refreshing loads in the background, and with cache-aware routing following
         every replica's KV events (neither is needed for a single static replica)."""
-        if self._redis is not None or len(self.replicas) > 1:
+        if self.follows_loads:
             self._task = asyncio.create_task(self._refresh_forever(), name="myvllm-router-refresh")
             if self.routing.policy == RoutingPolicy.CACHE_AWARE:
                 self._following = True
@@ -360,6 +365,12 @@ class ReplicaRouter:
         if total.num_total_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
         return total
+
+    def routable(self) -> Counter[str]:
+        """The replicas requests go to now (answering, their load heard, so their KV role known;
+        a single static replica: unless marked down), counted by KV role ("none" without a connector)."""
+        return Counter(r.kv_role or "none" for r in self.replicas.values()
+                       if r.healthy and (r.load_ts > 0 or not self.follows_loads))
 
     async def healthy(self) -> bool:
         """Whether at least one replica passes its health check."""
