@@ -24,6 +24,8 @@ import pytest
 from conftest import free_port, start_redis, stop_process
 from replica import Replica
 
+from services.common.proto import myvllm_pb2 as pb
+from services.gateway.migration import MigrationPolicy, ResumableRequest, _find_replica, group_ready
 from services.gateway.options import GatewayOptions
 from services.gateway.router import REDIS_MAX_AGE_S, REFRESH_INTERVAL_S, ReplicaRouter
 from services.gateway.server import BackgroundGateway
@@ -68,6 +70,45 @@ def test_down_replicas_are_skipped_until_none_is_left() -> None:
     # A fresh load update brings a replica back.
     router.replicas["a:1"].update_load(0, 0, ts=time.time())
     assert router.replicas["a:1"].healthy
+
+
+def test_a_migrating_request_waits_until_its_expert_parallel_group_is_whole_again() -> None:
+    """After a rank of a group dies, its sibling engine still says ready until its own step fails;
+    after the group's restart, one engine is ready before the other: neither is whole yet, and a
+    request sent there would fail again (spending a migration) or wait on its group."""
+
+    class HealthClient:
+        def __init__(self) -> None:
+            self.ready = False
+
+        async def connect(self) -> None:
+            pass
+
+        async def health(self) -> bool:
+            return self.ready
+
+    router = _router("g:0", "g:1")
+    for rank, replica in enumerate(router.replicas.values()):
+        replica.client, replica.dp_group, replica.dp_rank = HealthClient(), "default", rank
+    g0, g1 = router.replicas["g:0"], router.replicas["g:1"]
+    g0.client.ready = True  # the sibling that has not noticed yet (g:1 lost its worker)
+    assert not asyncio.run(group_ready(router, g0))
+    request = ResumableRequest("r", [1, 2, 3], pb.SamplingParams())
+    policy = MigrationPolicy(poll_interval_s=0.01, max_poll_interval_s=0.01)
+
+    async def find_when_g1_is_back() -> str:
+        async def back_later() -> None:
+            await asyncio.sleep(0.2)
+            g1.client.ready = True
+        back = asyncio.create_task(back_later())
+        found = await _find_replica(router, request, {"g:1"}, time.monotonic() + 5, policy, RuntimeError("lost"))
+        assert back.done()  # (nothing was chosen while g:1 was down)
+        return found.address
+
+    assert asyncio.run(find_when_g1_is_back()) == "g:0"
+    router.replicas["g:0"].dp_group = None  # an engine of no group needs only itself
+    g1.client.ready = False
+    assert asyncio.run(group_ready(router, g0))
 
 
 def test_a_replica_missing_from_redis_is_kept_for_a_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -164,10 +164,23 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
                     failure)
 
 
+async def group_ready(router: ReplicaRouter, replica: Replica) -> bool:
+    """Whether every other engine of `replica`'s data-parallel expert-parallel group answers ready.
+    Such an engine steps only together with its group: while a sibling has lost its worker (and
+    before it noticed, the group is about to stop) or is still starting after the group's restart,
+    a request sent there would fail again and spend a migration, or wait on its group."""
+    if replica.dp_group is None:
+        return True
+    siblings = [r for r in router.replicas.values() if r.dp_group == replica.dp_group and r is not replica]
+    answers = await asyncio.gather(*(r.client.health() for r in siblings), return_exceptions=True)
+    return all(answer is True for answer in answers)
+
+
 async def _find_replica(router: ReplicaRouter, request: ResumableRequest, failed_on: set[str], deadline: float,
                         policy: MigrationPolicy, failure: Exception) -> Replica | None:
     """A replica that is ready: its scheduler answers and says so in Health (one whose worker
-    is gone, or which is still setting its worker up again, says not ready). One that has not
+    is gone, or which is still setting its worker up again, says not ready), and so does the rest
+    of its expert-parallel group if it is in one. One that has not
     failed this request first, else one that did: in the default one-replica deployment the
     request waits, polling with backoff, for its own replica to come back. None if the request
     is aborted meanwhile."""
@@ -181,6 +194,8 @@ async def _find_replica(router: ReplicaRouter, request: ResumableRequest, failed
                 continue
             if not await replica.client.health():
                 continue  # alive, not serving yet (worker restarting): try it again next round
+            if not await group_ready(router, replica):
+                continue
             router.note_sent(replica)
             return replica
         remaining = deadline - time.monotonic()
