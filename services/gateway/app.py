@@ -154,7 +154,8 @@ def create_app(
     async def metrics(request: Request) -> Response:
         ctx = _ctx(request)
         stats = await ctx.router.stats()  # None when no scheduler answers: still the gateway's own histograms
-        return PlainTextResponse(ctx.metrics.render(stats, ctx.router.routed, ctx.router.routable()), media_type=METRICS_CONTENT_TYPE)
+        text = ctx.metrics.render(stats, ctx.router.routed, ctx.router.routable())
+        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     # The playground page (static/: plain HTML/CSS/JS). Outside /v1, so --api-key does not guard
     # it: the page asks for the key and sends it on its own /v1 calls.
