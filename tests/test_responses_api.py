@@ -273,6 +273,30 @@ def test_stream_function_call(stack: Stack, client: openai.OpenAI) -> None:
     assert parsed.output[1].parsed_arguments == {"city": "Paris"}  # a strict tool: the client parses them
 
 
+def test_a_stored_response_is_retrieved_and_deleted(stack: Stack, client: openai.OpenAI) -> None:
+    created = client.responses.create(model=MODEL, input="Say hello", metadata={"k": "v"})
+    got = client.responses.retrieve(created.id)
+    assert got.model_dump() == created.model_dump()  # the very object create returned
+    streamed = list(client.responses.create(model=MODEL, input="Again", stream=True))
+    completed = streamed[-1].response
+    assert client.responses.retrieve(completed.id).output_text == completed.output_text == REPLY
+    unstored = client.responses.create(model=MODEL, input="Say hello", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.retrieve(created.id, stream=True)
+    assert caught.value.body["param"] == "stream"
+    assert client.responses.delete(created.id) is None
+    for gone in (lambda: client.responses.retrieve(created.id), lambda: client.responses.delete(created.id),
+                 lambda: client.responses.create(model=MODEL, previous_response_id=created.id, input="Hi")):
+        with pytest.raises(openai.NotFoundError, match=created.id):
+            gone()
+    # The others are still there, as a previous response too.
+    follow_up = client.responses.create(model=MODEL, previous_response_id=completed.id, input="More")
+    assert stack.last_prompt() == f"user: Again | assistant: {REPLY} | user: More | assistant:"
+    assert client.responses.retrieve(follow_up.id).previous_response_id == completed.id
+
+
 # ---------------------------------------------------------------------- errors
 
 
@@ -342,6 +366,9 @@ def test_store_is_bounded_lru() -> None:
     assert [key for key in "abcd" if store.get(key) is not None] == ["d"]
     store.put("e", conversation("e" * 11))  # larger than the whole store: not kept
     assert store.get("e") is None and store.get("d") is not None
+    assert store.delete("d") and not store.delete("d") and len(store) == 0
+    store.put("f", conversation("f" * 10))  # deleting gave its characters back
+    assert store.get("f") is not None
 
 
 # ---------------------------------------------------------------------- fuzzing

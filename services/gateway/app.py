@@ -21,7 +21,13 @@ from services.gateway.admission import AdmissionController, AdmissionMiddleware
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from services.gateway.context import GatewayContext
-from services.gateway.errors import OpenAIError, install_error_handlers, invalid_request, scheduler_unavailable
+from services.gateway.errors import (
+    OpenAIError,
+    install_error_handlers,
+    invalid_request,
+    scheduler_unavailable,
+    unsupported,
+)
 from services.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from services.gateway.options import GatewayOptions
 from services.gateway.prompts import PromptBound, chat_prompt, check_token_ids
@@ -43,7 +49,7 @@ from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
 from services.gateway.serving_embeddings import create_embedding
 from services.gateway.serving_messages import count_tokens, create_message
-from services.gateway.serving_responses import ResponseStore, create_response
+from services.gateway.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
 from services.sdk.client import SchedulerUnavailable
 from services.text.tokenizer import Tokenizer, load_chat_template
 
@@ -119,6 +125,16 @@ def create_app(
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(_ctx(request), request.app.state.responses, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise unsupported("Streaming a stored response again", param="stream")  # (it has finished)
+        return retrieve_response(request.app.state.responses, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str, request: Request) -> Response:
+        return delete_response(request.app.state.responses, response_id)
 
     # Anthropic's Messages API (its errors in Anthropic's shape: errors.error_body).
     @app.post("/v1/messages")

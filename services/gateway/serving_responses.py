@@ -26,7 +26,7 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
@@ -103,33 +103,58 @@ def _chars(messages: list[ChatMessage]) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class _Stored:
+    conversation: Conversation          # what a follow-up (previous_response_id) continues
+    response: ResponsesResponse | None  # what GET /v1/responses/{id} returns
+    chars: int                          # what it counts against the store's bound
+
+
 class ResponseStore:
-    """The conversations of this gateway's most recent stored responses, by response id: an LRU
-    bounded in entries and characters, in memory (lost on restart, one per gateway)."""
+    """This gateway's most recent stored responses (their objects and the conversations that led to
+    them), by response id: an LRU bounded in entries and characters, in memory (lost on restart,
+    one per gateway)."""
 
     def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS) -> None:
         self._max_responses = max_responses
         self._max_chars = max_chars
-        self._entries: OrderedDict[str, Conversation] = OrderedDict()
+        self._entries: OrderedDict[str, _Stored] = OrderedDict()
         self._chars = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, response_id: str) -> Conversation | None:
-        conversation = self._entries.get(response_id)
-        if conversation is not None:
-            self._entries.move_to_end(response_id)  # a conversation in use stays
-        return conversation
+    def _use(self, response_id: str) -> _Stored | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)  # one in use stays
+        return entry
 
-    def put(self, response_id: str, conversation: Conversation) -> None:
-        if conversation.chars > self._max_chars:
+    def get(self, response_id: str) -> Conversation | None:
+        """The conversation a follow-up of `response_id` continues."""
+        entry = self._use(response_id)
+        return entry.conversation if entry is not None else None
+
+    def response(self, response_id: str) -> ResponsesResponse | None:
+        entry = self._use(response_id)
+        return entry.response if entry is not None else None
+
+    def put(self, response_id: str, conversation: Conversation, response: ResponsesResponse | None = None) -> None:
+        chars = conversation.chars + (len(response.model_dump_json()) if response is not None else 0)
+        if chars > self._max_chars:
             return  # it would push out everything else and still not fit
-        self._entries[response_id] = conversation
-        self._chars += conversation.chars
+        self.delete(response_id)
+        self._entries[response_id] = _Stored(conversation, response, chars)
+        self._chars += chars
         while len(self._entries) > self._max_responses or self._chars > self._max_chars:
             _, evicted = self._entries.popitem(last=False)
             self._chars -= evicted.chars
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._chars -= entry.chars
+        return entry is not None
 
 
 # ---------------------------------------------------------------------- request -> chat request
@@ -258,6 +283,27 @@ def _history(store: ResponseStore, previous_response_id: str | None) -> Conversa
     return conversation
 
 
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found. (This gateway keeps "
+                       "its most recent stored responses in memory only.)", param="response_id",
+                       code="response_not_found")
+
+
+def retrieve_response(store: ResponseStore, response_id: str) -> Response:
+    """GET /v1/responses/{id}: a finished response created with store on (the default)."""
+    response = store.response(response_id)
+    if response is None:
+        raise _not_found(response_id)
+    return json_response(response)
+
+
+def delete_response(store: ResponseStore, response_id: str) -> Response:
+    """DELETE /v1/responses/{id}: forgotten, for retrieval and as a previous_response_id."""
+    if not store.delete(response_id):
+        raise _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
 async def create_response(ctx: GatewayContext, store: ResponseStore, request: ResponsesRequest,
                           http_request: Request | None = None) -> Response:
     arrival_time = time.monotonic()
@@ -339,9 +385,10 @@ class _ResponseWriter:
                               input_tokens_details=InputTokensDetails(cached_tokens=self._num_cached_tokens),
                               output_tokens=self._num_output_tokens,
                               total_tokens=self._num_prompt_tokens + self._num_output_tokens)
+        response = self._response(_item_status(finish_reason), usage, finish_reason)
         if self._request.store is not False:
-            self._store.put(self._id, self._conversation.extended([self._reply()]))
-        return self._response(_item_status(finish_reason), usage, finish_reason)
+            self._store.put(self._id, self._conversation.extended([self._reply()]), response)
+        return response
 
     def _reply(self) -> ChatMessage:
         """The output as the assistant turn a follow-up request's prompt shows."""
