@@ -71,6 +71,10 @@ def test_ttft_and_per_token_itl_from_chunk_times():
     # A first chunk of 2 tokens: its extra token has no gap; a single chunk: no ITL at all.
     assert mw.StreamTiming(0.0, ((1.0, 2), (1.4, 2))).itl_s == pytest.approx([0.2, 0.2])
     assert mw.StreamTiming(0.0, ((1.0, 4),)).itl_s == []
+    # bench serve's per-request figure (vLLM's TPOT): (end - first token) / (tokens - 1).
+    assert mw.StreamTiming(10.0, ((10.5, 1), (10.6, 1), (10.9, 3)), 11.3).time_per_output_token_s == \
+        pytest.approx(0.2)
+    assert mw.StreamTiming(0.0, ((1.0, 1),), 1.1).time_per_output_token_s is None
 
 
 def test_percentiles_and_result_figures():

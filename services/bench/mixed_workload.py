@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import httpx
 import numpy as np
 
 from services.bench.serve_levels import run_level, start_mesh, stop_mesh
+from services.bench.sse_stream import StreamTiming, stream_request
 from services.bench.workload import (
     SAFE_TOKEN_ID_MIN,
     BenchRequest,
@@ -149,32 +149,6 @@ def select_deployments(names: str,
 # --------------------------------------------------------------------------- timings and figures
 
 
-@dataclass(frozen=True)
-class StreamTiming:
-    """One streamed request: when it was sent, and (arrival time, tokens carried) of each chunk
-    that carried tokens."""
-
-    start_s: float
-    chunks: tuple[tuple[float, int], ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(k for _, k in self.chunks)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.chunks[0][0] - self.start_s
-
-    @property
-    def itl_s(self) -> list[float]:
-        """Per-token inter-token latencies: the gap before each chunk after the first, once per
-        token it carries (split evenly). The first chunk's own extra tokens have no gap to measure."""
-        out: list[float] = []
-        for (prev, _), (t, k) in zip(self.chunks, self.chunks[1:], strict=False):
-            out.extend([(t - prev) / k] * k)
-        return out
-
-
 def pct_ms(values: Sequence[float], q: float) -> float:
     """The q-th percentile of seconds, in milliseconds (nan for no values)."""
     return float(np.percentile(values, q)) * 1e3 if len(values) else float("nan")
@@ -244,35 +218,6 @@ def report_json(workload: MixedWorkload, short_streams: int, results: Sequence[M
 
 
 # --------------------------------------------------------------------------- driving one deployment
-
-
-async def stream_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> StreamTiming:
-    """Stream one completion; the tokens of each chunk come from the usage it carries
-    (`continuous_usage_stats`), so a chunk holding several tokens counts them all."""
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    start = time.perf_counter()
-    chunks: list[tuple[float, int]] = []
-    seen = 0
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"server answered {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error in the stream: {chunk['error']}")
-            usage = chunk.get("usage")
-            total = usage["completion_tokens"] if usage else seen + (1 if chunk.get("choices") else 0)
-            if total > seen:
-                chunks.append((now, total - seen))
-                seen = total
-    if seen != req.output_len:
-        raise RuntimeError(f"got {seen} tokens for a request of {req.output_len}")
-    return StreamTiming(start, tuple(chunks))
 
 
 async def drive(base_url: str, workload: MixedWorkload, short_streams: int, result: MixedResult) -> None:

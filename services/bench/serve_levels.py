@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from services.bench.sse_stream import stream_request
 from services.bench.workload import BenchRequest
 
 
@@ -53,30 +54,12 @@ class ServeResult:
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, result: ServeResult) -> None:
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = None
-    tokens = 0
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"server answered {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    if tokens != req.output_len:
-        raise RuntimeError(f"got {tokens} tokens for a request of {req.output_len}")
-    result.ttft_s.append(first - start)
-    result.e2e_s.append(end - start)
-    if tokens > 1:
-        result.itl_s.append((end - first) / (tokens - 1))
-    result.output_tokens += tokens
+    timing = await stream_request(client, url, model, req)
+    result.ttft_s.append(timing.ttft_s)
+    result.e2e_s.append(timing.end_s - timing.start_s)
+    if timing.time_per_output_token_s is not None:
+        result.itl_s.append(timing.time_per_output_token_s)
+    result.output_tokens += timing.num_tokens
 
 
 async def run_level(base_url: str, requests: list[BenchRequest], concurrency: int,
@@ -125,8 +108,16 @@ def start_mesh(args: argparse.Namespace, extra: list[str] | tuple[str, ...] = ()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("Press Ctrl-C"):
+            # The services write to the same pipe for the whole run: it must keep being read, or a
+            # full pipe would block them mid-benchmark. (serve's --startup-timeout bounds the wait.)
+            threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
             return proc, f"http://127.0.0.1:{port}"
     raise RuntimeError(f"myvllm serve failed to start (exit code {proc.wait()})")
+
+
+def _drain(stream) -> None:
+    for _ in stream:
+        pass
 
 
 def stop_mesh(proc: subprocess.Popen) -> None:
