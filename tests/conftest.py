@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -77,6 +78,13 @@ def pytest_runtest_logstart(nodeid: str, location) -> None:
     _memory.current_test = nodeid
 
 
+_seconds_by_file: Counter[str] = Counter()  # setup + call + teardown of every test, by file
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds_by_file[report.nodeid.split("::")[0]] += report.duration
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """After every fixture's teardown: nothing the run started may still be alive."""
     _memory.stop()
@@ -109,6 +117,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         red=verdict == "over", bold=True)
     heaviest = sorted(_memory.peak_by_test.items(), key=lambda item: -item[1])[:5]
     terminalreporter.write_line("heaviest tests: " + ", ".join(f"{test} {pss / gib:.2f} GiB" for test, pss in heaviest))
+    # Where the suite's time goes (its budget: make test under 30 minutes on the slowest CI machine).
+    slowest = _seconds_by_file.most_common(15)
+    terminalreporter.write_line(f"slowest files ({sum(_seconds_by_file.values()):.0f}s in all): " +
+                                ", ".join(f"{name.removeprefix('tests/')} {seconds:.0f}s" for name, seconds in slowest))
     for line in config.stash.get(_SURVIVORS, []):
         terminalreporter.write_line(f"FAILED: a process of the run outlived it (killed now): {line}", red=True)
 
