@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -76,6 +77,24 @@ def _suite_signal_handlers() -> Iterator[None]:
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:
     _memory.current_test = nodeid
+    mesh = sys.modules.get("mesh")  # (tests/mesh.py, once a test has imported it)
+    if mesh is not None:
+        mesh.STARTED.clear()
+
+
+MESH_OUTPUT_LINES = 150
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failed test that started a `myvllm serve` gets the end of what its services printed."""
+    outcome = yield
+    report = outcome.get_result()
+    mesh = sys.modules.get("mesh")
+    if report.failed and mesh is not None:
+        for i, started in enumerate(mesh.STARTED):
+            tail = "".join(started.output[-MESH_OUTPUT_LINES:])
+            report.sections.append((f"mesh {i} output ({report.when}, last {MESH_OUTPUT_LINES} lines)", tail))
 
 
 _seconds_by_file: Counter[str] = Counter()  # setup + call + teardown of every test, by file

@@ -22,6 +22,9 @@ import suite_processes
 from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+# The meshes started since the current test began (conftest attaches their output to its report
+# when it fails: what the services logged is what explains a fault or a timing failure).
+STARTED: list[Mesh] = []
 
 
 class Mesh:
@@ -38,6 +41,8 @@ class Mesh:
             cmd += ["--dtype", "float32"]  # outputs are compared with fp32 references, on any CPU
         self.owner, proc_env = suite_processes.owner_env(dict(os.environ, PYTHONPATH=str(REPO), **(env or {})))
         self.leftovers: list[str] = []  # processes still alive after serve exited (killed by stop)
+        self.output: list[str] = []  # everything serve and its services print
+        STARTED.append(self)
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=proc_env, start_new_session=True, preexec_fn=_ignore_sigint)
         try:
@@ -48,9 +53,8 @@ class Mesh:
 
     def _wait_for_banner(self) -> None:
         self.banner: list[str] = []
-        # Everything serve and its services print, read on by a thread once the banner is in
-        # (an unread pipe would fill and block them).
-        self.output: list[str] = []
+        # self.output is read on by a thread once the banner is in (an unread pipe would fill and
+        # block them).
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
