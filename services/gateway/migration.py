@@ -180,10 +180,9 @@ async def _find_replica(router: ReplicaRouter, request: ResumableRequest, failed
                         policy: MigrationPolicy, failure: Exception) -> Replica | None:
     """A replica that is ready: its scheduler answers and says so in Health (one whose worker
     is gone, or which is still setting its worker up again, says not ready), and so does the rest
-    of its expert-parallel group if it is in one. One that has not
-    failed this request first, else one that did: in the default one-replica deployment the
-    request waits, polling with backoff, for its own replica to come back. None if the request
-    is aborted meanwhile."""
+    of its expert-parallel group if it is in one. One that has not failed this request first, else
+    one that did: in the default one-replica deployment the request waits, polling with backoff,
+    for its own replica to come back. None if the request is aborted meanwhile."""
     pause = policy.poll_interval_s
     while not request.aborted:
         for replica in router.ranked(avoid=failed_on):
