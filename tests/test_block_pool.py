@@ -1,4 +1,4 @@
-"""BlockPool / FreeBlockQueue: the exact free-list algorithm of shared/DESIGN.md §4."""
+"""BlockPool / FreeBlockQueue: the exact free-list algorithm (docs/design.md, "Block pool")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Faults with real processes (DESIGN.md §7): two engine replicas (worker + scheduler
+"""Faults with real processes (docs/design.md, "Faults"): two engine replicas (worker + scheduler
 processes) publishing to their own redis-server, one gateway process that finds them there,
 the official `openai` client. A scheduler or a worker is killed with SIGKILL mid-generation
 and every stream must end with exactly the text it has without the fault; Redis dies and

@@ -149,7 +149,7 @@ class EngineConfig:
     # Engine replicas. Dense models (or MoE without enable_expert_parallel): independent replicas
     # behind the gateway's load-based routing. With enable_expert_parallel: one group whose MoE
     # layers split the experts over all D x T ranks and whose engines step in lockstep (an idle
-    # engine runs dummy steps; services/engine/step_loop.py, DESIGN.md "DP waves").
+    # engine runs dummy steps; services/engine/step_loop.py, docs/design.md, "Waves").
     data_parallel_size: int = 1
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).

@@ -1,5 +1,5 @@
 """The DP coordinator's wave state in Redis: the contract between the engines of a data-parallel
-expert-parallel group, their coordinator and the gateways (DESIGN.md, "DP waves").
+expert-parallel group, their coordinator and the gateways (docs/design.md, "Waves").
 
 The engines of such a group step in lockstep while a *wave* runs and pause together when none
 has work left (services/engine/step_loop.py). Redis holds:

@@ -16,7 +16,7 @@ ranks must enter every MoE layer's exchange together, so while the group's wave 
 steps even with nothing to do (a dummy step: the ranks join the exchanges with no tokens). Each
 step tells the ranks whether this engine has unfinished requests; they all-reduce it over the
 group and answer with the result, so every engine learns after the same step that none has
-any, and they all pause there (vLLM's DP wave: DESIGN.md). One step in flight.
+any, and they all pause there (vLLM's DP wave: docs/design.md, "Waves"). One step in flight.
 """
 
 from __future__ import annotations

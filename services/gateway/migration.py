@@ -1,6 +1,6 @@
 """Request migration: an engine request that outlives the replica it started on.
 
-The gateway holds every token id a request has produced so far (DESIGN.md §2: what was
+The gateway holds every token id a request has produced so far (docs/design.md: what was
 streamed to the client is gateway state). When the replica's stream breaks, its scheduler
 dies, or the scheduler reports that the engine failed the request (ENGINE_FAULT,
 UNAVAILABLE, or an error without a kind from an older peer), the request is submitted

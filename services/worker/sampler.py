@@ -1,6 +1,6 @@
 """The batched sampler: logits of the rows that sample this step → one token id each.
 
-Order (shared/DESIGN.md §4), every stage batched on tensors and skipped when no row needs it:
+Order (vLLM's), every stage batched on tensors and skipped when no row needs it:
 
 1. logprobs (and top logprobs) from the RAW logits, if any row asked;
 2. bad words: a 1-token bad word is always banned; a longer one bans its last token when

@@ -1,4 +1,4 @@
-"""The worker's check of a step before any kernel sees it (a trust boundary: DESIGN.md).
+"""The worker's check of a step before any kernel sees it (a trust boundary: docs/design.md).
 
 Block ids, slots and lengths of a `SchedulerOutput` become raw offsets in the C kernels (the
 decode step writes K/V at `slot * bytes_per_slot`, the attention kernels read `block_table[i]`

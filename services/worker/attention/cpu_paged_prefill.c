@@ -5,8 +5,7 @@
  * Built at first use by cpu_backend.py through cpu/cbuild.py (a fixed x86-64 level, up to AVX-512
  * with bf16 dot products; -fopenmp on torch's own libgomp threads). The AVX-512 paths (scores and
  * values 16 lanes wide, bf16 scores by vdpbf16ps, the online softmax 16 keys and 16 rows at a
- * time) ran 6 x 272-token prefills 2.0x (fp32: 137 -> 273 GFLOPS) and 2.7x (bf16: 121 -> 323)
- * faster than the AVX2 build on the avx512_bf16 EPYC (round 8, BENCHMARKS.md).
+ * time) run about twice as fast as the AVX2 build where the CPU has them (BENCHMARKS.md).
  *
  * Why: torch's SDPA ran these shapes (prompts of 32-512 tokens, 64-wide heads) at 50-90 GFLOPS on
  * two cores, about a fifth of the attention's time per step spent on overhead. Here a unit of

@@ -27,9 +27,8 @@ _SIGNATURES = {
 }
 # SiLU·up has a 16-lane path (row_ops.h) with the same arithmetic per element as its 8-lane loop; the
 # other ops' explicit 8-lane code is the same at either level. So results do not depend on the
-# level. On the avx512_bf16 EPYC, 2 threads, 64-2,048 rows of 1,536: bf16 1.2x torch's two
-# AVX-512 ops (F.silu, mul; 576 against 678 us at 2,048 rows) and 2.4x our AVX2 loop; fp32 1.6-1.9x
-# torch's and 1.7-2.8x the AVX2 loop (round 8).
+# level. The fused op reads its input once where torch's two ops (F.silu, mul) read it twice, which
+# is why it beats them at every row count (BENCHMARKS.md).
 HIGHEST_ISA = "avx512"
 _loaded: CpuOps | None = None
 _failed = False

@@ -6,10 +6,8 @@
  *
  * Why: in the engine every layer's weights stream from memory at each step (30 layers' weights do
  * not fit in any cache), and oneDNN's prepacked fp32 GEMMs lost a quarter to a half of their speed
- * to that at decode sizes: with each of SmolLM2's 30 layers' own weights, 2 threads on the
- * avx512_bf16 EPYC, fp32: oneDNN did 210 / 312 / 354 GFLOPS at 16 / 32 / 64 rows, this kernel
- * 404 / 455 / 484, both ~485 at 512-2,048 rows; bf16: oneDNN 385 / 497 / 700, this kernel 621 /
- * 851 / 923, both ~975 at 2,048 (round 8, BENCHMARKS.md).
+ * to that at decode sizes (16-64 rows), while both reach the same peak at large row counts
+ * (BENCHMARKS.md has the measurements).
  *
  * Layout: W [N, K] becomes [N / 32][K][32] (bf16: [N / 32][K / 2][32][2], pairs of k side by side
  * as vdpbf16ps takes them): a block of 32 output columns is one contiguous stream of K x 128

@@ -4,11 +4,10 @@ torch's CPU allocator is plain malloc/free. glibc serves every block above its m
 (128 KiB, raised dynamically up to 32 MiB) with a fresh mmap and unmaps it on free, and trims
 the heap's top above the trim threshold; the next step's activations then fault every page in
 again, zero-filled by the kernel. A prefill step of 2,048 tokens allocates ~200 MB of
-activations this way: on the standard 64-request workload the engine took 0.6-1.0 million page
-faults in the timed run (`clear_page` ~5% of all samples in perf). Raising both thresholds once
-keeps that memory mapped and reused: 44-94 thousand faults, and +6-12% out tok/s in fp32
-(BENCHMARKS.md, round 7). vLLM's CPU guide gets the same from preloading tcmalloc; an in-process
-`LLM` cannot preload an allocator after the interpreter has started, mallopt can.
+activations this way, so page faults (`clear_page`) showed up as a visible share of a profile.
+Raising both thresholds once keeps that memory mapped and reused, an order of magnitude fewer
+faults and a few percent more throughput (BENCHMARKS.md). vLLM's CPU guide gets the same from
+preloading tcmalloc; an in-process `LLM` cannot preload an allocator after the interpreter has started, mallopt can.
 
 The price is that the process keeps its peak of transient memory (at most a few hundred MB of
 activations for this engine's step sizes) instead of returning it between steps.

@@ -120,12 +120,10 @@ static inline __attribute__((always_inline)) void attend_impl(const Args *a, int
  * read on the same machine. The lines of that group are prefetched a slice per query head
  * (prefetch_part), spread over the group's work: issued in one burst, the prefetches queued behind
  * each other in the line-fill buffers (the burst itself was a tenth of the kernel's samples).
- * Measured on 64 requests x ~400 tokens x 30 layers, 2 threads (BENCHMARKS.md, round 7): one
- * group ahead in one burst 23 GB/s fp32 / 18 bf16; spread, two groups ahead 34-46 / 25 (a plain
- * read of the same rows: 38-41); one group spread 34-40, three or more groups a little less.
+ * Spread out and two groups ahead, the loop reads about as fast as a plain streaming read of the
+ * same rows; one burst, or three or more groups ahead, is slower.
  * AVX-512 builds' bf16 passes (16 lanes) prefetch three groups ahead, about as many bytes ahead
- * as fp32's two: 15.5 -> 14.5 ms against two (round 8, 64 requests; the AVX2 build's bf16 at
- * three: 17.7 -> 17.2, within noise, so it stays at two; fp32 at three: 24.9 -> 26.7 ms). */
+ * as fp32's two (the AVX2 build gained nothing measurable from three, so it stays at two). */
 static inline int prefetch_groups(const int bf16) {
 #ifdef __AVX512F__
     return bf16 ? 3 : 2;
@@ -465,8 +463,7 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
     /* bf16 caches: 16 cached values (AVX-512: 32) are widened with one shift and one mask (even
      * and odd elements, see load16_bf16_split) instead of two widening loads, so each chunk of the
      * queries is split alike here, and the outputs are accumulated split and put back in
-     * order at the end. 64 requests x ~400 tokens x 30 layers: 22.4 -> 17.3 ms (26 -> 34 GB/s),
-     * batch 1: 0.71 -> 0.52 ms (round 7, BENCHMARKS.md). */
+     * order at the end: fewer instructions per cached value, so the loop stays bound by memory. */
     float qsplit[kv == KV_BF16 ? nh * D : 1];
     if (kv == KV_BF16)
         for (int i = 0; i < nh * D; i += SPLIT_CHUNK) split_chunk(q + i, qsplit + i);
@@ -534,16 +531,14 @@ static inline __attribute__((always_inline)) void attend_blocked(const Args *a, 
 typedef void (*AttendFn)(const Args *, int, int, int, const float *, float *, float *, float *);
 
 /* How attend_blocked consumes the cache for a unit of nkv KV heads. AVX-512 builds against the
- * AVX2 build, the kernel alone (round 8: Zen 5, 2 threads, 30 layers; 64 requests x ~400 tokens
- * over shuffled blocks, and batch 1 x 400 tokens, whose units are single KV heads read from L3):
+ * AVX2 build, the kernel alone (64 requests x ~400 tokens over shuffled blocks, and batch 1 x 400
+ * tokens, whose units are single KV heads read from L3):
  * - bf16 caches, 16 lanes: 32 cached values widened by one shift and one mask, and with bf16
  *   queries (io_bf16) no widening of K at all: vdpbf16ps (dot32_bf16); the V pass stays fp32.
- *   64 requests 17.6-17.8 -> 14.8-15.0 ms (33 -> 40 GB/s; widening K instead: 15.4-15.6, fp32
- *   queries 15.2-15.6); batch 1 0.43 -> 0.34 ms (fp32 queries 0.36).
+ *   Fewer instructions per cached value: faster than widening K, at batch 1 and at 64 requests.
  * - fp32 caches: with many requests the kernel is memory bound and the 8-lane passes (compiled
- *   at x86-64-v4) ran 6% faster than 16 lanes (23.5 against 25.0 ms); 64 requests 24.3-25.5 ->
- *   23.3-23.9 ms. Units of one KV head (a few requests) are bound by the arithmetic: 16 lanes,
- *   batch 1 0.53 -> 0.41 ms. */
+ *   at x86-64-v4) ran a little faster than 16 lanes. Units of one KV head (a few requests) are
+ *   bound by the arithmetic: 16 lanes there. */
 static inline int kv_kind(const Args *a, int nkv) {
 #ifdef __AVX512BF16__
     if (a->is_bf16 && a->io_bf16) return KV_BF16_DOT;
