@@ -325,12 +325,11 @@ class EngineWave:
 
     def note_request(self, request_wave: int) -> None:
         """A request is arriving (called before the engine holds it) carrying `request_wave`,
-        the wave its sender last read. At a paused
-        engine, a newer one than this engine's means this engine missed a wave's end or start:
-        it takes the number (so its ask names the wave the group is at); an older one means the
-        sender missed the wave's end and sent no FIRST_REQ: the step loop's ask_to_start starts
-        this engine's current wave at once. A running engine learns the next number when the
-        wave ends."""
+        the wave its sender last read. At a paused engine, a newer one than this engine's means
+        this engine missed a wave's end or start: it takes the number (so its ask names the wave
+        the group is at); an older one means the sender missed the wave's end and sent no
+        FIRST_REQ: the step loop's ask_to_start starts this engine's current wave at once. A
+        running engine learns the next number when the wave ends."""
         if self.running:
             return
         if request_wave > self.wave:
