@@ -3,7 +3,8 @@
 wave protocol it runs (services/common/dp_wave.py):
 
 - the official `openai` client gets the offline single-rank engine's greedy text, and the
-  gateway's first request to the paused group is announced with FIRST_REQ;
+  gateway's first request to the paused group is announced with FIRST_REQ; that FIRST_REQ
+  sent again is dropped and counted, and the paused group stays paused;
 - requests to one engine only (straight to its scheduler): the other runs dummy steps, both
   pause when done, and the wave number in Redis advances by exactly one;
 - a request carrying an old wave, sent to the other (paused) engine, starts both again;
@@ -137,14 +138,24 @@ def test_served_expert_parallel_group_runs_waves_and_restarts_as_a_group(tiny_mo
         firsts = []
         while (message := coordinator.get_message(timeout=0.5)) is not None:
             if message["type"] == "message":
-                firsts.append(json.loads(message["data"]))
-        assert any(m["type"] == "FIRST_REQ" for m in firsts), firsts
+                firsts.append(message["data"])
+        assert any(json.loads(m)["type"] == "FIRST_REQ" for m in firsts), firsts
 
         # Requests to engine 0 only: engine 1 runs dummy steps; one wave, and both pause.
         engines = _engines(db)
         assert sorted(engines) == [0, 1], engines
         _wait_until(lambda: not _wave(db)[1], 30, "the group to pause")
         wave1 = _wave(db)[0]
+
+        # A captured FIRST_REQ sent again is dropped (replayed, or stale by now) and counted; the
+        # paused group stays paused at its wave.
+        first_req = next(m for m in firsts if json.loads(m)["type"] == "FIRST_REQ")
+        db.publish(coordinator_channel(GROUP), first_req)
+        _wait_until(lambda: (lambda s: s.dp_wave_messages_replayed + s.dp_wave_messages_stale)(
+            asyncio.run(_stats(engines[0]))) >= 1, 10, "the coordinator to drop the replayed FIRST_REQ")
+        time.sleep(0.5)
+        assert _wave(db) == (wave1, False)
+        assert "myvllm:dp_wave_messages_dropped_total" in mesh.metrics()
         before = asyncio.run(_stats(engines[1]))
         prompt = [int(t) for t in range(100, 120)]
         tokens = asyncio.run(_generate(engines[0], prompt, wave1))

@@ -22,7 +22,11 @@ class GroupWaves:
     async def refresh(self, groups: set[str]) -> None:
         for group in groups:
             found = parse_wave_entry(await self.client.hgetall(wave_key(group)), self.token, group)
-            if found is not None:
+            known = self.state.get(group)
+            if found is not None and (known is None or found[0] >= known[0]):
+                # (An older hash written back to Redis is not taken: wave numbers never go back.
+                # Should the coordinator itself have started from one, the requests carrying this
+                # newer number move its engines, and so it, forward again: scheduler/dp_wave.py.)
                 self.state[group] = found
 
     def before_send(self, group: str, dp_rank: int) -> int:

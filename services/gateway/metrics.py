@@ -205,6 +205,10 @@ class GatewayMetrics:
                    "group).", stats.dp_wave)
         scrape.add("gauge", "dp_engines_running", "1 while the data-parallel expert-parallel group's wave runs, 0 "
                    "while it is paused.", int(stats.dp_engines_running))
+        scrape.add_labelled("counter", "dp_wave_messages_dropped", "DP wave messages the engines and coordinator "
+                            "dropped: sent outside the allowed clock skew (stale), or a nonce already taken "
+                            "(replayed).", "reason",
+                            (("stale", stats.dp_wave_messages_stale), ("replayed", stats.dp_wave_messages_replayed)))
         # Prefill/decode disaggregation (the KV connector), summed over the replicas.
         scrape.add("counter", "kv_transfer_saves", "Prompt KV segments written by prefill replicas (saves reported "
                    "done).", stats.kv_transfer_saves)

@@ -362,6 +362,8 @@ class ReplicaRouter:
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.dp_wave = max(total.dp_wave, s.dp_wave)
             total.dp_engines_running |= s.dp_engines_running
+            total.dp_wave_messages_stale += s.dp_wave_messages_stale
+            total.dp_wave_messages_replayed += s.dp_wave_messages_replayed
         if total.num_total_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
         return total

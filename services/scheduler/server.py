@@ -32,6 +32,7 @@ import grpc
 from services.common import grpc_utils
 from services.common.auth import server_interceptors
 from services.common.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
+from services.common.dp_wave import check_request_wave
 from services.common.grpc_utils import StartupError
 from services.common.message_limits import generate_request_bytes, receive_limit, runner_output_bytes
 from services.common.proto import myvllm_pb2 as pb
@@ -226,12 +227,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                            "--max-waiting-requests); retry later"), pb.RESOURCE_EXHAUSTED
         else:
             try:
+                if self.wave is not None:
+                    check_request_wave(req.dp_wave)
+                    self.wave.note_request(req.dp_wave)
                 self.core.add_request(req)
             except ValueError as e:  # every refusal of add_request is about the request itself
                 error = str(e)
-            else:
-                if self.wave is not None:
-                    self.wave.note_request(req.dp_wave)
         if error is not None:
             stream.queue.put_nowait(pb.StepOutputs(outputs=[pb.RequestOutput(
                 request_id=req.request_id, finish_reason="abort", error=error, error_kind=kind, stop_token_id=-1)]))
@@ -305,6 +306,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         stats = self.core.stats()
         if self.wave is not None:
             stats.dp_wave, stats.dp_engines_running = self.wave.wave, self.wave.running
+            stats.dp_wave_messages_stale = self.wave.num_stale_messages
+            stats.dp_wave_messages_replayed = self.wave.num_replayed_messages
         return stats
 
     async def SubscribeKvEvents(self, request: pb.Empty, context: grpc.aio.ServicerContext):
