@@ -4,6 +4,7 @@ a missing or dying scheduler gives a prompt 503, never a hang."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -51,6 +52,16 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     for fragment in message_has:
         assert fragment in error["message"], error["message"]
     return error
+
+
+# What a client must never read: an internal address or port, or gRPC's status text.
+INTERNAL = re.compile(r"\d+\.\d+\.\d+\.\d+|:\d+|UNAVAILABLE|StatusCode|DEADLINE_EXCEEDED|failed to connect|"
+                      r"Connection refused|scheduler at")
+
+
+def assert_retryable_and_internal_free(response: httpx.Response) -> None:
+    assert response.headers["retry-after"] == "1", response.headers
+    assert not INTERNAL.search(response.text), response.text
 
 
 def dead_address() -> str:
@@ -276,6 +287,7 @@ def test_unreachable_scheduler_is_a_fast_503(smollm2_dir: str) -> None:
             response = httpx.post(f"{gateway.url}{path}", json=body, timeout=10)
             assert time.monotonic() - started < 2
             assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+            assert_retryable_and_internal_free(response)
         started = time.monotonic()
         assert_error(httpx.get(f"{gateway.url}/health", timeout=10), 503, error_type="service_unavailable_error")
         assert time.monotonic() - started < 2
@@ -333,10 +345,12 @@ def test_migration_gives_up_with_an_sse_error_or_a_503(smollm2_dir: str) -> None
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == "migration_failed" and "--migration-wait 1s" in error["message"], error
+        assert not INTERNAL.search(events[-2]), events[-2]
 
         # Nothing in flight: an unreachable replica is still a prompt 503.
         response = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=10)
         assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+        assert_retryable_and_internal_free(response)
         assert httpx.get(f"{gw.url}/health").status_code == 503
 
         scheduler.start()
@@ -350,6 +364,7 @@ def test_migration_gives_up_with_an_sse_error_or_a_503(smollm2_dir: str) -> None
             scheduler.stop()
             assert_error(pending.result(), 503, code="migration_failed", error_type="service_unavailable_error",
                          message_has=("no replica was ready",))
+            assert_retryable_and_internal_free(pending.result())
         scheduler.start()
         response = httpx.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10)
         assert response.status_code == 200, response.text
@@ -369,7 +384,9 @@ def test_engine_fault_is_migrated_and_else_a_500(smollm2_dir: str) -> None:
         failing.requests.clear()
         response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
         assert_error(response, 503, code="migration_failed", error_type="service_unavailable_error",
-                     message_has=("failed 4 times", "--max-migrations 3", "worker died"))
+                     message_has=("failed 4 times", "--max-migrations 3"))
+        assert_retryable_and_internal_free(response)
+        assert "worker died" not in response.text  # the engine's own account is the server log's
         assert [r.request_id.rsplit("-", 1)[-1] for r in failing.requests] == ["0", "m1", "m2", "m3"]
     for kind, status, code in ((pb.ENGINE_FAULT, 500, "engine_fault"), (pb.UNAVAILABLE, 503, "engine_unavailable"),
                                (pb.ERROR_KIND_UNSPECIFIED, 500, "engine_fault")):
@@ -378,7 +395,9 @@ def test_engine_fault_is_migrated_and_else_a_500(smollm2_dir: str) -> None:
         with FakeSchedulerServer(failing) as bad, BackgroundGateway(bad.address, smollm2_dir, options=options) as gw:
             response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
             error_type = "server_error" if status == 500 else "service_unavailable_error"
-            assert_error(response, status, code=code, error_type=error_type, message_has=("no worker",))
+            assert_error(response, status, code=code, error_type=error_type, message_has=("The engine ",))
+            assert "no worker" not in response.text  # the engine's own account is the server log's
+            assert ("retry-after" in response.headers) is (status == 503)
     # A full waiting queue is backpressure: a 429 at once, with migration on, and not re-submitted.
     full = FakeScheduler(reject=lambda request: "the scheduler's waiting queue is full",
                          reject_kind=pb.RESOURCE_EXHAUSTED)
