@@ -4,7 +4,9 @@ a missing or dying scheduler gives a prompt 503, never a hang."""
 from __future__ import annotations
 
 import json
+import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +19,7 @@ from fake_scheduler import FakeScheduler, FakeSchedulerServer, wait_until
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.migration import MigrationPolicy
 from services.gateway.options import GatewayOptions
+from services.gateway.readiness import NOT_READY_MESSAGE
 from services.gateway.server import BackgroundGateway, PortInUseError, bind_socket, serve_gateway
 from services.text.tokenizer import Tokenizer
 
@@ -51,6 +54,16 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     for fragment in message_has:
         assert fragment in error["message"], error["message"]
     return error
+
+
+# What a client must never read: an internal address or port, or gRPC's status text.
+INTERNAL = re.compile(r"\d+\.\d+\.\d+\.\d+|:\d+|UNAVAILABLE|StatusCode|DEADLINE_EXCEEDED|failed to connect|"
+                      r"Connection refused|scheduler at")
+
+
+def assert_retryable_and_internal_free(response: httpx.Response) -> None:
+    assert response.headers["retry-after"] == "1", response.headers
+    assert not INTERNAL.search(response.text), response.text
 
 
 def dead_address() -> str:
@@ -267,21 +280,83 @@ def test_default_body_limit_is_8_mib(smollm2_dir: str) -> None:
 # ---------------------------------------------------------------------- scheduler down
 
 
-def test_unreachable_scheduler_is_a_fast_503(smollm2_dir: str) -> None:
-    with BackgroundGateway(dead_address(), smollm2_dir) as gateway:
-        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
-                           ("/v1/chat/completions", {**CHAT, "stream": True}),
-                           ("/v1/completions", {**COMPLETION, "stream": True, "max_tokens": 5})):
+def test_nothing_is_served_before_a_replica_is_ready(smollm2_dir: str) -> None:
+    """Start-up: a gateway up before its scheduler answers every /v1 route with a fast 503 +
+    Retry-After that names no address, until the scheduler answers with the model's config; a
+    readiness poll on /v1/models never sees 200 before a completion can run, and sees the real
+    max_model_len then."""
+    address = dead_address()
+    fake = FakeScheduler(max_model_len=0)  # once up: answers, but has no config to report yet
+    anthropic = {"model": MODEL, "max_tokens": 3, "messages": MESSAGES}
+    gateway = BackgroundGateway(address, smollm2_dir)  # its port is bound, the app not yet started
+    with pytest.raises(ConnectionRefusedError):  # refused, not left waiting in a listen backlog
+        socket.create_connection((gateway.host, gateway.port), timeout=5).close()
+    with gateway:
+        for method, path, body in (("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", COMPLETION),
+                                   ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+                                   ("POST", "/v1/completions", {**COMPLETION, "stream": True, "max_tokens": 5}),
+                                   ("POST", "/v1/responses", {"model": MODEL, "input": "hi"}),
+                                   ("POST", "/v1/embeddings", {"model": MODEL, "input": "hi"}),
+                                   ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None)):
             started = time.monotonic()
-            response = httpx.post(f"{gateway.url}{path}", json=body, timeout=10)
+            response = httpx.request(method, f"{gateway.url}{path}", json=body, timeout=10)
             assert time.monotonic() - started < 2
-            assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+            assert_error(response, 503, code="server_starting", error_type="service_unavailable_error",
+                         message_has=(NOT_READY_MESSAGE,))
+            assert_retryable_and_internal_free(response)
+        messages = httpx.post(f"{gateway.url}/v1/messages", json=anthropic, timeout=10)  # in Anthropic's shape
+        assert messages.status_code == 503 and messages.json() == {
+            "type": "error", "error": {"type": "overloaded_error", "message": NOT_READY_MESSAGE}}
+        assert_retryable_and_internal_free(messages)
         started = time.monotonic()
-        assert_error(httpx.get(f"{gateway.url}/health", timeout=10), 503, error_type="service_unavailable_error")
+        health = httpx.get(f"{gateway.url}/health", timeout=10)
+        assert_error(health, 503, error_type="service_unavailable_error")
         assert time.monotonic() - started < 2
-        assert httpx.get(f"{gateway.url}/v1/models").status_code == 200  # needs no scheduler
-        metrics = httpx.get(f"{gateway.url}/metrics").text
+        assert_retryable_and_internal_free(health)
+        metrics = httpx.get(f"{gateway.url}/metrics").text  # the operator's view answers before readiness
         assert f'myvllm:scheduler_up{{model_name="{MODEL}"}} 0.0' in metrics
+        assert httpx.get(f"{gateway.url}/").status_code == 200
+
+        # A readiness probe polls /v1/models and /v1/completions while the scheduler comes up.
+        seen: list[tuple[float, str, httpx.Response]] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                for method, path, body in (("GET", "/v1/models", None),
+                                           ("POST", "/v1/completions", {**COMPLETION, "max_tokens": 3})):
+                    response = httpx.request(method, f"{gateway.url}{path}", json=body, timeout=10)
+                    seen.append((time.monotonic(), path, response))
+                time.sleep(0.02)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            time.sleep(0.3)
+            with FakeSchedulerServer(fake, port=int(address.rsplit(":", 1)[1])):
+                time.sleep(0.5)  # answering, no max_model_len yet: still not ready
+                config_known_at = time.monotonic()
+                fake.max_model_len = MAX_MODEL_LEN
+                wait_until(lambda: {p for _, p, r in seen if r.status_code == 200} == {"/v1/models", "/v1/completions"},
+                           timeout_s=10, what="the gateway to serve")
+                done.set()
+                poller.join(timeout=10)
+                before = [r for t, _, r in seen if t < config_known_at]
+                assert before and all(r.status_code == 503 for r in before), [r.text for r in before]
+                for response in before:
+                    assert response.json()["error"]["code"] == "server_starting"
+                    assert_retryable_and_internal_free(response)
+                first_ok = next(i for i, (_, _, r) in enumerate(seen) if r.status_code == 200)
+                assert all(r.status_code == 200 for _, _, r in seen[first_ok:]), [r.text for _, _, r in seen]
+                for _, path, response in seen[first_ok:]:
+                    if path == "/v1/models":
+                        assert response.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+                    else:
+                        assert response.json()["choices"][0]["text"]
+                assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200
+        finally:
+            done.set()
+            poller.join(timeout=10)
 
 
 def test_hung_scheduler_is_a_503_within_2_seconds(smollm2_dir: str) -> None:
@@ -294,7 +369,8 @@ def test_hung_scheduler_is_a_503_within_2_seconds(smollm2_dir: str) -> None:
                 started = time.monotonic()
                 response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=10)
                 assert time.monotonic() - started < 2
-                assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+                assert_error(response, 503, code="server_starting", error_type="service_unavailable_error")
+                assert_retryable_and_internal_free(response)
 
 
 def test_stream_survives_its_scheduler_restarting(smollm2_dir: str) -> None:
@@ -333,10 +409,12 @@ def test_migration_gives_up_with_an_sse_error_or_a_503(smollm2_dir: str) -> None
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == "migration_failed" and "--migration-wait 1s" in error["message"], error
+        assert not INTERNAL.search(events[-2]), events[-2]
 
         # Nothing in flight: an unreachable replica is still a prompt 503.
         response = httpx.post(f"{gw.url}/v1/chat/completions", json=CHAT, timeout=10)
         assert_error(response, 503, code="scheduler_unavailable", error_type="service_unavailable_error")
+        assert_retryable_and_internal_free(response)
         assert httpx.get(f"{gw.url}/health").status_code == 503
 
         scheduler.start()
@@ -350,6 +428,7 @@ def test_migration_gives_up_with_an_sse_error_or_a_503(smollm2_dir: str) -> None
             scheduler.stop()
             assert_error(pending.result(), 503, code="migration_failed", error_type="service_unavailable_error",
                          message_has=("no replica was ready",))
+            assert_retryable_and_internal_free(pending.result())
         scheduler.start()
         response = httpx.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10)
         assert response.status_code == 200, response.text
@@ -369,7 +448,9 @@ def test_engine_fault_is_migrated_and_else_a_500(smollm2_dir: str) -> None:
         failing.requests.clear()
         response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
         assert_error(response, 503, code="migration_failed", error_type="service_unavailable_error",
-                     message_has=("failed 4 times", "--max-migrations 3", "worker died"))
+                     message_has=("failed 4 times", "--max-migrations 3"))
+        assert_retryable_and_internal_free(response)
+        assert "worker died" not in response.text  # the engine's own account is the server log's
         assert [r.request_id.rsplit("-", 1)[-1] for r in failing.requests] == ["0", "m1", "m2", "m3"]
     for kind, status, code in ((pb.ENGINE_FAULT, 500, "engine_fault"), (pb.UNAVAILABLE, 503, "engine_unavailable"),
                                (pb.ERROR_KIND_UNSPECIFIED, 500, "engine_fault")):
@@ -378,7 +459,9 @@ def test_engine_fault_is_migrated_and_else_a_500(smollm2_dir: str) -> None:
         with FakeSchedulerServer(failing) as bad, BackgroundGateway(bad.address, smollm2_dir, options=options) as gw:
             response = httpx.post(f"{gw.url}/v1/completions", json=COMPLETION, timeout=10)
             error_type = "server_error" if status == 500 else "service_unavailable_error"
-            assert_error(response, status, code=code, error_type=error_type, message_has=("no worker",))
+            assert_error(response, status, code=code, error_type=error_type, message_has=("The engine ",))
+            assert "no worker" not in response.text  # the engine's own account is the server log's
+            assert ("retry-after" in response.headers) is (status == 503)
     # A full waiting queue is backpressure: a 429 at once, with migration on, and not re-submitted.
     full = FakeScheduler(reject=lambda request: "the scheduler's waiting queue is full",
                          reject_kind=pb.RESOURCE_EXHAUSTED)

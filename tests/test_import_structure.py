@@ -114,7 +114,7 @@ GRAPH = _imports(_modules())
 
 def test_the_walker_sees_imports_of_every_kind() -> None:
     """Guard against a walker that finds nothing: known edges, one of each import form."""
-    assert "services.sdk.client" in GRAPH["services.gateway.app"]            # from x.y import Name
+    assert "services.sdk.client" in GRAPH["services.gateway.context"]        # from x.y import Name
     assert "services.common.proto.myvllm_pb2" not in GRAPH                   # generated code left out
     assert "services.worker.attention.triton_kernels" in GRAPH["services.worker.attention.triton_backend"]
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -283,6 +283,23 @@ def test_api_key_is_asked_for_and_sent(browser, smollm2_dir: str) -> None:
         assert driver.find_element("id", "api-key").get_property("value") == API_KEY
 
 
+def test_page_opened_while_the_server_starts_lists_the_model_once_it_is_ready(browser, smollm2_dir: str) -> None:
+    """The page loaded before any replica is up shows the 503 and asks /v1/models again after its
+    Retry-After, so the model appears without a reload once the scheduler answers."""
+    driver = browser
+    with FakeSchedulerServer() as probe:  # a free port, nothing listening once it stops
+        port = probe.port
+    fake = CountingScheduler(script=[EOS], eos_token_id=EOS, max_model_len=2048)
+    with BackgroundGateway(f"127.0.0.1:{port}", smollm2_dir) as gateway:
+        driver.get(f"{gateway.url}/?poll_ms={POLL_MS}")
+        error = driver.find_element("id", "error")
+        wait_for(lambda: error.is_displayed() and "503" in error.text, what="the 503 from /v1/models")
+        assert "The server is starting" in error.text and not model_listed(driver)
+        with FakeSchedulerServer(fake, port=port):
+            wait_for(lambda: model_listed(driver), what="the model list once a replica is ready")
+            assert not error.is_displayed()
+
+
 def test_page_routes_leave_the_api_alone(stack: Stack) -> None:
     """`/` and /static/* serve the page (no browser needed); /health, /metrics and /v1 are as before,
     and the page is not part of the OpenAPI schema."""

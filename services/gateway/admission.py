@@ -16,13 +16,12 @@ from http import HTTPStatus
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.gateway.errors import OpenAIError, error_response
+from services.gateway.errors import RETRY_AFTER_S, OpenAIError, error_response
 
 # Embeddings share the generation admission: one slot per HTTP request (its inputs are bounded by
 # --max-choices-per-request), since they take the same engine's batch slots and KV blocks.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                               "/v1/embeddings"})
-RETRY_AFTER_S = 1
 
 
 class AdmissionController:
@@ -59,7 +58,8 @@ class AdmissionController:
             raise OpenAIError(HTTPStatus.TOO_MANY_REQUESTS,
                               f"Too many requests: {self.num_running} running and {len(self._queue)} queued "
                               f"(--max-concurrent-requests {self.max_concurrent}, --max-queued-requests "
-                              f"{self.max_queued}); retry later", type="rate_limit_error", code="too_many_requests")
+                              f"{self.max_queued}); retry later", type="rate_limit_error", code="too_many_requests",
+                              retry_after_s=RETRY_AFTER_S)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append(waiter)
         try:
@@ -94,10 +94,7 @@ class AdmissionMiddleware:
         try:
             await self.controller.acquire()
         except OpenAIError as e:
-            response = error_response(e, scope["path"])
-            if e.status_code == HTTPStatus.TOO_MANY_REQUESTS:
-                response.headers["Retry-After"] = str(RETRY_AFTER_S)
-            await response(scope, receive, send)
+            await error_response(e, scope["path"])(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)

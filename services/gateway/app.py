@@ -23,9 +23,10 @@ from services.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMid
 from services.gateway.context import GatewayContext
 from services.gateway.errors import (
     OpenAIError,
+    error_response,
     install_error_handlers,
     invalid_request,
-    scheduler_unavailable,
+    unavailable,
     unsupported,
 )
 from services.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -44,13 +45,13 @@ from services.gateway.protocol import (
 from services.gateway.protocol_anthropic import CountTokensRequest, CountTokensResponse, MessagesRequest
 from services.gateway.protocol_embeddings import EmbeddingRequest
 from services.gateway.protocol_responses import ResponsesRequest
+from services.gateway.readiness import ReadinessMiddleware
 from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
 from services.gateway.serving_embeddings import create_embedding
 from services.gateway.serving_messages import count_tokens, create_message
 from services.gateway.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
-from services.sdk.client import SchedulerUnavailable
 from services.text.tokenizer import Tokenizer, load_chat_template
 
 STATIC_DIR = Path(__file__).with_name("static")  # the playground page at /
@@ -72,8 +73,8 @@ def create_app(
     """Build the gateway app for the schedulers at `scheduler_addresses` (one address, a
     comma-separated list or a sequence) plus, with `redis_url`, every replica publishing
     its load there. The tokenizer loads and the scheduler clients are created at startup
-    (lifespan); `max_model_len` is fetched from a scheduler in the background, and requests
-    arriving while none is reachable get a 503. `options`: limits, migration, credentials;
+    (lifespan); `max_model_len` is fetched from a scheduler in the background, and `/v1/*`
+    requests get a 503 until a replica is routable (readiness.py). `options`: limits, migration, credentials;
     `app.state.admission` is the admission controller (the server drains it on SIGTERM)."""
     addresses = split_addresses(scheduler_addresses)
     options = options or GatewayOptions()
@@ -103,6 +104,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(AdmissionMiddleware, controller=admission)
+    app.add_middleware(ReadinessMiddleware, state=app.state)  # before admission: a refusal takes no slot
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)  # outermost: before any work
 
@@ -158,13 +160,12 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> Response:
         if admission.draining:  # load balancers: send new work elsewhere
-            error = OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "The server is shutting down",
-                                type="service_unavailable_error", code="shutting_down")
-            return JSONResponse(error.to_dict(), status_code=error.status_code)
+            return error_response(OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "The server is shutting down",
+                                              type="service_unavailable_error", code="shutting_down"))
         if await _ctx(request).router.healthy():
             return JSONResponse({"status": "ok"})
-        error = scheduler_unavailable(SchedulerUnavailable("no scheduler answered its health check"))
-        return JSONResponse(error.to_dict(), status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        return error_response(unavailable("The engine is unavailable: no replica answered its health check",
+                                          "scheduler_unavailable"))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

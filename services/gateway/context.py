@@ -55,6 +55,7 @@ class GatewayContext:
         self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
         self.metrics = GatewayMetrics(self.served_model_name)
         self._max_model_len: int | None = None
+        self._ready = False  # see ready()
         self._runner = "generate"  # the engine's runner, learnt with max_model_len (Stats.runner)
 
     async def max_model_len(self) -> int:
@@ -110,6 +111,23 @@ class GatewayContext:
             except SchedulerUnavailable as e:
                 logger.info("waiting for a scheduler (%s): %s", self.router.description, e)
                 await asyncio.sleep(STATS_RETRY_INTERVAL_S)
+
+    async def ready(self) -> bool:
+        """Whether /v1 serves yet: some replica is routable (what /metrics counts in
+        myvllm:engine_replicas_routable) and the model's config (max_model_len) is known from
+        one, fetched now if need be (a fast refusal while nothing listens; at most the client
+        timeout when a replica hangs). Once true it stays true: a replica lost later is the
+        request path's to report (503, migration), and start-up is over."""
+        if self._ready:
+            return True
+        await self.router.first_round()  # (only just started: a replica up may not be heard yet)
+        if self.router.routable():
+            try:
+                await self.max_model_len()
+            except SchedulerUnavailable:
+                return False
+            self._ready = True
+        return self._ready
 
     def check_model(self, requested: str | None) -> None:
         """404 unless `requested` names this model (its served name or its path)."""

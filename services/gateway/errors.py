@@ -4,6 +4,11 @@ Every failure the gateway reports, including FastAPI's own validation errors (42
 default) and unknown routes, goes out in this shape so OpenAI clients can parse it; on the
 Anthropic Messages routes (/v1/messages...) the same error, same status, goes out in
 Anthropic's shape (`error_body` is the one place that picks).
+
+Engine failures reach the client as a short message of ours (`as_openai_error`, the one place
+that maps them): what the scheduler client says about a failure names internal addresses and
+gRPC status text, which are logged here and never sent. A 503 or 429 the client may simply
+retry carries `Retry-After`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from services.sdk.client import RequestRejected, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1  # what a retryable 503 or 429 tells the client to wait (Retry-After, seconds)
+
 
 class OpenAIError(Exception):
     """An error to send to the client with an HTTP status and OpenAI error fields."""
@@ -36,6 +43,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",  # noqa: A002 (OpenAI's field name)
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -43,6 +51,7 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (error_response)
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -58,29 +67,40 @@ def unsupported(feature: str, param: str | None = None) -> OpenAIError:
     return invalid_request(f"{feature} is not supported", param=param or feature, code="unsupported_parameter")
 
 
+def unavailable(message: str, code: str) -> OpenAIError:
+    """A 503 the client may retry after `RETRY_AFTER_S`; `message` must name no internal detail."""
+    return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type="service_unavailable_error", code=code,
+                       retry_after_s=RETRY_AFTER_S)
+
+
 def scheduler_unavailable(error: Exception) -> OpenAIError:
-    return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine is unavailable: {error}",
-                       type="service_unavailable_error", code="scheduler_unavailable")
+    """No engine replica answered (`error` is logged: it names the replica's address)."""
+    logger.warning("engine unavailable for a request: %s", error)
+    return unavailable("The engine is unavailable; retry later", "scheduler_unavailable")
 
 
 def engine_error(error: RequestRejected) -> OpenAIError:
-    """What the engine said about a request: 400 only when it was the client's mistake;
-    a request the engine failed is ours (500), one no replica could take is a 503."""
+    """What the engine said about a request: 400 only when it was the client's mistake (the
+    engine's own words, about the request); a request the engine failed is ours (500), one no
+    replica could take is a 503, both with our own message (the engine's is logged)."""
     if error.error_kind == pb.INVALID_REQUEST:
         return invalid_request(error.message, code="rejected_by_engine")
     if error.error_kind == pb.RESOURCE_EXHAUSTED:  # backpressure: the client retries later, we don't pile on
         return OpenAIError(HTTPStatus.TOO_MANY_REQUESTS, f"The engine is overloaded: {error.message}",
-                           type="rate_limit_error", code="engine_queue_full")
+                           type="rate_limit_error", code="engine_queue_full", retry_after_s=RETRY_AFTER_S)
+    logger.warning("the engine failed request %s (error kind %d): %s", error.request_id, error.error_kind,
+                   error.message)
     if error.error_kind == pb.UNAVAILABLE:
-        return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine cannot take the request: {error.message}",
-                           type="service_unavailable_error", code="engine_unavailable")
-    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine failed the request: {error.message}",
-                       type="server_error", code="engine_fault")
+        return unavailable("The engine cannot take the request now; retry later", "engine_unavailable")
+    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "The engine failed the request", type="server_error",
+                       code="engine_fault")
 
 
 def migration_failed(error: MigrationFailed) -> OpenAIError:
-    return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(error), type="service_unavailable_error",
-                       code="migration_failed")
+    """The request's replica failed and it could not be resumed: its message says how (no
+    address); the failure that ended it is logged."""
+    logger.warning("%s; last failure: %s", error, error.__cause__)
+    return unavailable(str(error), "migration_failed")
 
 
 def as_openai_error(error: Exception) -> OpenAIError:
@@ -130,7 +150,9 @@ def error_body(error: OpenAIError, path: str | None = None) -> dict[str, Any]:
 
 
 def error_response(error: OpenAIError, path: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(error, path), status_code=error.status_code)
+    """`error` as the response to a request to `path` (with its Retry-After, if any)."""
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return JSONResponse(error_body(error, path), status_code=error.status_code, headers=headers)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "null"}

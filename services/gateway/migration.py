@@ -45,7 +45,8 @@ class MigrationPolicy:
 
 
 class MigrationFailed(RuntimeError):
-    """A request lost its replica and could not be resumed (the message says what failed)."""
+    """A request lost its replica and could not be resumed (the message, which the client gets,
+    says how and names no address; the failure that ended it is the exception's cause)."""
 
 
 def is_engine_failure(error: BaseException) -> bool:
@@ -147,10 +148,9 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
         if request.num_migrations >= policy.max_migrations:
             if policy.max_migrations == 0:
                 raise failure  # migration is off: report the engine's own error
-            raise MigrationFailed(
-                f"request {request.request_id} failed {request.num_migrations + 1} times on engine replicas "
-                f"{', '.join(sorted(failed_on))} (--max-migrations {policy.max_migrations}); "
-                f"last failure: {failure}") from failure
+            raise MigrationFailed(  # (goes to the client: no address; errors.py logs the failure)
+                f"request {request.request_id} failed {request.num_migrations + 1} times on {len(failed_on)} "
+                f"engine replica(s) (--max-migrations {policy.max_migrations})") from failure
         if deadline is None:
             deadline = time.monotonic() + policy.wait_s
         replica = await _find_replica(router, request, failed_on, deadline, policy, failure)
@@ -200,7 +200,7 @@ async def _find_replica(router: ReplicaRouter, request: ResumableRequest, failed
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise MigrationFailed(
-                f"request {request.request_id} lost its engine replica ({failure}) and no replica was ready "
+                f"request {request.request_id} lost its engine replica and no replica was ready "
                 f"within --migration-wait {policy.wait_s:g}s") from failure
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(request._aborted.wait(), min(pause, remaining))

@@ -132,6 +132,7 @@ class ReplicaRouter:
         if not self.replicas and self._redis is None:
             raise ValueError("the gateway needs at least one scheduler address or a redis URL to discover them")
         self._task: asyncio.Task | None = None
+        self._first_round = asyncio.Event()  # set once the first round of load updates is done
 
     def _add(self, address: str, static: bool) -> Replica:
         replica = Replica(address, AsyncClient(address, timeout=self.timeout_s, **self._client_kwargs), static)
@@ -261,6 +262,14 @@ class ReplicaRouter:
                 self._following = True
                 for replica in self.replicas.values():
                     self._follow(replica)
+        else:
+            self._first_round.set()  # nothing to hear: a single static replica is routable as it is
+
+    async def first_round(self) -> None:
+        """Wait (at most the client timeout) until the first round of load updates after start()
+        is done, so that routable() has had its chance to see the replicas already up."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._first_round.wait(), self.timeout_s)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -268,6 +277,7 @@ class ReplicaRouter:
                 await self.refresh()
             except Exception as e:  # keep routing on the last known loads
                 logger.warning("refreshing replica loads failed: %s", e)
+            self._first_round.set()
             await asyncio.sleep(self.refresh_interval_s)
 
     async def refresh(self) -> None:

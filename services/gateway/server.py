@@ -1,7 +1,11 @@
 """Running the gateway: `serve_gateway` for the CLI, `BackgroundGateway` for tests.
 
-We bind the listening socket ourselves and hand it to uvicorn: uvicorn answers a busy
-port by logging and calling sys.exit, while the CLI wants one clear error line.
+We bind the socket ourselves and hand it to uvicorn: uvicorn answers a busy port by
+logging and calling sys.exit, while the CLI wants one clear error line. It is bound but not
+listening until the app has started (uvicorn listens then): while the tokenizer loads, a
+client's connection is refused, as by a vLLM server before its engine is up, instead of
+sitting unanswered in the backlog. From then on, `/v1/*` answers 503 with Retry-After
+until an engine replica is routable (readiness.py).
 
 SIGTERM (or Ctrl-C) drains: the socket stays open so new requests get a clear 503,
 in-flight ones run to the end (at most --shutdown-timeout seconds), then uvicorn shuts
@@ -33,7 +37,8 @@ class PortInUseError(StartupError):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0 = any free port).
+    """A TCP socket bound to host:port (port 0 = any free port), not yet listening: the server
+    listens once the app has started, so no connection waits unanswered meanwhile.
 
     Made with proto=IPPROTO_TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
     connections whose socket says so, and a proto-0 socket's do not. With Nagle on, a stream's
@@ -52,7 +57,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise PortInUseError(f"gateway: cannot listen on {host}:{port} (port already in use)") from None
         raise StartupError(f"gateway: cannot listen on {host}:{port} ({e.strerror})") from None
-    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

@@ -42,6 +42,9 @@
       if (!response.ok) {
         select.replaceChildren();
         showError(await errorText(response));
+        if (response.status === 503) {  // the server is starting: ask again when it says to
+          setTimeout(loadModels, 1000 * (Number(response.headers.get("Retry-After")) || 1));
+        }
         return;
       }
       const previous = select.value;
