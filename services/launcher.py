@@ -28,6 +28,7 @@ from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import EngineConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
+from services.common.secret_check import check_service_secrets
 from services.engine_args import (
     add_kv_transfer_arg,
     add_model_args,
@@ -50,8 +51,7 @@ from services.topology import (
     Topology,
     add_device_arg,
     add_topology_args,
-    check_disaggregation,
-    kv_transfer_config_of,
+    check_topology,
     num_replicas,
     processes,
     redis_url,
@@ -89,6 +89,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if root is not None and not os.path.isdir(root):
         return _fail(f"--allowed-model-root {root} is not a directory")
     try:
+        check_service_secrets(internal_token=token_from_env(args.internal_token))
         config = EngineConfig(**{**engine_kwargs(args), "model": model})
     except ValueError as e:
         return _fail(f"worker: {e}")
@@ -106,6 +107,8 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     # Model, dtype and the like belong to the worker; the scheduler adopts them from LoadModel.
     try:
+        check_service_secrets(internal_token=token_from_env(args.internal_token),
+                              redis_url=redis_url_from_env(args.redis))
         config = EngineConfig(**engine_kwargs(args), model="")
     except ValueError as e:
         return _fail(f"scheduler: {e}")
@@ -126,6 +129,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     try:
         check_model_dir(model)
         redis_url = redis_url_from_env(args.redis)
+        check_service_secrets(internal_token=token_from_env(args.internal_token), api_key=args.api_key,
+                              redis_url=redis_url)
         if not args.scheduler and not redis_url:
             return _fail("gateway: give --scheduler addresses, --redis to discover them, or both")
         serve_gateway(args.host, args.port, args.scheduler or "", model, served_model_name=args.served_model_name,
@@ -293,15 +298,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         return _fail(str(e))
     try:  # a bad --speculative-config (or a flag it does not combine with) fails here, not in a service
-        check_disaggregation(args)
-        args.data_parallel_size = num_replicas(args)  # (P/D: serve starts and routes P + D replicas)
-        EngineConfig(**{**engine_kwargs(args), "model": model, "kv_transfer_config": kv_transfer_config_of(args, 0)})
+        check_topology(args, model)
+        check_service_secrets(internal_token=token_from_env(args.internal_token), api_key=args.api_key,
+                              redis_url=redis_url_from_env(args.redis))
     except ValueError as e:
         return _fail(str(e))
+    args.data_parallel_size = num_replicas(args)  # (P/D: serve starts and routes P + D replicas)
     if not _port_free(args.host, args.port):
         return _fail(f"port {args.port} on {args.host} is already in use (pick another with --port)")
-    if min(args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size) < 1:
-        return _fail("--data-parallel-size, --tensor-parallel-size and --pipeline-parallel-size must be at least 1")
     if args.data_parallel_size > 1 and (args.worker_port or args.scheduler_port):
         return _fail("--worker-port / --scheduler-port name one replica's ports; leave them out with "
                      "--data-parallel-size > 1")

@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.auth import TOKEN_ENV
+from services.common.config import EngineConfig
 from services.common.kv_transfer_config import KVTransferConfig
+from services.common.parallel_shapes import check_tensor_parallel_shapes, read_model_shapes
 from services.common.redis_registry import REDIS_URL_ENV
+from services.common.secret_check import API_KEY_ENV
 from services.engine_args import (
     add_engine_args,
     add_kv_transfer_arg,
@@ -37,6 +40,7 @@ from services.engine_args import (
     add_scheduler_service_args,
     add_scheduling_args,
     add_speculative_arg,
+    engine_kwargs,
 )
 from services.gateway.options import CREDENTIAL_OPTIONS, add_gateway_options
 
@@ -44,7 +48,6 @@ REDIS, WORKER, SCHEDULER, GATEWAY = "redis", "worker", "scheduler", "gateway"
 # Not a process: the rendezvous of a data-parallel expert-parallel group, which DP rank 0's
 # scheduler hosts (a port of its own on that scheduler's host).
 GROUP = "group"
-API_KEY_ENV = "MYVLLM_API_KEY"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 # How long serve gives a stopped service to exit before it kills it (after the gateway's own
 # --shutdown-timeout drain); Kubernetes' grace periods add the same.
@@ -95,6 +98,28 @@ def check_disaggregation(args: argparse.Namespace) -> None:
     if args.runner != "generate":
         raise ValueError("--prefill-replicas needs --runner generate (pooling requests have no decode)")
     KVTransferConfig.parse(kv_transfer_config_of(args, 0))  # the connector settings given, if any, are valid
+
+
+def check_topology(args: argparse.Namespace, model: str, shapes_dir: str | None = None) -> None:
+    """serve's checks of its flags before it starts anything, which `deploy` runs before it writes
+    anything (ValueError naming the flag): sizes of at least 1, disaggregation flags that combine,
+    an engine configuration the flags make, and a tensor-parallel size the model's shapes split
+    over. `model`: the model directory as the processes see it; `shapes_dir`: where this machine
+    reads its config.json (default `model`; none there: the worker checks when it loads)."""
+    if min(args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size) < 1:
+        raise ValueError("--data-parallel-size, --tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+    check_disaggregation(args)
+    EngineConfig(**{**engine_kwargs(args), "model": model, "kv_transfer_config": kv_transfer_config_of(args, 0)})
+    shapes_dir = shapes_dir or model
+    shapes = read_model_shapes(shapes_dir)
+    if shapes is not None:
+        tp = args.tensor_parallel_size
+        # The ranks that split an MoE layer's experts (services/worker/parallel.py's init_parallel).
+        expert_parallel = bool(args.enable_expert_parallel) and (num_replicas(args) > 1 or tp > 1)
+        try:
+            check_tensor_parallel_shapes(shapes, tp, expert_parallel=expert_parallel)
+        except ValueError as e:
+            raise ValueError(f"--tensor-parallel-size {tp} does not fit the model ({shapes_dir}): {e}") from None
 
 
 def num_replicas(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from conftest import free_port
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
-GPU, TP2 = DEPLOY / "docker-compose.gpu.yml", DEPLOY / "docker-compose.tp2.yml"
+GPU, TP3 = DEPLOY / "docker-compose.gpu.yml", DEPLOY / "docker-compose.tp3.yml"
 SECRETS = {"MYVLLM_INTERNAL_TOKEN": "compose-test-token", "MYVLLM_REDIS_PASSWORD": "compose-test-redis-password"}
 
 
@@ -58,10 +58,11 @@ def test_committed_compose_files_are_current(tmp_path: Path) -> None:
     the same processes, with the same commands, as `myvllm serve` with those flags."""
     from services.cli import main
 
+    assert sorted(DEPLOY.glob("docker-compose*.yml")) == sorted([COMPOSE, GPU, TP3])  # none left unchecked
     assert _flags(COMPOSE) == ["--data-parallel-size", "2"]
     assert _flags(GPU) == ["--device", "cuda", "--data-parallel-size", "2"]
-    assert _flags(TP2) == ["--tensor-parallel-size", "2", "--data-parallel-size", "2"]
-    for path in (COMPOSE, GPU, TP2):
+    assert _flags(TP3) == ["--tensor-parallel-size", "3", "--data-parallel-size", "2"]
+    for path in (COMPOSE, GPU, TP3):
         out = tmp_path / path.name
         assert main(["deploy", "compose", "--out", str(out), *_flags(path)]) == 0
         assert out.read_text() == path.read_text(), (
@@ -69,8 +70,8 @@ def test_committed_compose_files_are_current(tmp_path: Path) -> None:
 
 
 def test_every_compose_file_is_valid_compose() -> None:
-    """The CPU cluster, the same on GPUs, and with two tensor-parallel ranks per replica."""
-    for path in (COMPOSE, GPU, TP2):
+    """The CPU cluster, the same on GPUs, and with three tensor-parallel ranks per replica."""
+    for path in (COMPOSE, GPU, TP3):
         result = _config(path, check=False)
         assert result.returncode == 0, f"{path.name}: {result.stderr}"
     base = json.loads(_config(COMPOSE).stdout)["services"]
@@ -93,11 +94,11 @@ def test_every_compose_file_is_valid_compose() -> None:
         assert gpu[worker]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
         assert gpu[worker]["command"][gpu[worker]["command"].index("--device") + 1] == "cuda"
     assert not any("deploy" in gpu[name] for name in ("redis", "scheduler-0", "scheduler-1", "gateway"))
-    tp2 = json.loads(_config(TP2).stdout)["services"]
-    workers = tp2["scheduler-1"]["command"][tp2["scheduler-1"]["command"].index("--workers") + 1]
-    assert workers == "worker-1-rank0:50152,worker-1-rank1:50153"  # rank order
-    for service in ("worker-1-rank0", "worker-1-rank1", "scheduler-1"):  # the scheduler reads it too (and checks it)
-        assert tp2[service]["command"][tp2[service]["command"].index("--tensor-parallel-size") + 1] == "2"
+    tp3 = json.loads(_config(TP3).stdout)["services"]
+    workers = tp3["scheduler-1"]["command"][tp3["scheduler-1"]["command"].index("--workers") + 1]
+    assert workers == "worker-1-rank0:50152,worker-1-rank1:50153,worker-1-rank2:50154"  # rank order
+    for service in ("worker-1-rank0", "worker-1-rank2", "scheduler-1"):  # the scheduler reads it too (and checks it)
+        assert tp3[service]["command"][tp3[service]["command"].index("--tensor-parallel-size") + 1] == "3"
 
 
 def test_the_validator_rejects_what_compose_would(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """deploy/k8s/: the Kubernetes manifests `myvllm deploy k8s` writes for the reference topology
-(2 engine replicas x 2 tensor-parallel ranks, CPU), checked offline: the committed files are
+(2 engine replicas x 3 tensor-parallel ranks, CPU), checked offline: the committed files are
 current, every object is valid against the Kubernetes API's own schemas (`kubernetes-validate`,
 which ships them), and every container runs exactly the command `myvllm serve` runs for that
 process, with only its addresses and ports swapped for the pods' DNS names."""
@@ -22,7 +22,7 @@ from services.topology import EXIT_GRACE_S
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
 # The reference topology (README "Kubernetes" regenerates it with these flags).
-REFERENCE = ["--device", "cpu", "--tensor-parallel-size", "2", "--data-parallel-size", "2"]
+REFERENCE = ["--device", "cpu", "--tensor-parallel-size", "3", "--data-parallel-size", "2"]
 # The oldest Kubernetes the manifests are meant for, and the newest the library knows.
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 
@@ -57,13 +57,14 @@ def test_a_regeneration_removes_the_files_of_replicas_that_are_gone(tmp_path: Pa
     out = _generate(tmp_path, "-dp", "3")
     (out / "mine.yaml").write_text("# not written by deploy\n")
     _generate(tmp_path, "-dp", "2")
-    assert sorted(p.name for p in out.iterdir()) == ["credentials.yaml", "disruption-budget.yaml", "engine-0.yaml",
-                                                     "engine-1.yaml", "gateway.yaml", "mine.yaml", "redis.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == ["disruption-budget.yaml", "engine-0.yaml", "engine-1.yaml",
+                                                     "gateway.yaml", "mine.yaml", "redis.yaml"]
 
 
 @pytest.mark.parametrize("flags", [
     REFERENCE,
-    ["--device", "cuda", "-tp", "2", "-pp", "2", "-dp", "3", "--keda"],  # GPUs, pipeline stages, KEDA
+    ["--device", "cuda", "-tp", "3", "-pp", "2", "-dp", "3", "--keda"],  # GPUs, pipeline stages, KEDA
+    ["-dp", "2", "--api-key", "an-api-key-of-32-characters-0123"],  # with the Secret
     [],  # one replica, one rank: no redis
     ["-dp", "2", "--enable-expert-parallel", "--name", "moe", "--model", "/models/moe"],  # one expert-parallel group
 ])
@@ -99,7 +100,7 @@ def _serve_commands() -> dict[str, list[str]]:
     from services.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", *REFERENCE])
-    commands = _serve_commands(args, IMAGE_MODEL_DIR, [[11, 12], [21, 22]], [10, 20], 6379)
+    commands = _serve_commands(args, IMAGE_MODEL_DIR, [[11, 12, 13], [21, 22, 23]], [10, 20], 6379)
     return {name: command for name, command, _ in commands}
 
 
@@ -127,7 +128,7 @@ def _k8s_addresses(objects: list[dict]) -> dict[str, str]:
 
 
 def test_each_container_runs_serves_command_for_its_rank() -> None:
-    """For each process serve starts (-dp 2 -tp 2): the container's command is serve's with the
+    """For each process serve starts (-dp 2 -tp 3): the container's command is serve's with the
     Python entry point as the image's `myvllm`, each bind address 0.0.0.0, each port the
     container's, and each address another process is dialled at its pod's DNS name. Nothing else
     may differ: no flag added, dropped or changed. A StatefulSet's ranks share one template, so
@@ -138,13 +139,13 @@ def test_each_container_runs_serves_command_for_its_rank() -> None:
     sets = _by_kind(objects, "StatefulSet")
     containers = {}
     for replica in (0, 1):
-        for rank in (0, 1):
+        for rank in (0, 1, 2):
             containers[f"worker-{replica}-rank{rank}"] = _container(sets[f"myvllm-engine-{replica}-worker"])
         containers[f"scheduler-{replica}"] = _container(sets[f"myvllm-engine-{replica}-scheduler"])
     containers["gateway"] = _container(_by_kind(objects, "Deployment")["myvllm-gateway"])
     assert set(serve) == set(containers) | {"redis"}
-    serve_ports = {"worker-0-rank0": 11, "worker-0-rank1": 12, "worker-1-rank0": 21, "worker-1-rank1": 22,
-                   "scheduler-0": 10, "scheduler-1": 20}
+    serve_ports = {f"worker-{replica}-rank{rank}": 10 * (replica + 1) + rank + 1 for replica in (0, 1)
+                   for rank in (0, 1, 2)} | {"scheduler-0": 10, "scheduler-1": 20}
     swap = {f"127.0.0.1:{port}": addresses[name] for name, port in serve_ports.items()}
 
     for name, container in containers.items():
@@ -158,31 +159,70 @@ def test_each_container_runs_serves_command_for_its_rank() -> None:
         assert not any("127.0.0.1" in arg for arg in container["command"]), name
     # The schedulers' rank lists are those pods, in ordinal (= rank) order.
     scheduler = containers["scheduler-1"]["command"]
-    assert scheduler[scheduler.index("--workers") + 1] == (
-        "myvllm-engine-1-worker-0.myvllm-engine-1:50052,myvllm-engine-1-worker-1.myvllm-engine-1:50052")
-    assert sets["myvllm-engine-1-worker"]["spec"]["replicas"] == 2
+    assert scheduler[scheduler.index("--workers") + 1] == ",".join(
+        f"myvllm-engine-1-worker-{rank}.myvllm-engine-1:50052" for rank in (0, 1, 2))
+    assert sets["myvllm-engine-1-worker"]["spec"]["replicas"] == 3
     assert sets["myvllm-engine-1-worker"]["spec"]["podManagementPolicy"] == "Parallel"
 
 
-def test_secrets_reach_only_their_readers_and_never_a_command_line() -> None:
-    objects = _objects(K8S)
-    (secret,) = _by_kind(objects, "Secret").values()
-    assert set(secret["stringData"]) == {"internal-token", "api-key", "redis-password"}
-    assert set(secret["stringData"].values()) == {"REPLACE_ME"}  # no value is committed
+def _secret_readers(objects: list[dict]) -> dict[str, set[str]]:
+    """Container name -> the Secret keys it reads; no secret, nor a Redis URL, on a command line."""
     readers: dict[str, set[str]] = {}
     for obj in objects:
         if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue
         container = _container(obj)
         refs = {e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", []) if "valueFrom" in e}
+        assert {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", []) if "valueFrom" in e} <= {
+            "myvllm-credentials"}
         readers[container["name"]] = readers.get(container["name"], set()) | refs
         assert not any(re.search(r"REPLACE_ME|redis://", arg) for arg in container["command"])
+    return readers
+
+
+def test_secrets_reach_only_their_readers_and_none_is_committed() -> None:
+    """The committed files hold no Secret, so nothing that looks like a value (a placeholder
+    applied unedited would be a secret everyone knows): the user creates the Secret first, as
+    each file's header says."""
+    objects = _objects(K8S)
+    assert not _by_kind(objects, "Secret") and not (K8S / "credentials.yaml").exists()
+    for path in K8S.iterdir():
+        text = path.read_text()
+        assert "REPLACE_ME" not in text and "stringData" not in text, path.name
+        assert "kubectl create secret generic myvllm-credentials --from-literal=internal-token=" in text, path.name
+    readers = _secret_readers(objects)
     assert readers == {"worker": {"internal-token"}, "scheduler": {"internal-token", "redis-password"},
                        "gateway": {"internal-token", "redis-password", "api-key"}, "redis": {"redis-password"}}
     gateway_env = {e["name"]: e for e in _container(_by_kind(objects, "Deployment")["myvllm-gateway"])["env"]}
     assert gateway_env["MYVLLM_REDIS_URL"]["value"] == "redis://:$(MYVLLM_REDIS_PASSWORD)@myvllm-redis:6379/0"
     names = list(gateway_env)
     assert names.index("MYVLLM_REDIS_PASSWORD") < names.index("MYVLLM_REDIS_URL")  # $(VAR): defined before use
+
+
+def test_an_api_key_given_goes_into_the_secret_file_only(tmp_path: Path) -> None:
+    """`deploy k8s --api-key KEY` writes KEY to credentials.yaml (its owner's alone), with a random
+    internal token and redis password that the services' own check accepts; no other file, nor
+    any header, carries it; a regeneration without the key removes the file."""
+    from services.common.secret_check import secret_problem
+
+    key = "an-api-key-of-32-characters-0123"
+    out = _generate(tmp_path, "-dp", "2", "--api-key", key)
+    secret_file = out / "credentials.yaml"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in out.iterdir() if key in p.read_text()] == ["credentials.yaml"]
+    (secret,) = _by_kind(_objects(out), "Secret").values()
+    assert secret["metadata"]["name"] == "myvllm-credentials"
+    values = secret["stringData"]
+    assert values["api-key"] == key
+    assert set(values) == {"internal-token", "api-key", "redis-password"}
+    for name in ("internal-token", "redis-password"):
+        assert re.fullmatch(r"[0-9a-f]{64}", values[name]) and secret_problem(values[name]) is None, name
+    other = _generate(tmp_path / "again", "-dp", "2", "--api-key", key)
+    assert _by_kind(_objects(other), "Secret")["myvllm-credentials"]["stringData"]["internal-token"] != values[
+        "internal-token"]  # random per run, never a fixed value
+    assert _secret_readers(_objects(out))["gateway"] == {"internal-token", "redis-password", "api-key"}
+    _generate(tmp_path, "-dp", "2")
+    assert not secret_file.exists()
 
 
 def test_probes_and_shutdown_follow_serve() -> None:
@@ -212,7 +252,7 @@ def test_probes_and_shutdown_follow_serve() -> None:
 
 
 def test_cuda_workers_get_a_gpu_each(tmp_path: Path) -> None:
-    objects = _objects(_generate(tmp_path, "--device", "cuda", "-tp", "2"))
+    objects = _objects(_generate(tmp_path, "--device", "cuda", "-tp", "3"))
     for obj in _by_kind(objects, "StatefulSet").values():
         container = _container(obj)
         if container["name"] == "worker":
@@ -226,7 +266,7 @@ def test_keda_scaled_objects(tmp_path: Path) -> None:
     """KEDA's CRD is not among the Kubernetes schemas, so its required fields are checked here:
     each ScaledObject names a StatefulSet the manifests define, turns it wholly on or off
     (idle 0 < min = max = its full size) and reads the gateway's vllm:num_requests_waiting."""
-    objects = _objects(_generate(tmp_path, "-dp", "3", "-tp", "2", "--keda"))
+    objects = _objects(_generate(tmp_path, "-dp", "3", "-tp", "3", "--keda"))
     sets = _by_kind(objects, "StatefulSet")
     scaled = _by_kind(objects, "ScaledObject")
     assert set(scaled) == {f"myvllm-engine-{r}-{kind}" for r in (1, 2) for kind in ("worker", "scheduler")}
@@ -255,3 +295,22 @@ def test_deploy_refuses_what_serve_refuses(tmp_path: Path, capsys) -> None:
     assert main(["deploy", "compose", "--out", str(tmp_path / "c.yml"), "--speculative-config", "{bad"]) == 1
     assert not (tmp_path / "a").exists() and not (tmp_path / "c.yml").exists()
     assert "error:" in capsys.readouterr().err
+    # The image's model (SmolLM2-135M: 9 attention heads) does not split over 2 ranks.
+    assert main(["deploy", "k8s", "--out", str(tmp_path / "d"), "-tp", "2", "-dp", "2"]) == 1
+    assert main(["deploy", "compose", "--out", str(tmp_path / "d.yml"), "-tp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("--tensor-parallel-size 2 does not fit the model") == 2 and "num_attention_heads=9" in err
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.yml").exists()
+
+
+def test_deploy_never_drops_a_secret_it_is_given(tmp_path: Path, capsys) -> None:
+    """k8s: a secret the services would refuse is refused here, naming the flag (not the value);
+    compose: a secret on the command line is refused, since the file reads it from the environment."""
+    assert main(["deploy", "k8s", "--out", str(tmp_path / "a"), "--api-key", "REPLACE_ME"]) == 1
+    assert main(["deploy", "k8s", "--out", str(tmp_path / "b"), "--internal-token", "short-token"]) == 1
+    err = capsys.readouterr().err
+    assert "--api-key / $MYVLLM_API_KEY is a placeholder" in err and "REPLACE_ME" not in err
+    assert "--internal-token / $MYVLLM_INTERNAL_TOKEN is shorter than 16 bytes" in err and "short-token" not in err
+    assert main(["deploy", "compose", "--out", str(tmp_path / "c.yml"), "--api-key", "a" * 8 + "b" * 24]) == 1
+    assert "--api-key: a compose file reads its secrets from the environment" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

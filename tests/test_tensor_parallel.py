@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 from hf_reference import hf_greedy
 
+from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.common.sampling_params import SamplingParams
 from services.sdk.llm import LLM
-from services.worker.parallel import TensorParallel, check_divisible, head_range, kv_head_range, vocab_range
+from services.worker.parallel import TensorParallel, head_range, kv_head_range, vocab_range
 
 MAX_NEW_TOKENS = 24
 
@@ -28,13 +29,13 @@ def _config(heads: int = 9, kv_heads: int = 3, intermediate: int = 1536):
 
 
 def test_shapes_a_tp_size_does_not_divide_are_refused_with_the_numbers() -> None:
-    check_divisible(_config(), 3)  # SmolLM2: 9 heads, 3 KV heads
+    check_tensor_parallel_shapes(_config(), 3)  # SmolLM2: 9 heads, 3 KV heads
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_attention_heads=9"):
-        check_divisible(_config(), 2)
+        check_tensor_parallel_shapes(_config(), 2)
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
-        check_divisible(_config(heads=12, kv_heads=3), 4)
+        check_tensor_parallel_shapes(_config(heads=12, kv_heads=3), 4)
     with pytest.raises(ValueError, match="intermediate_size=1000"):
-        check_divisible(_config(heads=6, kv_heads=3, intermediate=1000), 3)
+        check_tensor_parallel_shapes(_config(heads=6, kv_heads=3, intermediate=1000), 3)
 
 
 def test_each_rank_gets_its_heads_and_a_replicated_kv_head_when_there_are_fewer() -> None:

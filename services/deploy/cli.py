@@ -1,9 +1,14 @@
 """`myvllm deploy k8s --out DIR [serve's flags]` and `myvllm deploy compose --out FILE [serve's flags]`.
 
 Both take serve's topology and engine flags (`-dp`, `-tp`, `-pp`, `--model`, `--dtype`, `--device`,
-scheduling and gateway flags: services/topology.py's add_topology_args) and write the processes
-serve would start with them. Credentials are never written: `--api-key` / `--internal-token` are
-ignored here; compose reads them from the shell's environment, Kubernetes from a Secret.
+scheduling and gateway flags: services/topology.py's add_topology_args), refuse what serve refuses
+(services/topology.py's check_topology: the model's heads must split over `-tp`), and write the
+processes serve would start with them. Credentials never go into a file meant to be committed:
+compose reads them from the environment `docker compose` runs in (so `--api-key` and
+`--internal-token` are refused here, saying so); Kubernetes from a Secret, which `deploy k8s`
+writes (credentials.yaml, the other secrets random) only when `--api-key` or `--internal-token`
+is given, else the user creates it. Only flags count: $MYVLLM_API_KEY and $MYVLLM_INTERNAL_TOKEN,
+which the gateway's flags default to, are not read here.
 """
 
 from __future__ import annotations
@@ -17,8 +22,7 @@ from collections.abc import Callable
 
 import yaml
 
-from services.common.config import EngineConfig
-from services.engine_args import engine_kwargs
+from services.common.config import DEFAULT_MODEL_DIR
 from services.gateway.options import CREDENTIAL_OPTIONS
 from services.topology import (
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -26,9 +30,8 @@ from services.topology import (
     KubernetesPlacement,
     Topology,
     add_topology_args,
-    check_disaggregation,
+    check_topology,
     forwarded_flags,
-    kv_transfer_config_of,
     num_replicas,
     processes,
 )
@@ -49,6 +52,16 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a service may take to become healthy (health checks and startup probes), as "
                         "serve's flag")
     add_topology_args(p)
+    # Secrets only from the command line: the gateway's flags default to $MYVLLM_API_KEY and
+    # $MYVLLM_INTERNAL_TOKEN, which would put whatever this shell holds into the files.
+    p.set_defaults(api_key=None, internal_token=None)
+    deploy_help = {"api_key": "k8s: the gateway's API key, written with the other secrets to DIR/credentials.yaml "
+                              "(apply it, never commit it); compose: refused, export $MYVLLM_API_KEY instead",
+                   "internal_token": "k8s: the services' shared token, written to DIR/credentials.yaml (default: "
+                                     "random when --api-key is given); compose: refused, export "
+                                     "$MYVLLM_INTERNAL_TOKEN instead"}
+    for action in p._actions:
+        action.help = deploy_help.get(action.dest, action.help)
 
 
 def _add_k8s_args(p: argparse.ArgumentParser) -> None:
@@ -72,26 +85,33 @@ def _add_k8s_args(p: argparse.ArgumentParser) -> None:
 def add_subcommand(sub) -> None:
     d = sub.add_parser("deploy", help="write deployment files (Kubernetes, docker compose) for serve's topology")
     kinds = d.add_subparsers(dest="target", required=True)
-    k = kinds.add_parser("k8s", help="write Kubernetes manifests (one file per component) into a directory")
+    k = kinds.add_parser("k8s", help="write Kubernetes manifests (one file per component) into a directory",
+                         description="Without --api-key / --internal-token no Secret is written: create it before "
+                                     "applying (kubectl create secret generic NAME-credentials ..., README "
+                                     "\"Kubernetes\"). With either, the Secret goes into DIR/credentials.yaml "
+                                     "(the other secrets random, the file readable by its owner only): apply it, "
+                                     "never commit it.")
     k.add_argument("--out", required=True, help="directory to write (created; files deploy wrote before are replaced)")
     _add_k8s_args(k)
     k.set_defaults(func=_cmd_k8s)
-    c = kinds.add_parser("compose", help="write a docker-compose file")
+    c = kinds.add_parser("compose", help="write a docker-compose file",
+                         description="Secrets are read from the environment `docker compose` runs in "
+                                     "($MYVLLM_INTERNAL_TOKEN, $MYVLLM_REDIS_PASSWORD, $MYVLLM_API_KEY: export them, "
+                                     "or put them in an env file you do not commit); --api-key and --internal-token "
+                                     "are refused here.")
     c.add_argument("--out", required=True, help="compose file to write")
     _add_common_args(c)
     c.set_defaults(func=_cmd_compose)
 
 
 def _model(args: argparse.Namespace) -> str:
-    """The model directory as the containers see it; refuses, as serve does, flags that do not
-    combine (raises ValueError)."""
-    if min(args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size) < 1:
-        raise ValueError("--data-parallel-size, --tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+    """The model directory as the containers see it; refuses what serve refuses (raises
+    ValueError). The model's shapes are read here from the directory `make setup` converts (the
+    image's default model is the same one), or from --model where this machine has it too."""
     if args.device not in (None, "cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
     model = args.model or IMAGE_MODEL_DIR
-    check_disaggregation(args)
-    EngineConfig(**{**engine_kwargs(args), "model": model, "kv_transfer_config": kv_transfer_config_of(args, 0)})
+    check_topology(args, model, shapes_dir=args.model or str(DEFAULT_MODEL_DIR))
     return model
 
 
@@ -116,7 +136,7 @@ def _yaml(documents: list[dict]) -> str:
 
 def k8s_files(args: argparse.Namespace) -> dict[str, str]:
     """File name -> text of `myvllm deploy k8s` with these flags."""
-    from services.deploy.k8s import USAGE, K8sOptions, manifests
+    from services.deploy.k8s import SECRET_FILE, SECRET_USAGE, USAGE, K8sOptions, manifests, secret_values
 
     model = _model(args)
     if not _DNS_LABEL.fullmatch(args.name) or len(args.name) > 30:
@@ -129,15 +149,23 @@ def k8s_files(args: argparse.Namespace) -> dict[str, str]:
                          served_model_name=args.served_model_name or os.path.basename(os.path.normpath(model)),
                          worker_cpus=args.worker_cpus, worker_memory=args.worker_memory, keda=args.keda,
                          prometheus_url=args.prometheus_url, keda_waiting_requests=args.keda_waiting_requests)
-    files = manifests(processes(args, model, topology, placement), topology, placement, options)
-    header = _header("k8s", "DIR", args, _add_k8s_args, USAGE.format(path="DIR"))
-    return {name: header + _yaml(objects) for name, objects in files.items()}
+    secret = secret_values(args.api_key, args.internal_token, topology.redis_server)
+    files = manifests(processes(args, model, topology, placement), topology, placement, options, secret)
+    header = _header("k8s", "DIR", args, _add_k8s_args, USAGE.format(path="DIR", secret=f"{args.name}-credentials"))
+    secret_header = _header("k8s", "DIR", args, _add_k8s_args, SECRET_USAGE.format(path="DIR"))
+    return {name: (secret_header if name == SECRET_FILE else header) + _yaml(objects)
+            for name, objects in files.items()}
 
 
 def compose_text(args: argparse.Namespace, file_name: str) -> str:
     """The text of `myvllm deploy compose` with these flags, for a file called `file_name` in deploy/."""
     from services.deploy.compose import USAGE, ComposeOptions, compose_file
 
+    for flag, value in (("--api-key", args.api_key), ("--internal-token", args.internal_token)):
+        if value:
+            raise ValueError(f"{flag}: a compose file reads its secrets from the environment `docker compose` runs "
+                             "in, and is not the place for them; leave the flag out and export $MYVLLM_API_KEY / "
+                             "$MYVLLM_INTERNAL_TOKEN (or put them in an env file you do not commit)")
     model = _model(args)
     topology = Topology.of(args, redis_server=num_replicas(args) > 1)
     placement = ComposePlacement()
@@ -157,10 +185,18 @@ def write_k8s(out: str, files: dict[str, str]) -> list[str]:
             with open(path) as f:
                 if f.readline().startswith(GENERATED):
                     os.remove(path)
+    from services.deploy.k8s import SECRET_FILE
+
     written = []
     for name, text in files.items():
         path = os.path.join(out, name)
-        with open(path, "w") as f:
+        if name == SECRET_FILE:  # its owner's alone, even while it is written
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            f = os.fdopen(fd, "w")
+        else:
+            f = open(path, "w")
+        with f:
             f.write(text)
         written.append(path)
     return written

@@ -15,8 +15,11 @@ The process model is serve's, one process per container:
   a script; as its own pod it also restarts without rank 0's model load, and needs no GPU node;
 - the gateway: a Deployment and a Service; redis (with several replicas): a Deployment and a
   Service, its password from the Secret;
-- the internal token, API key and redis password: one Secret whose values are placeholders to
-  replace before the pods can be trusted.
+- the internal token, API key and redis password: one Secret, `<name>-credentials`, which every
+  pod reads its secrets from. The user creates it (USAGE), or `deploy k8s --api-key` /
+  `--internal-token` writes it to credentials.yaml (the other secrets random): no placeholder
+  is ever written, since a Secret applied unedited would hand every service a guessable secret
+  (the services refuse one at start-up: services/common/secret_check.py).
 
 Probes run what compose's healthchecks run (`python -m services.healthcheck`, which presents the
 internal token); see `_engine_probes` for why liveness is a TCP check.
@@ -25,11 +28,13 @@ internal token); see `_engine_probes` for why liveness is a TCP check.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.auth import TOKEN_ENV
 from services.common.redis_registry import REDIS_URL_ENV
+from services.common.secret_check import check_service_secrets
 from services.topology import (
     API_KEY_ENV,
     EXIT_GRACE_S,
@@ -46,7 +51,7 @@ from services.topology import (
 )
 
 REDIS_PASSWORD_ENV = "MYVLLM_REDIS_PASSWORD"
-PLACEHOLDER = "REPLACE_ME"
+SECRET_FILE = "credentials.yaml"
 # Each secret's key in the Secret, by the environment variable a process reads it from.
 SECRET_KEYS = {TOKEN_ENV: "internal-token", API_KEY_ENV: "api-key", REDIS_PASSWORD_ENV: "redis-password"}
 ENGINE_LABEL = "myvllm/engine-replica"
@@ -171,10 +176,9 @@ class _Manifests:
 
     # ------------------------------------------------------------------ objects
 
-    def secret_object(self) -> dict:
-        data = {SECRET_KEYS[TOKEN_ENV]: PLACEHOLDER, SECRET_KEYS[API_KEY_ENV]: PLACEHOLDER}
-        if self.redis is not None:
-            data[SECRET_KEYS[REDIS_PASSWORD_ENV]] = PLACEHOLDER
+    def secret_object(self, values: dict[str, str]) -> dict:
+        """The Secret with `values` (by the environment variable that reads each)."""
+        data = {SECRET_KEYS[env]: value for env, value in values.items()}
         return {"apiVersion": "v1", "kind": "Secret", "metadata": self.metadata(self.secret, "credentials"),
                 "type": "Opaque", "stringData": data}
 
@@ -307,12 +311,26 @@ class _Manifests:
         return objects
 
 
+def secret_values(api_key: str | None, internal_token: str | None, redis: bool) -> dict[str, str] | None:
+    """The Secret's values when `deploy k8s` is given the API key or the internal token (checked
+    as the services check them; the internal token and redis' password random unless given: hex,
+    as the password goes into a URL); None: neither given, the user creates the Secret."""
+    if not api_key and not internal_token:
+        return None
+    check_service_secrets(internal_token=internal_token, api_key=api_key)
+    values = {TOKEN_ENV: internal_token or secrets.token_hex(32), API_KEY_ENV: api_key or ""}
+    if redis:
+        values[REDIS_PASSWORD_ENV] = secrets.token_hex(32)
+    return values
+
+
 def manifests(specs: Sequence[ProcessSpec], topology: Topology, placement: KubernetesPlacement,
-              options: K8sOptions) -> dict[str, list[dict]]:
+              options: K8sOptions, secret: dict[str, str] | None = None) -> dict[str, list[dict]]:
     """File name -> the objects it holds (`kubectl apply -f DIR` takes them in name order: a pod
-    whose Secret is not there yet just waits for it)."""
+    whose Secret is not there yet just waits for it). `secret`: the Secret's values
+    (`secret_values`); None: no Secret file, the user creates it."""
     m = _Manifests(specs, topology, placement, options)
-    files: dict[str, list[dict]] = {"credentials.yaml": [m.secret_object()]}
+    files: dict[str, list[dict]] = {SECRET_FILE: [m.secret_object(secret)]} if secret is not None else {}
     if m.redis is not None:
         files["redis.yaml"] = m.redis_objects()
     for replica in range(topology.data_parallel_size):
@@ -325,4 +343,12 @@ def manifests(specs: Sequence[ProcessSpec], topology: Topology, placement: Kuber
 
 
 USAGE = """\
-Apply: kubectl apply -f {path}/   (replace every REPLACE_ME in credentials.yaml first: README "Kubernetes")"""
+First create the Secret the pods read (they wait for it; never commit its values), e.g.
+  kubectl create secret generic {secret} --from-literal=internal-token=$(openssl rand -hex 32) \\
+    --from-literal=api-key=$(openssl rand -hex 32) --from-literal=redis-password=$(openssl rand -hex 32)
+(or let `myvllm deploy k8s --api-key KEY` write it to credentials.yaml), then: kubectl apply -f {path}/"""
+# credentials.yaml's, instead: it is that Secret.
+SECRET_USAGE = """\
+The Secret the pods read, written because --api-key / --internal-token was given (the other secrets
+random): it holds this deployment's secrets; apply it with the rest (kubectl apply -f {path}/), never
+commit it."""

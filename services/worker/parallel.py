@@ -181,23 +181,6 @@ def threads_per_rank(num_ranks: int) -> int:
 
 # ---------------------------------------------------------------------- how things split
 
-def check_divisible(config, size: int) -> None:
-    """Refuse, naming the numbers, a TP size the model's shapes do not split evenly."""
-    if size <= 1:
-        return
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={heads}")
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv_heads}: one must divide "
-                         "the other (KV heads are split across ranks, or replicated when there are fewer)")
-    if config.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
-    expert_width = getattr(config, "moe_intermediate_size", None)  # each routed expert's columns split too
-    if expert_width and expert_width % size and get_ep().size == 1:
-        raise ValueError(f"tensor_parallel_size={size} does not divide moe_intermediate_size={expert_width}")
-
-
 def stage_layers(num_layers: int, pp: PipelineParallel) -> range:
     """The layers of pipeline stage pp.rank: contiguous, as even as the count allows. As in vLLM,
     the layers left over go to the stages before the last (the last also holds the final norm,

@@ -12,8 +12,9 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from services.common.config import resolve_dtype_name
+from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
-from services.worker.parallel import check_divisible, get_tp
+from services.worker.parallel import get_ep, get_tp
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -59,7 +60,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progres
     arch = archs[0]
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}")
-    check_divisible(config, get_tp().size)  # this rank builds and loads only its shard
+    # this rank builds and loads only its shard
+    check_tensor_parallel_shapes(config, get_tp().size, expert_parallel=get_ep().size > 1)
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch](config)
     model = model.to_empty(device=device)

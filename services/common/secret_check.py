@@ -1,0 +1,71 @@
+"""The one rule for the secrets a service is started with: the internal token, the API key and
+Redis' password (in the Redis URL).
+
+A secret that is set must be a real one: at least `MIN_SECRET_BYTES` bytes and not a known
+placeholder (`REPLACE_ME`, `changeme`, ... in any case and spelling). A deployment file applied
+unedited, or a value typed to try things out, would otherwise give every caller who guesses it
+the run of the services. Unset (or empty) stays allowed and means what it always meant: no token
+check, an open API, a Redis without a password. Every service calls `check_secrets` before it
+starts; the error names the flag or variable, never the value.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from services.common.auth import TOKEN_ENV
+from services.common.redis_registry import REDIS_URL_ENV
+
+API_KEY_ENV = "MYVLLM_API_KEY"
+
+MIN_SECRET_BYTES = 16
+# Placeholders, compared with case and punctuation removed ("REPLACE_ME" and "replace-me" alike).
+_PLACEHOLDERS = frozenset({
+    "replaceme", "changeme", "changeit", "changethis", "placeholder", "secret", "password", "passw0rd", "token",
+    "apikey", "yourapikey", "yoursecret", "yourtoken", "yourpassword", "todo", "fixme", "example", "dummy",
+    "default", "insecure", "none", "null", "test",
+})
+# Words that make any value a placeholder, however long ("REPLACE_ME_WITH_A_REAL_TOKEN").
+_PLACEHOLDER_WORDS = ("replaceme", "changeme", "placeholder")
+
+
+def secret_problem(value: str) -> str | None:
+    """Why `value` is not a usable secret (None: it is one). Never repeats the value."""
+    normalized = re.sub(r"[^a-z0-9]", "", value.lower())
+    if normalized in _PLACEHOLDERS or any(word in normalized for word in _PLACEHOLDER_WORDS):
+        return "is a placeholder"
+    if len(value.encode()) < MIN_SECRET_BYTES:
+        return f"is shorter than {MIN_SECRET_BYTES} bytes"
+    if len(set(value)) == 1:
+        return "is one character repeated"
+    return None
+
+
+def redis_password(url: str | None) -> str | None:
+    """The password a Redis URL carries (None: none)."""
+    if not url:
+        return None
+    try:
+        return urlsplit(url).password or None
+    except ValueError:
+        return None  # a malformed URL: the Redis client says what is wrong with it
+
+
+def check_secrets(secrets: Mapping[str, str | None]) -> None:
+    """`secrets`: what names each secret (its flag and environment variable) -> its value (None
+    or empty: not set). ValueError naming every bad one, with how to make a real one."""
+    bad = [f"{name} {problem}" for name, value in secrets.items()
+           if value and (problem := secret_problem(value)) is not None]
+    if bad:
+        raise ValueError("; ".join(bad) + f": use a random secret of at least {MIN_SECRET_BYTES} bytes, e.g. "
+                         "`openssl rand -hex 32`")
+
+
+def check_service_secrets(*, internal_token: str | None = None, api_key: str | None = None,
+                          redis_url: str | None = None) -> None:
+    """What worker, scheduler, gateway and serve call at start-up with the secrets they were given
+    (flag or environment, resolved): ValueError naming the flag and variable of each bad one."""
+    check_secrets({f"--internal-token / ${TOKEN_ENV}": internal_token, f"--api-key / ${API_KEY_ENV}": api_key,
+                   f"the password in --redis / ${REDIS_URL_ENV}": redis_password(redis_url)})
