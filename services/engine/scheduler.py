@@ -279,6 +279,9 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def _preempt(self, victim: Request) -> None:
+        if self.kv_connector is not None and victim.request_id in self.kv_connector.saving:
+            # (The worker still reads its blocks: freed now, another request could overwrite them first.)
+            raise RuntimeError(f"request {victim.request_id} preempted while its KV save is in flight")
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -296,11 +299,17 @@ class Scheduler:
         else:
             self.waiting.appendleft(victim)
 
-    def _pick_victim(self) -> Request:
-        """FCFS: the last running request; priority: lowest priority, latest arrival."""
+    def _pick_victim(self, request: Request, idx: int) -> Request | None:
+        """Whom to preempt for `request` (running[idx]) to get blocks. FCFS: the last running
+        request; priority: lowest priority, latest arrival. Never a request whose KV save is in
+        flight (the worker still reads its blocks), nor one ranked before `request`; None: no
+        such request, `request` waits (the saves end, their blocks go back or become preemptable)."""
+        saving = self.kv_connector.saving if self.kv_connector is not None else ()
         if self.policy == "priority":
-            return max(self.running, key=Request.sort_key)
-        return self.running[-1]
+            key = request.sort_key()
+            return max((r for r in self.running if r.sort_key() >= key and r.request_id not in saving),
+                       key=Request.sort_key, default=None)
+        return next((r for r in reversed(self.running[idx:]) if r.request_id not in saving), None)
 
     def schedule(self) -> pb.SchedulerOutput:
         """Decide this step's batch and describe it to the worker incrementally."""
@@ -333,8 +342,10 @@ class Scheduler:
                     request, num_new + self._lookahead(request, num_new))
                 if new_blocks is not None:
                     break
-                victim = self._pick_victim()
+                victim = self._pick_victim(request, idx)
                 preempted = True
+                if victim is None:
+                    break
                 if victim is request:
                     self._preempt(request)
                     break
@@ -349,7 +360,10 @@ class Scheduler:
                 if victim_idx < idx:
                     idx -= 1
             if new_blocks is None:
-                continue  # `request` preempted itself; running[idx] is now the next one
+                if victim is None:
+                    idx += 1  # `request` waits, holding its blocks (every candidate's are being saved)
+                # else `request` preempted itself; running[idx] is now the next one
+                continue
             scheduled_ids.add(request.request_id)
             if known:
                 scheduled_cached.append((request, num_new, [b.block_id for b in new_blocks]))
