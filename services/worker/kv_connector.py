@@ -42,7 +42,7 @@ import torch
 from services.common import grpc_utils
 from services.common.auth import token_metadata
 from services.common.kv_transfer_config import KVTransferConfig
-from services.common.kv_transfer_params import HANDLE_RE, HASH_BYTES, check_params
+from services.common.kv_transfer_params import HANDLE_RE, HASH_BYTES, check_params, check_source
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.worker.kv_segment import (
@@ -336,9 +336,12 @@ class GrpcConnector(KVConnectorWorker):
     def _check_source(self, load: pb.KVLoad) -> None:
         if not load.remote_host:
             raise ValueError("no remote_host: a GrpcConnector fetches from the producer's worker")
-        check_params(pb.KVTransferParams(do_remote_prefill=True, remote_handle=load.handle,
-                                         remote_block_hash=b"\0" * HASH_BYTES, remote_host=load.remote_host,
-                                         remote_port=load.remote_port))
+        params = pb.KVTransferParams(do_remote_prefill=True, remote_handle=load.handle,
+                                     remote_block_hash=b"\0" * HASH_BYTES, remote_host=load.remote_host,
+                                     remote_port=load.remote_port)
+        check_params(params)
+        if self.config.producer_addresses:  # (configured: checked again here, before the token goes out)
+            check_source(params, self.config.producer_addresses)
 
     def _store(self, handle: str, layers: list[torch.Tensor], hashes: list[bytes]) -> int:
         data = b"".join(encode_segment(self.layout, layers, hashes))
