@@ -275,21 +275,23 @@ def test_a_request_whose_save_is_in_flight_is_never_preempted() -> None:
     p_blocks = s.kv_cache_manager.block_ids("p")
     assert free_blocks(s) == 0
     so2 = s.schedule()  # "d" needs a block for its next token; "p" is the newest running request
-    p = s.requests["p"]
+    p, d = s.requests["p"], s.requests["d"]
     assert p.num_preemptions == 0 and p.status == RequestStatus.RUNNING
     assert s.kv_cache_manager.block_ids("p") == p_blocks
     assert all(s.kv_cache_manager.block_pool.blocks[b].ref_cnt > 0 for b in save.block_ids)
-    assert s.requests["d"].num_preemptions == 1  # the only other candidate gave way
+    # Nobody else to preempt: "d" waits for the save, holding its blocks (not preempting itself).
+    assert d.num_preemptions == 0 and d.status == RequestStatus.RUNNING and not so2.cached_requests
     s.update_from_output(so1, sampled(so1))
     assert "p" in s.finishing  # ended; its blocks wait for the save
     s.update_from_output(so2, pb.ModelRunnerOutput(step_id=so2.step_id))
-    so3 = s.schedule()  # "d" again, in the blocks it gave back: the saved ones are still held
-    (new,) = so3.new_requests
-    assert new.request_id == "d" and not set(new.block_ids) & set(p_blocks)
-    assert s.kv_cache_manager.block_ids("p") == p_blocks
-    outs = {o.request_id: o for o in s.update_from_output(so3, sampled(so3, finished_sending=["p"]))}
-    assert outs["p"].kv_transfer_params.remote_handle == save.handle and not outs["d"].finish_reason
+    so3 = s.schedule()
+    assert not so3.cached_requests and s.kv_cache_manager.block_ids("p") == p_blocks  # still saving
+    (out,) = s.update_from_output(so3, pb.ModelRunnerOutput(step_id=so3.step_id, finished_sending=["p"]))
+    assert out.request_id == "p" and out.kv_transfer_params.remote_handle == save.handle
     assert not s.finishing and free_blocks(s) == 3
+    so4 = s.schedule()  # "d" goes on, in a block "p" gave back
+    (cached,) = so4.cached_requests
+    assert cached.request_id == "d" and list(so4.num_scheduled_tokens) == [1] and d.num_preemptions == 0
 
 
 def test_blocks_being_saved_stay_held_under_preemption_pressure_with_async_scheduling() -> None:

@@ -301,15 +301,27 @@ class Scheduler:
 
     def _pick_victim(self, request: Request, idx: int) -> Request | None:
         """Whom to preempt for `request` (running[idx]) to get blocks. FCFS: the last running
-        request; priority: lowest priority, latest arrival. Never a request whose KV save is in
-        flight (the worker still reads its blocks), nor one ranked before `request`; None: no
-        such request, `request` waits (the saves end, their blocks go back or become preemptable)."""
+        request; priority: lowest priority, latest arrival; never one ranked before `request`.
+        Requests whose KV save is in flight are passed over (the worker still reads their blocks).
+        None: `request` waits, holding its blocks, rather than preempt itself while transfers in
+        flight hold blocks (a save passed over, ended requests in `finishing`): they end within
+        steps, and those blocks go back or become preemptable, cheaper than computing `request`
+        again, which would only wait for the same blocks."""
         saving = self.kv_connector.saving if self.kv_connector is not None else ()
         if self.policy == "priority":
             key = request.sort_key()
-            return max((r for r in self.running if r.sort_key() >= key and r.request_id not in saving),
-                       key=Request.sort_key, default=None)
-        return next((r for r in reversed(self.running[idx:]) if r.request_id not in saving), None)
+            order = sorted((r for r in self.running if r.sort_key() >= key), key=Request.sort_key, reverse=True)
+        else:
+            order = reversed(self.running[idx:])
+        passed_over = bool(self.finishing)
+        for victim in order:
+            if victim.request_id in saving:
+                passed_over = True
+            elif victim is not request or not passed_over:
+                return victim
+            else:
+                return None
+        return None
 
     def schedule(self) -> pb.SchedulerOutput:
         """Decide this step's batch and describe it to the worker incrementally."""
@@ -361,7 +373,7 @@ class Scheduler:
                     idx -= 1
             if new_blocks is None:
                 if victim is None:
-                    idx += 1  # `request` waits, holding its blocks (every candidate's are being saved)
+                    idx += 1  # `request` waits, holding its blocks, for saves in flight to end
                 # else `request` preempted itself; running[idx] is now the next one
                 continue
             scheduled_ids.add(request.request_id)
