@@ -11,6 +11,7 @@ every `min_interval_s` (a flood of such requests costs one Redis read per interv
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from services.common.redis_registry import kv_producer_addresses, read_engine_loads
 
 logger = logging.getLogger("myvllm.scheduler.kv_producers")
+
+READ_TIMEOUT_S = 2.0
 
 
 class ProducerRegistry:
@@ -35,7 +38,9 @@ class ProducerRegistry:
             return self.addresses
         self._read_at = now
         try:
-            self.addresses = kv_producer_addresses(await read_engine_loads(self.client, token=self.token))
-        except Exception as e:  # noqa: BLE001 - Redis down: what was known stays known, nothing new
+            # (Bounded: the gateway stream whose request asked waits for it.)
+            entries = await asyncio.wait_for(read_engine_loads(self.client, token=self.token), READ_TIMEOUT_S)
+            self.addresses = kv_producer_addresses(entries)
+        except Exception as e:  # noqa: BLE001 - Redis down or slow: what was known stays known, nothing new
             logger.warning("cannot read the KV producers from redis: %s", e)
         return self.addresses
