@@ -128,10 +128,12 @@ def num_replicas(args: argparse.Namespace) -> int:
     return p + args.decode_replicas if p else args.data_parallel_size
 
 
-def kv_transfer_config_of(args: argparse.Namespace, replica: int) -> str | None:
+def kv_transfer_config_of(args: argparse.Namespace, replica: int, producer_workers: Sequence[str] = ()) -> str | None:
     """Replica `replica`'s --kv-transfer-config: with --prefill-replicas P, the first P replicas are
     kv_producer and the others kv_consumer, with --kv-transfer-config's connector settings (else
-    SharedMemoryConnector's defaults); otherwise --kv-transfer-config as given."""
+    SharedMemoryConnector's defaults); otherwise --kv-transfer-config as given. A GrpcConnector
+    consumer is told `producer_workers`, the producers' worker addresses: the only ones its worker
+    fetches from (presenting the internal token), Redis or not."""
     if not getattr(args, "prefill_replicas", 0):
         return args.kv_transfer_config
     try:
@@ -141,7 +143,12 @@ def kv_transfer_config_of(args: argparse.Namespace, replica: int) -> str | None:
     if not isinstance(base, dict):
         raise ValueError("kv_transfer_config must be a JSON object")
     role = "kv_producer" if replica < args.prefill_replicas else "kv_consumer"
-    return json.dumps({"kv_connector": "SharedMemoryConnector", **base, "kv_role": role})
+    config = {"kv_connector": "SharedMemoryConnector", **base, "kv_role": role}
+    if role == "kv_consumer" and producer_workers and config["kv_connector"] == "GrpcConnector":
+        extra = config.get("kv_connector_extra_config") or {}
+        config["kv_connector_extra_config"] = {**extra, "producer_addresses": [
+            *extra.get("producer_addresses", []), *producer_workers]}
+    return json.dumps(config)
 
 
 def forwarded_flags(args: argparse.Namespace, add_args: Callable[[argparse.ArgumentParser], None],
@@ -375,17 +382,21 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
         group_host = placement.dial_host(topology.scheduler_name(0), GROUP, 0)
         group = f"{group_host}:{placement.port(GROUP)}"
     schedulers: list[ProcessSpec] = []
+    producer_workers: list[str] = []  # (the prefill replicas come first)
     for replica in range(topology.data_parallel_size):
         # Its flags: its KV transfer role (a prefill or decode replica of a disaggregated deployment,
         # each an engine of its own), the model directory as its processes see it.
         pd = {"data_parallel_size": 1} if getattr(args, "prefill_replicas", 0) else {}
-        replica_args = argparse.Namespace(**{**vars(args), "kv_transfer_config": kv_transfer_config_of(args, replica),
-                                             "model": model, **pd})
+        replica_args = argparse.Namespace(**{**vars(args), "model": model, **pd,
+                                             "kv_transfer_config": kv_transfer_config_of(args, replica,
+                                                                                         producer_workers)})
         worker_flags = [flag for add in (add_model_args, add_speculative_arg, add_device_arg, add_kv_transfer_arg)
                         for flag in forwarded_flags(replica_args, add)]
         ranks = [spec(topology.worker_name(replica, rank), WORKER,
                       cli + ["worker"] + listen(WORKER, replica, rank) + worker_flags, replica, rank, (TOKEN_ENV,))
                  for rank in range(topology.ranks)]
+        if replica < getattr(args, "prefill_replicas", 0):
+            producer_workers.append(ranks[0].address)
         name = topology.scheduler_name(replica)
         address = f"{placement.dial_host(name, SCHEDULER, replica)}:{placement.port(SCHEDULER, replica)}"
         # --advertise-address: where gateways (from redis) and its ranks (the rendezvous) reach it;

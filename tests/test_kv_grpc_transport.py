@@ -2,11 +2,13 @@
 max_buffer_bytes and handed out once, in 1 MiB chunks that decode back to the same blocks; a real
 gRPC FetchKV between two connectors (the internal token asked for and presented), a missing
 segment, a producer that hangs past fetch_timeout_s, a segment larger than the consumer's cache
-could hold; and the params and configuration each connector accepts."""
+could hold; the params and configuration each connector accepts; and the producer workers a
+consumer may fetch from (configured, or signed registry entries), nothing else."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -22,8 +24,12 @@ from services.common.kv_transfer_config import KVTransferConfig
 from services.common.kv_transfer_params import check_params, params_from_dict, params_to_dict
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
+from services.common.redis_registry import KV_ADDRESS_FIELD, BadEntry, kv_producer_addresses, parse_entry, sign_entry
+from services.engine.kv_connector import KVConnectorScheduler
+from services.scheduler.kv_producers import ProducerRegistry
 from services.worker.kv_connector import FETCH_CHUNK_BYTES, GrpcConnector, serve_segment
 from services.worker.kv_segment import KVLayout, SegmentError, decode_segment
+from services.worker.step_validation import InvalidStep
 
 LAYOUT = KVLayout(model_id="m", dtype=torch.float32, num_layers=2, block_size=4, num_kv_heads=2, head_dim=64)
 TOKEN = "secret-token"
@@ -181,3 +187,59 @@ def test_an_offline_llm_cannot_be_a_grpc_producer(tiny_llama_dir: str) -> None:
 
     with pytest.raises(ValueError, match="myvllm serve"):
         LLM(tiny_llama_dir, kv_transfer_config={"kv_connector": "GrpcConnector", "kv_role": "kv_both"})
+
+
+def test_only_known_producer_workers_are_fetched_from() -> None:
+    """The consumer's worker presents the internal token to the producer worker the params name:
+    only configured producers (producer_addresses) or, on a served engine with Redis, kv_producer
+    entries of the signed registry; any other address is refused naming the field."""
+    with pytest.raises(ValueError, match="producer_addresses: 'nowhere' is not host:port"):
+        _config("kv_consumer", producer_addresses=["nowhere"])
+    with pytest.raises(ValueError, match="producer_addresses has the wrong type"):
+        _config("kv_consumer", producer_addresses="10.0.0.1:4000")
+    known = {"do_remote_prefill": True, "remote_handle": HANDLE, "remote_num_tokens": 8,
+             "remote_block_hash": "00" * 32, "remote_host": "10.0.0.1", "remote_port": 4000}
+    elsewhere = params_from_dict({**known, "remote_port": 4001})
+    config = _config("kv_consumer", producer_addresses=["10.0.0.1:4000"])
+    # The scheduler's check (EngineCore refuses the request with it before anything runs).
+    connector = KVConnectorScheduler(config, block_size=4)
+    connector.check_source(params_from_dict(known))
+    with pytest.raises(ValueError, match=r"kv_transfer_params.remote_host/remote_port '10.0.0.1:4001' is not"):
+        connector.check_source(elsewhere)
+    unconfigured = KVConnectorScheduler(_config("kv_consumer"), block_size=4)
+    assert not unconfigured.knows_source(params_from_dict(known))  # nothing known: nothing allowed
+    unconfigured.registry_producers = frozenset({"10.0.0.1:4000"})  # (what the signed registry says)
+    assert unconfigured.knows_source(params_from_dict(known)) and not unconfigured.knows_source(elsewhere)
+    # The worker's check, again, before it dials anything.
+    worker = GrpcConnector(config, LAYOUT, _caches(8, 0), token=TOKEN)
+    try:
+        worker.check(pb.KVConnectorMetadata(loads=[pb.KVLoad(request_id="r", handle=HANDLE, block_ids=[1],
+                                                             block_hashes=[b"\0" * 32], remote_host="10.0.0.1",
+                                                             remote_port=4000)]))
+        with pytest.raises(InvalidStep, match=r"loads\[0\].*'10.0.0.1:4001' is not a KV producer"):
+            worker.check(pb.KVConnectorMetadata(loads=[pb.KVLoad(
+                request_id="r", handle=HANDLE, block_ids=[1], block_hashes=[b"\0" * 32], remote_host="10.0.0.1",
+                remote_port=4001)]))
+    finally:
+        worker.close()
+
+
+def test_the_registry_names_producer_workers_only_in_signed_entries() -> None:
+    now = time.time()
+    entries = {
+        "p": {"address": "s0:1", "num_waiting": 0, "num_running": 0, "ts": now, "kv_role": "kv_producer",
+              KV_ADDRESS_FIELD: "w0:2"},
+        "c": {"address": "s1:1", "num_waiting": 0, "num_running": 0, "ts": now, "kv_role": "kv_consumer",
+              KV_ADDRESS_FIELD: "w1:2"},  # (a consumer's worker serves no KV)
+    }
+    raw = {k: json.dumps(sign_entry(v, k, TOKEN)) for k, v in entries.items()}
+    raw["forged"] = json.dumps({**entries["p"], KV_ADDRESS_FIELD: "evil:2"})  # no MAC
+
+    class Redis:  # (the one call read_engine_loads makes)
+        async def hgetall(self, key: str) -> dict:
+            return raw
+
+    assert asyncio.run(ProducerRegistry(Redis(), TOKEN).refresh()) == frozenset({"w0:2"})
+    with pytest.raises(BadEntry, match="kv_address is not an address"):
+        parse_entry(json.dumps({**entries["p"], KV_ADDRESS_FIELD: "w0 :2"}))
+    assert kv_producer_addresses({"p": entries["p"], "x": {**entries["p"], "kv_role": ""}}) == frozenset({"w0:2"})

@@ -6,6 +6,7 @@ memory; a bad or missing segment means a local prefill with the same output."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -239,3 +240,42 @@ def test_a_consumer_without_prefix_caching_loads_too(tiny_llama_dir, engines):
         assert token_ids(decode(consumer, PROMPTS[:2], params)) == expected
         assert consumer.engine.scheduler.kv_connector.num_loads == 2
         assert segments(shm) == [] and all_blocks_free(consumer)
+
+
+def test_a_producer_under_preemption_pressure_never_lets_a_save_read_reused_blocks(tiny_llama_dir, tmp_path,
+                                                                                    engines):
+    """Async scheduling keeps each max_tokens=1 prefill running for one more step, where it is the
+    newest request and so the first preemption victim, while its save is in flight; decodes grow
+    into a tiny pool beside it. The save thread is slowed (as a busy device or tmpfs would make it):
+    had the victim's blocks been freed, a decode's KV would be in them by the time it reads them,
+    and the consumer would decode from that. Greedy text on both sides is the colocated text."""
+    _, _, colocated = engines
+    shm = str(tmp_path)
+    decodes = ["Once upon a time in a land far away there", "To be or not to be, that is the question"]
+    prefills = [f"Prefill {i}: the rain in Spain stays mainly in the plain, said the professor" for i in range(4)]
+    # (No prefix caching: a preempted request's freed blocks are anybody's at once, its own included.)
+    config = dict(ENGINE, async_scheduling=True, num_gpu_blocks_override=20, enable_prefix_caching=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30)
+    with LLM(tiny_llama_dir, kv_transfer_config=kv_config("kv_producer", shm), **config) as producer, \
+            LLM(tiny_llama_dir, kv_transfer_config=kv_config("kv_consumer", shm), **ENGINE) as consumer:
+        connector = producer.worker.kv_connector
+        save = connector._save
+
+        def slow_save(*args):
+            time.sleep(0.3)
+            return save(*args)
+
+        connector._save = slow_save
+        remote_decode = SamplingParams(temperature=0.0, max_tokens=1,
+                                       extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        outs = producer.generate(decodes + prefills, [greedy] * len(decodes) + [remote_decode] * len(prefills),
+                                 use_tqdm=False)
+        assert producer.engine.scheduler.num_preemptions > 0  # there was pressure
+        assert token_ids(outs[:2]) == token_ids(colocated.generate(decodes, greedy, use_tqdm=False))
+        params = [o.kv_transfer_params for o in outs[2:]]
+        assert all(p["remote_handle"] for p in params)
+        got = decode(consumer, prefills, params)
+        assert consumer.engine.scheduler.kv_connector.num_loads == len(prefills)
+        expected = colocated.generate(prefills, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        assert token_ids(got) == token_ids(expected)
+        assert segments(shm) == [] and all_blocks_free(producer) and all_blocks_free(consumer)

@@ -194,6 +194,21 @@ def test_each_replica_s_worker_and_scheduler_get_the_same_engine_flags() -> None
             assert "--data-parallel-size" not in flags  # (each an engine of its own)
 
 
+def test_grpc_decode_replicas_are_told_the_prefill_replicas_workers() -> None:
+    """The only addresses a GrpcConnector consumer's worker fetches KV from (with the token)."""
+    args = _serve_args("--prefill-replicas", "2", "--decode-replicas", "1", "--kv-transfer-config",
+                       '{"kv_connector": "GrpcConnector"}')
+    check_disaggregation(args)
+    args.data_parallel_size = num_replicas(args)
+    placement = LocalPlacement("127.0.0.1", 8000, [[9000], [9001], [9002]], [9100, 9101, 9102], redis_port=9200)
+    specs = processes(args, "/m", Topology(3, redis=True, redis_server=True), placement)
+    for replica in range(3):
+        for spec in [s for s in specs if s.replica == replica]:
+            flags = list(spec.argv)
+            extra = json.loads(flags[flags.index("--kv-transfer-config") + 1]).get("kv_connector_extra_config", {})
+            assert extra == ({} if replica < 2 else {"producer_addresses": ["127.0.0.1:9000", "127.0.0.1:9001"]})
+
+
 def test_replicas_count_as_routable_once_their_load_and_role_are_heard() -> None:
     """What `serve` waits for before it prints its banner: a replica whose scheduler has not
     answered yet (or went down) is not counted, so no request after the banner finds a P/D

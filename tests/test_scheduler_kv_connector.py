@@ -260,3 +260,77 @@ def test_a_request_asking_for_prompt_logprobs_computes_its_prompt_and_discards_t
     so = s.schedule()
     assert list(so.num_scheduled_tokens) == [14] and not so.kv_connector_metadata.loads
     assert list(so.kv_connector_metadata.discard_handles) == [params.remote_handle]
+
+
+def test_a_request_whose_save_is_in_flight_is_never_preempted() -> None:
+    """Async scheduling keeps a max_tokens=1 producer request running for the next step, where it is
+    the newest and so the first victim: its blocks must stay held (the worker still reads them)."""
+    s = Scheduler(num_blocks=6, block_size=BS, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=256,
+                  async_scheduling=True, kv_transfer_config=KVTransferConfig(
+                      kv_connector="SharedMemoryConnector", kv_role="kv_producer"))
+    s.add_request(request("d", prompt(8, start=5000), None, max_tokens=10))  # 2 blocks, then a 3rd
+    s.add_request(request("p", prompt(11), pb.KVTransferParams(do_remote_decode=True), max_tokens=1))  # 3 blocks
+    so1 = s.schedule()
+    (save,) = so1.kv_connector_metadata.saves
+    p_blocks = s.kv_cache_manager.block_ids("p")
+    assert free_blocks(s) == 0
+    so2 = s.schedule()  # "d" needs a block for its next token; "p" is the newest running request
+    p, d = s.requests["p"], s.requests["d"]
+    assert p.num_preemptions == 0 and p.status == RequestStatus.RUNNING
+    assert s.kv_cache_manager.block_ids("p") == p_blocks
+    assert all(s.kv_cache_manager.block_pool.blocks[b].ref_cnt > 0 for b in save.block_ids)
+    # Nobody else to preempt: "d" waits for the save, holding its blocks (not preempting itself).
+    assert d.num_preemptions == 0 and d.status == RequestStatus.RUNNING and not so2.cached_requests
+    s.update_from_output(so1, sampled(so1))
+    assert "p" in s.finishing  # ended; its blocks wait for the save
+    s.update_from_output(so2, pb.ModelRunnerOutput(step_id=so2.step_id))
+    so3 = s.schedule()
+    assert not so3.cached_requests and s.kv_cache_manager.block_ids("p") == p_blocks  # still saving
+    (out,) = s.update_from_output(so3, pb.ModelRunnerOutput(step_id=so3.step_id, finished_sending=["p"]))
+    assert out.request_id == "p" and out.kv_transfer_params.remote_handle == save.handle
+    assert not s.finishing and free_blocks(s) == 3
+    so4 = s.schedule()  # "d" goes on, in a block "p" gave back
+    (cached,) = so4.cached_requests
+    assert cached.request_id == "d" and list(so4.num_scheduled_tokens) == [1] and d.num_preemptions == 0
+
+
+def test_blocks_being_saved_stay_held_under_preemption_pressure_with_async_scheduling() -> None:
+    """A fake worker two steps deep reports each save a few steps after it was sent; decoding
+    requests grow into a tiny pool alongside producer prefills. At every step, every block of a
+    save in flight is held (never freed, so never another request's), and everything completes."""
+    s = Scheduler(num_blocks=10, block_size=BS, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
+                  async_scheduling=True, kv_transfer_config=KVTransferConfig(
+                      kv_connector="SharedMemoryConnector", kv_role="kv_both"))
+    pool = s.kv_cache_manager.block_pool
+    for i in range(4):
+        s.add_request(request(f"d{i}", prompt(6, start=10000 + 100 * i), None, max_tokens=16))
+        s.add_request(request(f"p{i}", prompt(13, start=20000 + 100 * i), pb.KVTransferParams(do_remote_decode=True),
+                              max_tokens=1))
+    in_flight: list[pb.SchedulerOutput] = []
+    saves: dict[str, tuple[list[int], int]] = {}  # request id -> (block ids, step it reports in)
+    finished: dict[str, pb.RequestOutput] = {}
+    preempted_while_saving = 0
+    for step in range(400):
+        if not s.has_unfinished_requests() and not in_flight:
+            break
+        so = s.schedule()
+        for save in so.kv_connector_metadata.saves:
+            saves[save.request_id] = (list(save.block_ids), step + 3)
+        for rid, (block_ids, _) in saves.items():
+            assert all(pool.blocks[b].ref_cnt > 0 for b in block_ids), f"step {step}: {rid}'s saved blocks freed"
+            r = s.requests.get(rid)
+            preempted_while_saving += r is not None and r.status == RequestStatus.PREEMPTED
+        in_flight.append(so)
+        if len(in_flight) < 2 and s.has_unfinished_requests():
+            continue
+        done = in_flight.pop(0)
+        reported = [rid for rid, (_, due) in saves.items() if due <= step]
+        for rid in reported:
+            del saves[rid]
+        for out in s.update_from_output(done, sampled(done, finished_sending=reported)):
+            if out.finish_reason:
+                finished[out.request_id] = out
+    assert preempted_while_saving == 0 and s.num_preemptions > 0  # there was pressure
+    assert sorted(finished) == sorted(f"{k}{i}" for k in "dp" for i in range(4))
+    assert all(finished[f"p{i}"].kv_transfer_params.remote_handle for i in range(4))
+    assert free_blocks(s) == pool.num_blocks - 1 and not s.finishing

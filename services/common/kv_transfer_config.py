@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.kv_transfer_params import HOST_RE
 from services.common.proto import myvllm_pb2 as pb
 
 # SharedMemoryConnector: segments in a tmpfs, between engines of one host. GrpcConnector: the
@@ -26,9 +27,13 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # is one). fetch_timeout_s: how long a consumer's worker waits for a segment from the producer's
 # (a producer that hangs costs that, then a local prefill). max_buffer_bytes: the most segment
 # bytes a GrpcConnector producer holds (a save past it fails: its consumer prefills locally).
+# producer_addresses: the producers' worker addresses ("host:port", as their params name them) a
+# GrpcConnector consumer may fetch from, presenting the internal token (with a Redis registry,
+# kv_producer entries signed with the token count too: services/engine/kv_connector.py).
 EXTRA_KEYS = {
     "SharedMemoryConnector": {"shm_dir": str, "segment_ttl_s": (int, float)},
-    "GrpcConnector": {"segment_ttl_s": (int, float), "fetch_timeout_s": (int, float), "max_buffer_bytes": int},
+    "GrpcConnector": {"segment_ttl_s": (int, float), "fetch_timeout_s": (int, float), "max_buffer_bytes": int,
+                      "producer_addresses": list},
 }
 POSITIVE_KEYS = ("segment_ttl_s", "fetch_timeout_s", "max_buffer_bytes")
 DEFAULT_SEGMENT_TTL_S = 120.0
@@ -65,6 +70,11 @@ class KVTransferConfig:
                                  f"got {extra[key]}")
         if "shm_dir" in extra and not extra["shm_dir"]:
             raise ValueError("kv_transfer_config.kv_connector_extra_config.shm_dir must not be empty")
+        for address in extra.get("producer_addresses", []):
+            host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+            if not HOST_RE.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("kv_transfer_config.kv_connector_extra_config.producer_addresses: "
+                                 f"{str(address)[:80]!r} is not host:port")
 
     @property
     def is_producer(self) -> bool:
@@ -89,6 +99,10 @@ class KVTransferConfig:
     @property
     def max_buffer_bytes(self) -> int:
         return int(self.kv_connector_extra_config.get("max_buffer_bytes", DEFAULT_MAX_BUFFER_BYTES))
+
+    @property
+    def producer_addresses(self) -> frozenset[str]:
+        return frozenset(self.kv_connector_extra_config.get("producer_addresses", ()))
 
     @property
     def crosses_hosts(self) -> bool:

@@ -9,6 +9,7 @@ SamplingParams.extra_args["kv_transfer_params"] (vLLM's place) and RequestOutput
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 from services.common.proto import myvllm_pb2 as pb
@@ -43,6 +44,17 @@ def check_params(params: pb.KVTransferParams) -> None:
         raise ValueError(f"kv_transfer_params.remote_host {params.remote_host[:80]!r} is not a host name or address")
     if not 0 <= params.remote_port <= 65535:
         raise ValueError(f"kv_transfer_params.remote_port must be a port (1-65535), got {params.remote_port}")
+
+
+def check_source(params: pb.KVTransferParams, allowed: Collection[str]) -> None:
+    """ValueError unless the producer worker `params` name (if any) is in `allowed`: a consumer's
+    worker presents the internal token to it, so it must be a producer of this deployment, never
+    an address a request made up."""
+    address = f"{params.remote_host}:{params.remote_port}"
+    if params.remote_host and address not in allowed:
+        raise ValueError(f"kv_transfer_params.remote_host/remote_port {address[:300]!r} is not a KV producer's "
+                         "worker this engine knows (kv_connector_extra_config.producer_addresses, or a "
+                         "kv_producer entry of the signed registry)")
 
 
 def params_from_dict(value: dict[str, Any] | None) -> pb.KVTransferParams | None:

@@ -44,6 +44,9 @@ MAC_FIELD = "mac"
 # An entry's kv_role: its --kv-transfer-config role, "" (or absent) without one.
 KV_ROLES = ("", *ROLES)
 _KEY_LABEL = b"myvllm:engines entry MAC v1"
+# A GrpcConnector producer's entry: its worker's address, as its kv_transfer_params name it. A
+# consumer's worker presents the internal token only there (services/scheduler/kv_producers.py).
+KV_ADDRESS_FIELD = "kv_address"
 
 
 def redis_url_from_env(url: str | None = None) -> str | None:
@@ -124,6 +127,11 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _address(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 255 and value.isprintable() \
+        and not any(c.isspace() for c in value)
+
+
 def json_object(raw: bytes | str) -> dict:
     """`raw` parsed as a JSON object; `BadEntry` for anything else."""
     try:
@@ -147,8 +155,7 @@ def parse_entry(raw: bytes | str) -> dict:
     `BadEntry` for anything else (so one bad entry never stops the others being read)."""
     entry = json_object(raw)
     address = entry.get("address")
-    if not isinstance(address, str) or not address or len(address) > 255 or not address.isprintable() \
-            or any(c.isspace() for c in address):
+    if not _address(address):
         raise BadEntry("no usable address")
     if not _count(entry.get("num_waiting")) or not _count(entry.get("num_running")):
         raise BadEntry("num_waiting / num_running are not counts")
@@ -159,6 +166,9 @@ def parse_entry(raw: bytes | str) -> dict:
         raise BadEntry("kv_cache_usage is not a fraction")
     if entry.get("kv_role", "") not in KV_ROLES:
         raise BadEntry("kv_role is not a KV transfer role")
+    kv_address = entry.get(KV_ADDRESS_FIELD)  # a GrpcConnector producer's worker
+    if kv_address is not None and not _address(kv_address):
+        raise BadEntry(f"{KV_ADDRESS_FIELD} is not an address")
     group = entry.get("dp_group")  # an engine of a data-parallel expert-parallel group (common/dp_wave.py)
     if group is not None and not is_group_name(group):
         raise BadEntry("dp_group is not a name")
@@ -190,3 +200,9 @@ async def read_engine_loads(client: Any, max_age_s: float = 10.0, token: str | N
             continue
         loads[engine_id] = value
     return loads
+
+
+def kv_producer_addresses(entries: dict[str, dict]) -> frozenset[str]:
+    """The producers' worker addresses among `entries` (as `read_engine_loads` returns them)."""
+    return frozenset(e[KV_ADDRESS_FIELD] for e in entries.values()
+                     if KV_ADDRESS_FIELD in e and e.get("kv_role") in ("kv_producer", "kv_both"))

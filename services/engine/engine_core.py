@@ -97,6 +97,11 @@ class EngineCore:
         if params.do_remote_prefill and (kv is None or not kv.is_consumer):
             raise InvalidRequest("kv_transfer_params.do_remote_prefill needs an engine started with "
                                  "--kv-transfer-config kv_role kv_consumer or kv_both")
+        if params.do_remote_prefill:
+            try:
+                self.scheduler.kv_connector.check_source(params)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
         return params if params.do_remote_decode or params.do_remote_prefill else None
 
     def _check_resumed(self, resumed: list[int], max_tokens: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import uuid
 
 from services.common.kv_transfer_config import KVTransferConfig
+from services.common.kv_transfer_params import check_source
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.kv_cache_manager import extend_block_hashes
 from services.engine.request import Request
@@ -48,6 +49,9 @@ class KVConnectorScheduler:
                 raise ValueError(f"a {config.kv_connector} producer needs its worker's host:port, got "
                                  f"{producer_address!r} (run it as a served engine: myvllm serve / scheduler)")
             self.producer_host, self.producer_port = host, int(port)
+        # GrpcConnector consumer: the producer workers its worker may present the internal token to,
+        # configured, and (a served engine with Redis) the kv_producer entries of the signed registry.
+        self.registry_producers: frozenset[str] = frozenset()
         self._loads: list[pb.KVLoad] = []
         self._saves: list[pb.KVSave] = []
         self._discards: list[str] = []
@@ -91,6 +95,18 @@ class KVConnectorScheduler:
             self._discards.append(params.remote_handle)  # nobody else will read it
             return 0
         return n - num_computed_tokens
+
+    def check_source(self, params: pb.KVTransferParams) -> None:
+        """ValueError unless the producer worker `params` name is one this engine may fetch from."""
+        if self.config.crosses_hosts:
+            check_source(params, self.config.producer_addresses | self.registry_producers)
+
+    def knows_source(self, params: pb.KVTransferParams) -> bool:
+        try:
+            self.check_source(params)
+        except ValueError:
+            return False
+        return True
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_computed_tokens: int,
                                  num_external_tokens: int) -> None:

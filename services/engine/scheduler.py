@@ -279,6 +279,9 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def _preempt(self, victim: Request) -> None:
+        if self.kv_connector is not None and victim.request_id in self.kv_connector.saving:
+            # (The worker still reads its blocks: freed now, another request could overwrite them first.)
+            raise RuntimeError(f"request {victim.request_id} preempted while its KV save is in flight")
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -296,11 +299,29 @@ class Scheduler:
         else:
             self.waiting.appendleft(victim)
 
-    def _pick_victim(self) -> Request:
-        """FCFS: the last running request; priority: lowest priority, latest arrival."""
+    def _pick_victim(self, request: Request, idx: int) -> Request | None:
+        """Whom to preempt for `request` (running[idx]) to get blocks. FCFS: the last running
+        request; priority: lowest priority, latest arrival; never one ranked before `request`.
+        Requests whose KV save is in flight are passed over (the worker still reads their blocks).
+        None: `request` waits, holding its blocks, rather than preempt itself while transfers in
+        flight hold blocks (a save passed over, ended requests in `finishing`): they end within
+        steps, and those blocks go back or become preemptable, cheaper than computing `request`
+        again, which would only wait for the same blocks."""
+        saving = self.kv_connector.saving if self.kv_connector is not None else ()
         if self.policy == "priority":
-            return max(self.running, key=Request.sort_key)
-        return self.running[-1]
+            key = request.sort_key()
+            order = sorted((r for r in self.running if r.sort_key() >= key), key=Request.sort_key, reverse=True)
+        else:
+            order = reversed(self.running[idx:])
+        passed_over = bool(self.finishing)
+        for victim in order:
+            if victim.request_id in saving:
+                passed_over = True
+            elif victim is not request or not passed_over:
+                return victim
+            else:
+                return None
+        return None
 
     def schedule(self) -> pb.SchedulerOutput:
         """Decide this step's batch and describe it to the worker incrementally."""
@@ -333,8 +354,10 @@ class Scheduler:
                     request, num_new + self._lookahead(request, num_new))
                 if new_blocks is not None:
                     break
-                victim = self._pick_victim()
+                victim = self._pick_victim(request, idx)
                 preempted = True
+                if victim is None:
+                    break
                 if victim is request:
                     self._preempt(request)
                     break
@@ -349,7 +372,10 @@ class Scheduler:
                 if victim_idx < idx:
                     idx -= 1
             if new_blocks is None:
-                continue  # `request` preempted itself; running[idx] is now the next one
+                if victim is None:
+                    idx += 1  # `request` waits, holding its blocks, for saves in flight to end
+                # else `request` preempted itself; running[idx] is now the next one
+                continue
             scheduled_ids.add(request.request_id)
             if known:
                 scheduled_cached.append((request, num_new, [b.block_id for b in new_blocks]))

@@ -37,13 +37,14 @@ from services.common.grpc_utils import StartupError
 from services.common.message_limits import generate_request_bytes, receive_limit, runner_output_bytes
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
-from services.common.redis_registry import is_group_name
+from services.common.redis_registry import KV_ADDRESS_FIELD, is_group_name
 from services.engine.engine_core import EngineCore
 from services.engine.spec_decode import drafts_per_step
 from services.engine.step_loop import StepLoop
 from services.engine.worker_setup import set_up_workers
 from services.scheduler.dp_wave import EngineWave, WaveCoordinator
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
+from services.scheduler.kv_producers import ProducerRegistry
 from services.scheduler.load_reporter import LoadReporter
 from services.scheduler.worker_group import WorkerGroup
 from services.scheduler.worker_link import DEFAULT_ENGINE_TIMEOUT_S, WorkerFault, WorkerLink
@@ -87,6 +88,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.worker_down: str | None = None
         # Prefix-cache changes for gateways (SubscribeKvEvents); outlives engine cores.
         self.kv_events = KvEventLog(config.block_size)
+        # A GrpcConnector consumer with Redis: the producers the signed registry names.
+        self.kv_producers: ProducerRegistry | None = None
 
     async def start(self) -> None:
         """Load the model on the worker, size the KV cache, start the engine loop."""
@@ -250,9 +253,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         async for msg in request_iterator:
             kind = msg.WhichOneof("kind")
             if kind == "generate":
+                await self._learn_kv_producer(msg.generate)
                 self._add(stream, msg.generate)
             elif kind == "abort":
                 self._abort([r for r in msg.abort.request_ids if self.owners.get(r) is stream])
+
+    async def _learn_kv_producer(self, req: pb.GenerateRequest) -> None:
+        """`req` names a producer worker this consumer does not know (yet): read the registry again
+        (add_request then refuses it if it is still unknown there)."""
+        connector = self.core.scheduler.kv_connector if self.core is not None else None
+        if self.kv_producers is None or connector is None or not req.HasField("kv_transfer_params") \
+                or connector.knows_source(req.kv_transfer_params):
+            return
+        addresses = await self.kv_producers.refresh()
+        if self.core is not None and self.core.scheduler.kv_connector is not None:
+            self.core.scheduler.kv_connector.registry_producers = addresses
 
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.core is None:
@@ -361,8 +376,11 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
         raise StartupError(f"scheduler: {e}") from None
     await worker.connect(connect_timeout)
     extra = {"dp_group": dp_group, "dp_rank": data_parallel_rank} if group_init_method else {}
-    if config.kv_transfer_config is not None:  # gateways route prefills and decodes by it
-        extra["kv_role"] = config.kv_transfer_config.kv_role
+    kv = config.kv_transfer_config
+    if kv is not None:  # gateways route prefills and decodes by it
+        extra["kv_role"] = kv.kv_role
+        if kv.crosses_hosts and kv.is_producer:  # (consumers fetch from there: kv_producers.py)
+            extra[KV_ADDRESS_FIELD] = worker.links[0].address
     reporter = LoadReporter(redis_url, engine_id or address, address, token=token, extra=extra) if redis_url else None
     wave = None
     if group_init_method:
@@ -374,6 +392,8 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
         wave = EngineWave(client, dp_group, data_parallel_rank, size, token, coordinator, wake=lambda: None)
         await wave.start()  # subscribed before the engine can step
     servicer = SchedulerServicer(config, worker, reporter, max_waiting_requests, wave)
+    if reporter is not None and kv is not None and kv.crosses_hosts and kv.is_consumer:
+        servicer.kv_producers = ProducerRegistry(reporter.client, token)
     if wave is not None:
         wave.wake = servicer.work_available.set
     started = time.monotonic()

@@ -42,7 +42,7 @@ import torch
 from services.common import grpc_utils
 from services.common.auth import token_metadata
 from services.common.kv_transfer_config import KVTransferConfig
-from services.common.kv_transfer_params import HANDLE_RE, HASH_BYTES, check_params
+from services.common.kv_transfer_params import HANDLE_RE, HASH_BYTES, check_params, check_source
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.worker.kv_segment import (
@@ -53,6 +53,7 @@ from services.worker.kv_segment import (
     max_segment_bytes,
     read_segment,
     segment_path,
+    sweep_stale,
     unlink_quietly,
     write_segment,
 )
@@ -62,6 +63,11 @@ logger = logging.getLogger("myvllm.worker.kv_connector")
 
 # A FetchKV answer's bytes per message (well under gRPC's default message limits).
 FETCH_CHUNK_BYTES = 1 << 20
+# The model identity's weight samples (model_id): per file, how many and how long. 256 reads of
+# 4 KiB cost milliseconds (the files were just read to load them) and miss no full fine-tune.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_SAMPLES = 256
+WEIGHT_SAMPLE_BYTES = 4096
 
 
 class Transfer(NamedTuple):
@@ -76,14 +82,41 @@ def default_shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def model_id(model_dir: str) -> str:
-    """What a segment's "model" says: the model's config.json (same architecture and shapes);
-    the directory's path where it has none."""
+def model_id(model_dir: str, kv_dtype: torch.dtype) -> str:
+    """What a segment's "model" says: a digest of what makes two engines' KV interchangeable. The
+    model's config.json (architecture and shapes; the directory's path where it has none), the
+    KV dtype, and the weights: each weight file's name and size, a safetensors file's header
+    (tensor names, dtypes, shapes, data offsets), and WEIGHT_SAMPLES evenly spaced samples of its
+    bytes. Two fine-tunes of one base share config and headers but differ throughout their
+    tensors: the samples tell them apart, at the cost of a few reads, not a pass over the weights.
+    Computed once per cache (Worker.init_kv_cache)."""
+    digest = hashlib.sha256(f"kv_dtype={str(kv_dtype).removeprefix('torch.')}\n".encode())
     try:
         with open(os.path.join(model_dir, "config.json"), "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
+            digest.update(f.read())
     except OSError:
-        return os.path.realpath(model_dir)
+        digest.update(os.path.realpath(model_dir).encode())
+    try:
+        names = sorted(n for n in os.listdir(model_dir) if n.endswith(WEIGHT_SUFFIXES))
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            with open(os.path.join(model_dir, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest.update(f"\n{name} {size}\n".encode())
+                start = 0
+                if name.endswith(".safetensors") and size >= 8:
+                    header_len = int.from_bytes(f.read(8), "little")
+                    start = 8 + min(header_len, size - 8)
+                    digest.update(f.read(start - 8))
+                span = size - start
+                for i in range(WEIGHT_SAMPLES if span > 0 else 0):
+                    f.seek(start + span * i // WEIGHT_SAMPLES)
+                    digest.update(f.read(WEIGHT_SAMPLE_BYTES))
+        except OSError as e:
+            digest.update(f"{name}: {e.strerror}".encode())
+    return digest.hexdigest()[:32]
 
 
 class KVConnectorWorker:
@@ -187,16 +220,18 @@ class KVConnectorWorker:
         try:
             # (A prompt's blocks never outnumber a cache that holds max_model_len: both engines'.)
             layers = self._fetch(load)
+            # A copy that fails (device memory, a device error) fails this request's load only: its
+            # blocks are its own, and it computes its prompt itself (overwriting whatever was copied).
+            with torch.inference_mode():
+                index = torch.tensor(list(load.block_ids), dtype=torch.long, device=self.kv_caches[0].device)
+                for kv, blocks in zip(self.kv_caches, layers, strict=True):
+                    kv.index_copy_(1, index, blocks.to(kv.device))
         except SegmentError as e:
             logger.warning("KV segment %s refused: %s", load.handle, e)
             return Transfer(False, 0, time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - any failure: the request computes its prompt itself
             logger.exception("loading KV segment %s failed", load.handle)
             return Transfer(False, 0, time.perf_counter() - start)
-        with torch.inference_mode():
-            index = torch.tensor(list(load.block_ids), dtype=torch.long, device=self.kv_caches[0].device)
-            for kv, blocks in zip(self.kv_caches, layers, strict=True):
-                kv.index_copy_(1, index, blocks.to(kv.device))
         num_bytes = sum(t.numel() * t.element_size() for t in layers)
         return Transfer(True, num_bytes, time.perf_counter() - start)
 
@@ -258,6 +293,10 @@ class SharedMemoryConnector(KVConnectorWorker):
 
     def __init__(self, config: KVTransferConfig, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
         self.directory = config.shm_dir or default_shm_dir()
+        # What producers that died (killed, crashed) left behind: nobody else would delete it.
+        removed = sweep_stale(self.directory)
+        if removed:
+            logger.info("removed %d KV segment file(s) of dead producers from %s", len(removed), self.directory)
         super().__init__(config, layout, kv_caches)
 
     def _check_source(self, load: pb.KVLoad) -> None:
@@ -297,9 +336,12 @@ class GrpcConnector(KVConnectorWorker):
     def _check_source(self, load: pb.KVLoad) -> None:
         if not load.remote_host:
             raise ValueError("no remote_host: a GrpcConnector fetches from the producer's worker")
-        check_params(pb.KVTransferParams(do_remote_prefill=True, remote_handle=load.handle,
-                                         remote_block_hash=b"\0" * HASH_BYTES, remote_host=load.remote_host,
-                                         remote_port=load.remote_port))
+        params = pb.KVTransferParams(do_remote_prefill=True, remote_handle=load.handle,
+                                     remote_block_hash=b"\0" * HASH_BYTES, remote_host=load.remote_host,
+                                     remote_port=load.remote_port)
+        check_params(params)
+        if self.config.producer_addresses:  # (configured: checked again here, before the token goes out)
+            check_source(params, self.config.producer_addresses)
 
     def _store(self, handle: str, layers: list[torch.Tensor], hashes: list[bytes]) -> int:
         data = b"".join(encode_segment(self.layout, layers, hashes))

@@ -6,14 +6,18 @@ Layout: MAGIC (8 bytes) | header length (uint32, little-endian) | JSON header | 
 count, each block's chained hash, the payload's size and CRC-32); the payload is, layer by layer,
 that layer's [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] slice of the cache.
 
-A segment file is written under a temporary name and renamed into place, so a reader never sees
-half of one. Everything read back is checked against the reader's own layout and the hashes it expects
-before a byte reaches its KV cache (the segment comes from another process: a trust boundary).
+A segment file is written under a temporary name (its writer's pid after `.tmp-`) and renamed into
+place, so a reader never sees half of one; its header names the writer's pid too, so that a worker
+starting on the directory can remove what dead writers left (`sweep_stale`). Everything read back is
+checked against the reader's own layout and the hashes it expects before a byte reaches its KV
+cache (the segment comes from another process: a trust boundary); a file is read only if this
+user owns it (another user's file could be anyone's KV).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import struct
@@ -31,6 +35,12 @@ _ALIGN = 64
 # A header is its fixed fields and one hex hash (and its JSON punctuation) per block.
 _HEADER_FIXED_BYTES = 4096
 _HEADER_BYTES_PER_BLOCK = 2 * HASH_BYTES + 8
+TMP_MARK = ".tmp-"
+# /proc gives a process's start time to the clock tick and the boot time to the second: a process
+# that started more than this after a file was last written cannot have written it (a reused pid).
+_START_SLACK_S = 2.0
+
+logger = logging.getLogger("myvllm.worker.kv_segment")
 
 
 class SegmentError(ValueError):
@@ -81,7 +91,8 @@ def encode_segment(layout: KVLayout, layers: list[torch.Tensor], block_hashes: l
         crc = zlib.crc32(p, crc)
     header = json.dumps({"version": VERSION, **layout.header_fields(), "num_blocks": n,
                          "block_hashes": [h.hex() for h in block_hashes], "payload_bytes": size,
-                         "payload_crc32": crc}).encode()
+                         "payload_crc32": crc, "writer_pid": os.getpid(),
+                         "writer_pidns": _pid_namespace()}).encode()
     offset = _payload_offset(len(header))
     head = MAGIC + struct.pack("<I", len(header)) + header + b"\0" * (offset - len(MAGIC) - 4 - len(header))
     return [memoryview(head)] + [memoryview(p) for p in payload]
@@ -97,7 +108,7 @@ def write_segment(path: str, layout: KVLayout, layers: list[torch.Tensor], block
     """Write the segment of `layers` to `path`; returns the bytes written. Atomic: a temporary
     file renamed into place."""
     parts = encode_segment(layout, layers, block_hashes)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}{TMP_MARK}{os.getpid()}"
     try:
         # Owner-only (a prompt's KV is as private as its text); never an existing file or link.
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
@@ -127,6 +138,8 @@ def read_segment(path: str, layout: KVLayout, first_block: int, expected_hashes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise SegmentError("not a regular file")
+        if st.st_uid != os.getuid():
+            raise SegmentError(f"owned by uid {st.st_uid}, not this engine's user (uid {os.getuid()})")
         if st.st_size > limit:
             raise SegmentError(f"{st.st_size} bytes: more than a segment of {max_blocks} blocks can be")
         # (Read no more than that even if it grows meanwhile.)
@@ -192,3 +205,97 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace ("" where /proc does not say): a pid means nothing outside it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _process_start_time(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), where /proc tells; None otherwise."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # (field 22: starttime, in ticks)
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+def writer_alive(pid: int, written_at: float) -> bool:
+    """Whether process `pid` may still be the writer of a file last written at `written_at`: it
+    exists and did not start after that (a pid reused since is another process). When unsure: yes."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists (another user's process: this user's file was not written by it, but keep it)
+    started = _process_start_time(pid)
+    return started is None or started <= written_at + _START_SLACK_S
+
+
+def _segment_writer(fd: int) -> tuple[int, str] | None:
+    """The (pid, pid namespace) a segment's header names; None when it names none or is not a segment."""
+    head = os.read(fd, len(MAGIC) + 4)
+    if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
+        return None
+    (header_len,) = struct.unpack_from("<I", head, len(MAGIC))
+    if header_len > MAX_HEADER_BYTES:
+        return None
+    try:
+        header = json.loads(os.read(fd, header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    pid = header.get("writer_pid") if isinstance(header, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return None
+    return pid, str(header.get("writer_pidns", ""))
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove the segments (mvkv-<hex>) and half-written files (mvkv-<hex>.tmp-<pid>) in
+    `directory` that this user owns and whose writer process is gone (it crashed: nothing else
+    would ever delete them, and a tmpfs holds them in memory); the names removed. A live process's
+    files are never touched (other producers, other engines' runs may share the directory); nor
+    are files another pid namespace wrote (their pids mean nothing here), or files not ours."""
+    uid, pidns = os.getuid(), _pid_namespace()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError as e:
+        logger.warning("cannot sweep KV segment directory %s: %s", directory, e)
+        return removed
+    for entry in entries:
+        handle, tmp, pid_text = entry.name.partition(TMP_MARK)
+        if not HANDLE_RE.match(handle) or (tmp and not pid_text.isdigit()):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            if tmp:
+                pid = int(pid_text)
+            else:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    writer = _segment_writer(fd)
+                finally:
+                    os.close(fd)
+                if writer is None or writer[1] != pidns:
+                    continue
+                pid = writer[0]
+            if writer_alive(pid, st.st_mtime):
+                continue
+            os.unlink(entry.path)
+        except OSError:  # gone meanwhile (read, or swept by another worker), or unreadable: not ours to judge
+            continue
+        removed.append(entry.name)
+    return removed

@@ -112,7 +112,8 @@ class Worker:
         runner.init_kv_cache(req.num_blocks, req.block_size)
         if self.kv_transfer_config is not None:
             layers = runner.model.attention_layers()
-            layout = KVLayout(model_id=model_id(runner.model_dir), dtype=runner.dtype, num_layers=len(layers),
+            kv_dtype = layers[0].kv_cache.dtype
+            layout = KVLayout(model_id=model_id(runner.model_dir, kv_dtype), dtype=kv_dtype, num_layers=len(layers),
                               block_size=req.block_size, num_kv_heads=layers[0].num_kv_heads,
                               head_dim=layers[0].head_dim)
             self.kv_connector = make_connector(self.kv_transfer_config, layout, [layer.kv_cache for layer in layers],
