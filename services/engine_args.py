@@ -15,6 +15,7 @@ from services.common.config import (
     DEFAULT_ENGINE_TIMEOUT_S,
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S,
+    DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S,
     STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR,
 )
 
@@ -23,7 +24,8 @@ MODEL_KEYS = ("model", "dtype", "seed", "max_model_len", "attention_backend", "t
               "convert", "pooler_config", "enforce_eager", "cuda_graph_sizes", "cudagraph_mode")
 SCHEDULING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
                    "num_gpu_blocks_override", "kv_cache_memory_bytes", "scheduling_policy", "async_scheduling",
-                   "speculative_config", "structured_outputs_compile_timeout", "kv_transfer_config")
+                   "speculative_config", "structured_outputs_compile_timeout",
+                   "structured_outputs_request_timeout", "kv_transfer_config")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -111,6 +113,12 @@ def add_scheduling_args(p: argparse.ArgumentParser) -> None:
                         "to compile, in a low-priority helper process that is killed past it (or past "
                         f"{STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR}x it of wall-clock time); the request then ends "
                         f"with a 400 (default {DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S:g})")
+    p.add_argument("--structured-outputs-request-timeout", type=float,
+                   default=DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S,
+                   help="seconds of wall-clock time one structured-output request may spend waiting for its "
+                        "grammar work: its compile (queue included) and every allowed-token row and matcher "
+                        "advance, together; the request then ends with a 400 naming this flag "
+                        f"(default {DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S:g})")
     add_speculative_arg(p)
     add_kv_transfer_arg(p)
 

@@ -3,7 +3,9 @@
 A grammar compiles in a helper process within --structured-outputs-compile-timeout seconds of
 CPU time (services/engine/grammar_compiler.py): past it the compile is killed, the request
 ends with a 400 naming the limit, and later compiles still work. A constrained request whose
-allowed-token row is not filled yet sits the step out instead of holding it up.
+allowed-token row is not filled yet sits the step out instead of holding it up. And a request
+whose grammar work (compile wait, rows, matcher) outlasts --structured-outputs-request-timeout
+of wall-clock time ends with a 400 naming that limit while the others run on.
 
 Unit tests use the manager, its real helper process and the scheduler without a model; then
 the real thing: a worker and a scheduler process (tests/replica.py) with a gateway in front,
@@ -37,7 +39,7 @@ from services.common.structured_outputs import StructuredOutputsError
 from services.engine.grammar_compiler import CompilerUnavailable, GrammarCompileTimeout
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
-from services.engine.structured_output import RequestGrammar, StructuredOutputManager
+from services.engine.structured_output import GrammarBudgetExceeded, RequestGrammar, StructuredOutputManager
 from services.gateway.server import BackgroundGateway
 from services.sdk import LLM, StructuredOutputsParams
 from services.sdk.client import AsyncClient, RequestRejected
@@ -54,6 +56,14 @@ UNIT_TIMEOUT_S = 0.5
 # row of allowed tokens takes ~100 ms in most states (~30 us for an ordinary schema).
 SLOW_FILL_SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z0-9 ]{20,400}$"}},
                     "required": ["s"]}
+
+
+# Compiles in milliseconds of CPU time, but the compiled grammar serializes to ~10 MB (~0.6 s to
+# write, ~0.3 s to read back), which at the helper's low priority took 40-90 s of wall-clock time
+# on a loaded machine; and its rows and matcher advances roughly double with every 4-byte token.
+BUDGET_REGEX = "((a{1,1000}){1,1000}){1,1000}b"
+UNIT_BUDGET_S = 0.3
+BUDGET_MESSAGE = "a request may spend on it (--structured-outputs-request-timeout)"
 
 
 def slow_spec(tag: str) -> pb.StructuredOutputs:
@@ -83,6 +93,26 @@ def _request(request_id: str, prompt: list[int], grammar: RequestGrammar | None 
                       max_tokens=max_tokens)
     request.grammar = grammar
     return request
+
+
+def _run_until_failed(sched: Scheduler, timeout_s: float = 300) -> tuple[pb.RequestOutput, int]:
+    """Step the scheduler (its free requests sampling token 7) until a request fails; that
+    failure and how many steps ran meanwhile."""
+    steps, failed = 0, []
+    deadline = time.monotonic() + timeout_s
+    while not failed:
+        assert time.monotonic() < deadline, "no request failed"
+        out = sched.schedule()
+        scheduled = [r.request_id for r in out.new_requests] + [r.request_id for r in out.cached_requests]
+        if scheduled:
+            outputs = sched.update_from_output(out, pb.ModelRunnerOutput(
+                step_id=out.step_id, request_ids=scheduled, sampled_token_ids=[7] * len(scheduled)))
+            failed += [o for o in outputs if o.error]
+            steps += 1
+        failed += sched.take_failed_outputs()
+        time.sleep(0.02)
+    [out] = failed
+    return out, steps
 
 
 def _scheduler(manager: StructuredOutputManager) -> Scheduler:
@@ -165,18 +195,127 @@ def test_a_dead_helper_fails_its_compiles_as_the_engines_fault_and_a_new_one_sta
 def test_the_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="--structured-outputs-compile-timeout"):
         EngineConfig(model="m", structured_outputs_compile_timeout=0)
+    with pytest.raises(ValueError, match="--structured-outputs-request-timeout"):
+        EngineConfig(model="m", structured_outputs_request_timeout=-1)
+    config = EngineConfig(model="m", structured_outputs_request_timeout=2.5)
+    assert EngineConfig.from_proto(config.to_proto()).structured_outputs_request_timeout == 2.5
 
 
 def test_serve_passes_the_timeout_to_the_scheduler() -> None:
     from services.cli import build_parser
     from services.launcher import _serve_commands
 
-    args = build_parser().parse_args(["serve", "--structured-outputs-compile-timeout", "3"])
+    args = build_parser().parse_args(["serve", "--structured-outputs-compile-timeout", "3",
+                                      "--structured-outputs-request-timeout", "7"])
     worker, scheduler, _ = (cmd for _, cmd, _ in _serve_commands(args, "/m", [[1]], [2], None))
     assert scheduler[scheduler.index("--structured-outputs-compile-timeout") + 1] == "3.0"
-    assert "--structured-outputs-compile-timeout" not in worker
+    assert scheduler[scheduler.index("--structured-outputs-request-timeout") + 1] == "7.0"
+    assert "--structured-outputs-compile-timeout" not in worker and "--structured-outputs-request-timeout" not in worker
     parsed = build_parser().parse_args(scheduler[scheduler.index("services.cli") + 1:])
-    assert parsed.structured_outputs_compile_timeout == 3.0
+    assert parsed.structured_outputs_compile_timeout == 3.0 and parsed.structured_outputs_request_timeout == 7.0
+
+
+def test_the_request_timeout_is_in_the_help_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import build_parser
+    from services.common.config import DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--structured-outputs-request-timeout" in text
+    assert f"(default {DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S:g})" in text
+
+
+# ---------------------------------------------------------------------- the per-request budget
+
+
+@pytest.fixture
+def budget_manager(smollm2_dir: str) -> Iterator[StructuredOutputManager]:
+    """A manager whose requests may spend UNIT_BUDGET_S on grammar work (and whose compiles
+    have the default CPU limit, so that only the budget ends them); its helper already started."""
+    m = StructuredOutputManager(smollm2_dir, vocab_size=VOCAB, eos_token_ids=[2], max_num_seqs=8,
+                                request_timeout_s=UNIT_BUDGET_S)
+    m.grammar_for(pb.StructuredOutputs(regex="warm")).compiled.result(timeout=300)
+    yield m
+    m.close()
+
+
+def test_a_compile_that_outlasts_the_budget_ends_its_request_while_free_requests_run(
+        budget_manager: StructuredOutputManager) -> None:
+    sched = _scheduler(budget_manager)
+    grammar = budget_manager.grammar_for(pb.StructuredOutputs(regex=BUDGET_REGEX))
+    sched.add_request(_request("slow", [1, 2, 3], grammar))
+    sched.add_request(_request("free", [4, 5, 6], max_tokens=200))
+    start = time.monotonic()
+    out, steps = _run_until_failed(sched)
+    took = time.monotonic() - start
+    assert (out.request_id, out.error_kind, out.finish_reason) == ("slow", pb.INVALID_REQUEST, "abort")
+    assert f"longer than the {UNIT_BUDGET_S:g} s of wall-clock time {BUDGET_MESSAGE}" in out.error, out.error
+    assert took < UNIT_BUDGET_S + 2.0, took  # (it ends at a schedule past the budget, not at the compile's end)
+    assert steps >= 1 and "slow" not in sched.requests and "free" in sched.requests
+    assert sched.num_grammar_budget_exceeded == 1
+    # The compile itself runs on (another request may share it) and stays cached: sent again
+    # once compiled, the constraint starts at once (no compile wait counts against it).
+    grammar.compiled.result(timeout=300)
+    again = budget_manager.grammar_for(pb.StructuredOutputs(regex=BUDGET_REGEX))
+    assert again.compiled is grammar.compiled and not again.over_budget()
+
+
+def test_a_row_that_outlasts_the_budget_ends_its_request_and_wakes_an_idle_loop(
+        budget_manager: StructuredOutputManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running request whose allowed-token row takes longer than the budget: the engine loop,
+    idle meanwhile, is woken at the deadline (on_ready), and the next schedule ends the request;
+    the free request beside it ran every step."""
+    grammar = budget_manager.grammar_for(pb.StructuredOutputs(regex="ab+"))
+    grammar.compiled.result(timeout=300)
+    release = threading.Event()
+    fill = RequestGrammar._fill
+
+    def held_fill(self: RequestGrammar):
+        self._fill_started = time.monotonic()  # (what the real fill marks before xgrammar's call)
+        release.wait(60)
+        return fill(self)
+
+    monkeypatch.setattr(RequestGrammar, "_fill", held_fill)
+    woken = threading.Event()
+    budget_manager.on_ready = woken.set
+    sched = _scheduler(budget_manager)
+    sched.add_request(_request("c", [1, 2, 3], grammar))
+    sched.add_request(_request("f", [4, 5, 6], max_tokens=200))
+    out = sched.schedule()
+    assert [r.request_id for r in out.new_requests] == ["f"]  # "c" sits out: its row is not there
+    start = time.monotonic()
+    assert woken.wait(5) and time.monotonic() - start < UNIT_BUDGET_S + 1.0
+    assert grammar.over_budget() and isinstance(grammar.budget_error(), GrammarBudgetExceeded)
+    sched.update_from_output(out, pb.ModelRunnerOutput(step_id=out.step_id, request_ids=["f"], sampled_token_ids=[7]))
+    out = sched.schedule()
+    assert [r.request_id for r in out.cached_requests] == ["f"]
+    [failed] = sched.take_failed_outputs()
+    assert failed.request_id == "c" and failed.error_kind == pb.INVALID_REQUEST and BUDGET_MESSAGE in failed.error
+    release.set()
+
+
+def test_matcher_advances_count_against_the_budget(budget_manager: StructuredOutputManager) -> None:
+    """Each sampled token's matcher advance is timed: a grammar whose advances grow with the
+    output (BUDGET_REGEX over 4-byte tokens) runs out of budget after some tokens."""
+    budget_manager.grammar_for(pb.StructuredOutputs(regex=BUDGET_REGEX)).compiled.result(timeout=300)
+    grammar = budget_manager.grammar_for(pb.StructuredOutputs(regex=BUDGET_REGEX))  # cached: no compile wait
+    grammar.start([])
+    assert not grammar.over_budget()
+    grammar.row()
+    before = grammar.seconds_spent()
+    aaaa = 46880  # SmolLM2's "aaaa"
+    tokens = 0
+    while not grammar.over_budget():
+        assert tokens < 64, "the advances never added up to the budget"
+        assert grammar.accept(aaaa)
+        tokens += 1
+    assert grammar.seconds_spent() > before
+    grammar.prefetch()
+    assert grammar.pending is None and not grammar.row_ready  # no row is started past the budget
+    # A step that needs its row anyway (sent before the request is ended; its token is dropped)
+    # gets an unmasked one at once.
+    assert grammar.row().shape == (1, budget_manager.num_words) and (grammar.row() == -1).all()
 
 
 # ---------------------------------------------------------------------- allowed-token rows
@@ -243,6 +382,9 @@ def test_a_slow_filling_grammar_does_not_change_the_free_rows(smollm2_dir: str) 
 # ---------------------------------------------------------------------- served: scheduler + worker + gateway
 
 SERVED_TIMEOUT_S = 1.0
+# Past the compile timeout's wall-clock backstop (10x it), so that the tests of timed-out compiles
+# always meet that limit first, whatever the machine's load.
+SERVED_BUDGET_S = 15.0
 NUM_STREAMS = 8
 STREAM_TOKENS = 64
 REPEATS = 4
@@ -252,7 +394,8 @@ ITL_BOUND = 1.5
 @pytest.fixture(scope="module")
 def served(smollm2_dir: str) -> Iterator[tuple[Replica, str]]:
     replica = Replica(smollm2_dir, max_num_seqs=NUM_STREAMS + 2,
-                      extra_scheduler_args=("--structured-outputs-compile-timeout", str(SERVED_TIMEOUT_S)))
+                      extra_scheduler_args=("--structured-outputs-compile-timeout", str(SERVED_TIMEOUT_S),
+                                            "--structured-outputs-request-timeout", str(SERVED_BUDGET_S)))
     try:
         replica.wait_healthy()
         with BackgroundGateway(replica.address, smollm2_dir) as gateway:
@@ -281,6 +424,48 @@ def test_a_timed_out_compile_is_a_400_naming_the_limit_and_later_ones_work(serve
     assert len(ok.json()["choices"][0]["text"]) == 6
     stats = replica.stats()
     assert stats.grammar_compile_timeouts == 3 and stats.grammar_compiles >= 1
+
+
+def test_the_budget_regex_answers_within_the_budget_while_a_plain_request_runs(
+        served: tuple[Replica, str]) -> None:
+    """The regex of the report (answered after ~89 s before the budget existed): its request ends
+    within the budget, with a 400 naming the limit or with its result; a plain streamed request
+    sent beside it finishes normally."""
+    replica, url = served
+    model = Path(replica.model_dir).name
+    warm = httpx.post(url + "/v1/completions", timeout=600, json={  # the compile helper is up
+        "model": model, "prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "[0-9]+"}})
+    assert warm.status_code == 200, warm.text
+    results: dict[str, tuple[float, httpx.Response]] = {}
+
+    def constrained() -> None:
+        start = time.monotonic()
+        response = httpx.post(url + "/v1/completions", timeout=600, json={
+            "model": model, "prompt": "Answer:", "max_tokens": 8, "structured_outputs": {"regex": BUDGET_REGEX}})
+        results["constrained"] = (time.monotonic() - start, response)
+
+    thread = threading.Thread(target=constrained)
+    thread.start()
+    time.sleep(0.2)  # (its compile is under way)
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=600, json={
+            "model": model, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}) as plain:
+        assert plain.status_code == 200
+        chunks = [json.loads(line[6:]) for line in plain.iter_lines() if line.startswith("data: {")]
+    thread.join(SERVED_BUDGET_S + 60)
+    assert chunks[-1]["usage"]["completion_tokens"] == 16
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    took, response = results["constrained"]
+    print(f"\nthe budget regex answered {response.status_code} after {took:.1f} s")
+    assert took < SERVED_BUDGET_S + 10, took
+    if response.status_code == 400:
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert f"longer than the {SERVED_BUDGET_S:g} s of wall-clock time {BUDGET_MESSAGE}" in error["message"], error
+    else:
+        assert response.status_code == 200, response.text
+        assert re.fullmatch(r"a*b?", response.json()["choices"][0]["text"]), response.text
 
 
 async def _measure(address: str) -> tuple[list[float], list[float], int]:

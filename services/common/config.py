@@ -48,6 +48,12 @@ DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S = 10.0
 # for a core, and a schema must not fail for the load); a starved compile is also stopped after
 # this many times the limit of wall-clock time.
 STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR = 10
+# Wall-clock seconds one constrained request may spend waiting for its grammar work, its compile
+# and every allowed-token row and matcher advance together (`--structured-outputs-request-timeout`):
+# a compile within its CPU limit can still take minutes of wall-clock time on a busy machine
+# (it runs at the lowest priority), and some grammars get slower with every token; past this the
+# request ends with a 400 instead of holding its place that long.
+DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S = 30.0
 
 
 def default_model_path() -> str:
@@ -161,6 +167,9 @@ class EngineConfig:
     # Seconds a constrained request's grammar may take to compile (a helper process runs the
     # compile and kills it past this); the request then ends with a 400.
     structured_outputs_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
+    # Wall-clock seconds a constrained request's grammar work (compile, rows, matcher) may take
+    # in all; the request then ends with a 400.
+    structured_outputs_request_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S
     # vLLM's runner: "generate" (sample tokens) or "pooling" (embeddings only). A causal LM runs
     # pooling as convert "embed" (None: what the runner implies); pooler_config (vLLM's dict or
     # its JSON text; None: LAST + normalize) says how its hidden states become one vector.
@@ -197,6 +206,9 @@ class EngineConfig:
         if not self.structured_outputs_compile_timeout > 0:
             raise ValueError("structured_outputs_compile_timeout (--structured-outputs-compile-timeout) must be "
                              f"positive, got {self.structured_outputs_compile_timeout}")
+        if not self.structured_outputs_request_timeout > 0:
+            raise ValueError("structured_outputs_request_timeout (--structured-outputs-request-timeout) must be "
+                             f"positive, got {self.structured_outputs_request_timeout}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS_LIMIT:
@@ -325,7 +337,8 @@ class EngineConfig:
                                                 async_scheduling=self.async_scheduling),
             speculative_config=spec.to_proto() if spec else None,
             structured_outputs_config=pb.StructuredOutputsConfig(
-                compile_timeout_s=self.structured_outputs_compile_timeout),
+                compile_timeout_s=self.structured_outputs_compile_timeout,
+                request_timeout_s=self.structured_outputs_request_timeout),
             kv_transfer_config=self.kv_transfer_config.to_proto() if self.kv_transfer_config else None)
 
     @classmethod
@@ -349,6 +362,9 @@ class EngineConfig:
                    speculative_config=SpeculativeConfig.from_proto(config.speculative_config)
                    if config.HasField("speculative_config") else None,
                    structured_outputs_compile_timeout=config.structured_outputs_config.compile_timeout_s,
+                   # (unset: a sender that predates the field)
+                   structured_outputs_request_timeout=config.structured_outputs_config.request_timeout_s
+                   or DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S,
                    kv_transfer_config=KVTransferConfig.from_proto(config.kv_transfer_config)
                    if config.HasField("kv_transfer_config") else None)
 

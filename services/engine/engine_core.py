@@ -28,7 +28,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
         self.structured_output = StructuredOutputManager(
             config.model, model_info.vocab_size, model_info.eos_token_ids, config.max_num_seqs,
-            compile_timeout_s=config.structured_outputs_compile_timeout)
+            compile_timeout_s=config.structured_outputs_compile_timeout,
+            request_timeout_s=config.structured_outputs_request_timeout)
         self.scheduler = Scheduler(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,

@@ -151,6 +151,9 @@ class GrammarCompileProcess:
         self._ready = threading.Event()
         self._ids = itertools.count(1)
         self._closed = False
+        # When the running helper became ready (None while it starts): its start-up (importing
+        # xgrammar, seconds) is the engine's cost, not counted in any request's grammar budget.
+        self.ready_since: float | None = None
         self.num_starts = 0
         self.num_timeouts = 0
 
@@ -221,6 +224,7 @@ class GrammarCompileProcess:
                                 stdout=subprocess.PIPE, env=env, cwd=str(_PACKAGE_ROOT))
         self.num_starts += 1
         self._proc, self._jobs, self._ready = proc, {}, threading.Event()
+        self.ready_since = None
         try:
             if self._info_json is None:
                 self._info_json = self._tokenizer_info_json()
@@ -236,6 +240,7 @@ class GrammarCompileProcess:
         try:
             while (message := _read_frame(proc.stdout)) is not None:
                 if message[0] == "ready":
+                    self.ready_since = time.monotonic()
                     ready.set()
                     continue
                 with self._lock:

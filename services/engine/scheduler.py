@@ -101,6 +101,9 @@ class Scheduler:
         self.step_fill_wait_s = STEP_FILL_WAIT_S
         self._fill_wait_left = self.step_fill_wait_s
         self.num_row_waits = 0
+        # Live constrained requests, whose grammar budgets each schedule checks.
+        self._constrained: dict[str, Request] = {}
+        self.num_grammar_budget_exceeded = 0
         # Speculative decoding (None: off): drafts come back from the worker with each step.
         self.speculative_config = speculative_config
         self.num_lookahead_slots = lookahead_slots(speculative_config)
@@ -140,6 +143,8 @@ class Scheduler:
                 f"request needs KV cache for up to {needed} tokens ({request.num_prompt_tokens} prompt + "
                 f"{request.max_tokens} max_tokens) but the cache holds only {capacity}")
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self._constrained[request.request_id] = request
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
@@ -189,6 +194,7 @@ class Scheduler:
         else:
             self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._constrained.pop(request.request_id, None)
         if request.request_id in self.worker_known:
             self.worker_known.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
@@ -333,6 +339,8 @@ class Scheduler:
         step_bytes = message_limits.finished_ids_bytes(len(self.finished_req_ids))
         self._fill_wait_left = self.step_fill_wait_s
         self._row_waiters = []
+        if self._constrained:
+            self._end_over_budget()
 
         # 1) Running requests first: they already hold blocks.
         self._drafts_for_step()
@@ -515,6 +523,21 @@ class Scheduler:
         if not self.num_lookahead_slots:
             return 0
         return max(min(self.num_lookahead_slots, self.max_model_len - request.num_computed_tokens - num_new), 0)
+
+    def _end_over_budget(self) -> None:
+        """End the constrained requests whose grammar work took longer than their budget
+        (--structured-outputs-request-timeout) with that error, as a failed compile ends one.
+        A token of theirs still in flight is dropped, as an abort's is."""
+        now = time.monotonic()
+        over = [r for r in self._constrained.values() if r.grammar.over_budget(now)]
+        for request in over:
+            error = request.grammar.budget_error()
+            logger.warning("request %s: %s", request.request_id, error)
+            self.abort_requests([request.request_id])
+            self.num_grammar_budget_exceeded += 1
+            self.failed_outputs.append(pb.RequestOutput(
+                request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
+                num_prompt_tokens=request.num_prompt_tokens, error_kind=pb.INVALID_REQUEST, error=str(error)))
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether `request`'s grammar is compiled (its matcher built); a grammar that failed to

@@ -7,6 +7,13 @@ tokens, and emit the difference only once it no longer ends in U+FFFD. The windo
 re-anchored after every emission, so the work per token stays constant however long
 the output grows.
 
+At the end of the sequence (`flush`) the text still held back is released, except a
+character cut short: an output stopped by max_tokens (or a stop token, or an abort) in the
+middle of a multi-byte character does not end in the U+FFFD its incomplete bytes decode
+to. vLLM never emits such a tail either (`detokenize_incrementally` holds it back and
+nothing releases it). Unlike vLLM, a U+FFFD the model generated as a whole character
+(the bytes EF BF BD) is kept: the decision is made on the tokens' raw bytes.
+
 Decoding the window (rather than single tokens) also keeps tokenizers that drop a
 word's leading space at the start of a decode (SentencePiece "▁") correct: the first
 token of the window loses its space in both decodes alike, and only the difference
@@ -15,6 +22,7 @@ is emitted.
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol
 
 # How many prompt tokens seed the window, as in vLLM: enough context for the first
@@ -29,6 +37,16 @@ class Decoder(Protocol):
     """The slice of a HF tokenizer this module needs."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def ends_mid_character(data: bytes) -> bool:
+    """Whether `data` ends in the first bytes of a multi-byte UTF-8 character (a sequence that
+    more bytes could still complete), as opposed to whole characters or invalid bytes."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data, final=False)
+    return bool(decoder.getstate()[0])  # the bytes it holds back for the next call
 
 
 class IncrementalDetokenizer:
@@ -64,12 +82,22 @@ class IncrementalDetokenizer:
         return new_text
 
     def flush(self) -> str:
-        """At the end of the sequence, release text still held back (e.g. a trailing
-        partial character, emitted as U+FFFD exactly as a full decode would)."""
+        """At the end of the sequence, release text still held back, less a trailing
+        character cut short (its U+FFFD); a whole U+FFFD the model generated stays."""
         if self._read_offset == len(self._window):
             return ""
+        unread = self._window[self._read_offset:]
         prefix_text = self._decode(self._window[:self._read_offset])
-        full_text = self._decode(self._window)
+        new_text = self._decode(self._window)[len(prefix_text):]
         del self._window[:self._read_offset]
         self._read_offset = len(self._window)
-        return full_text[len(prefix_text):]
+        if new_text.endswith(REPLACEMENT_CHAR) and self._unread_ends_mid_character(unread):
+            # A lossy decode turns an incomplete sequence at the end into exactly one U+FFFD.
+            new_text = new_text[:-1]
+        return new_text
+
+    def _unread_ends_mid_character(self, token_ids: list[int]) -> bool:
+        # Tokens the decode drops (skipped special tokens) add no bytes; the last
+        # MAX_UNREAD_TOKENS tokens at most, so this stays cheap.
+        data = b"".join(self._tokenizer.token_bytes(t) for t in token_ids if self._decode([t]))
+        return ends_mid_character(data)
