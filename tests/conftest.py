@@ -6,6 +6,8 @@
 - ``redis_server``: a throwaway redis-server on a free loopback port; yields ``redis://127.0.0.1:PORT``.
   ``start_redis(port, password)`` starts one that wants a password.
 - ``free_port()``: a plain helper (``from conftest import free_port``).
+- ``cpu_hogs``: one ``yes > /dev/null`` per core, for a fault test to start (``cpu_hogs.start()``)
+  once its mesh is up; always stopped when the test ends.
 
 The suite watches its own processes (tests/suite_processes.py): it reports its peak memory at
 the end and fails past MYVLLM_TEST_MEMORY_BUDGET_GB (default 8); it fails if any process it
@@ -351,3 +353,33 @@ def redis_server() -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}"
     finally:
         stop_process(proc)
+
+
+class CpuHogs:
+    """One busy process per core (`yes > /dev/null`): a fault test's timing as on a loaded
+    machine (a test run beside it), where restarts, model loads and migrations all take longer."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        if not self.procs:
+            self.procs = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(os.cpu_count() or 1)]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait()
+        self.procs = []
+
+
+@pytest.fixture
+def cpu_hogs() -> Iterator[CpuHogs]:
+    """`CpuHogs` for the test to start where the load matters (not while its mesh starts up);
+    stopped when the test ends, passed or failed."""
+    hogs = CpuHogs()
+    try:
+        yield hogs
+    finally:
+        hogs.stop()

@@ -1,8 +1,11 @@
 """The default deployment (`myvllm serve`, one replica) keeps its streams through its own
 faults: kill -9 of the worker, kill -9 of the scheduler, SIGSTOP of the worker for 10 s then
-SIGCONT. Twelve greedy streams of 80 tokens are in flight at each fault; every one ends with
-exactly the text it has without a fault (the gateway waits for its one replica to be ready
-again, then resumes each request token-exact), and afterwards nothing runs and no KV is held."""
+SIGCONT, all with one busy process per core beside it (a loaded machine: restarts, model loads
+and migrations take longer, and a race that a quiet machine hides shows). Twelve greedy streams
+of 80 tokens are in flight at each fault; every one ends with exactly the text it has without a
+fault (the gateway waits for its one replica to be ready again, then resumes each request
+token-exact): none ends with an error event or a dropped connection. Afterwards nothing runs
+and no KV is held."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from conftest import CpuHogs
 from mesh import Mesh
 
 NUM_STREAMS = 12
@@ -44,13 +48,14 @@ def _streams(client: openai.OpenAI, model: str, first_tokens: threading.Barrier 
         return list(pool.map(one, PROMPTS))
 
 
-def test_one_replica_streams_survive_worker_and_scheduler_faults(smollm2_dir: str) -> None:
+def test_one_replica_streams_survive_worker_and_scheduler_faults(smollm2_dir: str, cpu_hogs: CpuHogs) -> None:
     mesh = Mesh(["--model", smollm2_dir, "--max-model-len", "1024", "--kv-cache-memory", str(128 << 20)])
     try:
         client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         want = _streams(client, model)
         assert all(len(text) > 0 for text in want)
+        cpu_hogs.start()
 
         def worker_kill() -> None:
             os.kill(_pid_of(mesh, "worker"), signal.SIGKILL)
@@ -82,6 +87,7 @@ def test_one_replica_streams_survive_worker_and_scheduler_faults(smollm2_dir: st
             report.append(f"{name}: {exact}/{NUM_STREAMS} exact, {migrated:g} migrations, {took:.1f} s")
             assert texts == want, report
         print("; ".join(report))
+        cpu_hogs.stop()
         deadline = time.monotonic() + 30
         while True:  # at rest: nothing running, no KV in use
             metrics = mesh.metrics()

@@ -104,3 +104,12 @@ def channel(address: str, max_receive_bytes: int) -> grpc.aio.Channel:
 def sync_channel(address: str, max_receive_bytes: int) -> grpc.Channel:
     """`channel`'s blocking twin, for threads outside an event loop (a worker's KV transfers)."""
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS + _receive_limit(max_receive_bytes))
+
+
+def cancelled_from_outside() -> bool:
+    """Whether the running task is being cancelled (its owner closed it, the client went away,
+    the server stops). An asyncio.CancelledError without that came from below: gRPC raises it in
+    a call whose channel was closed under it. Such a CancelledError is a failure like any other,
+    to be reported or recovered from, not a reason to stop."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from services.common.grpc_utils import cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
 from services.gateway.disaggregation import remote_prefill, wants_remote_prefill
@@ -107,8 +108,15 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
                 if delta.finish_reason:
                     timer.on_finish(delta.finish_reason)
                     break
-    except Exception as e:  # (a cancellation is not an Exception: it propagates)
+    except Exception as e:
         deltas.put_nowait(_Done(e))
+        return
+    except asyncio.CancelledError as e:
+        if cancelled_from_outside():
+            raise  # _merge_choices is closing the stream: nobody waits for this choice any more
+        # Raised from below, not a cancellation of this task: the merged stream must still hear
+        # that this choice ended, or it would wait for it forever.
+        deltas.put_nowait(_Done(RuntimeError(f"choice {choice.request_id} was cancelled from below: {e!r}")))
         return
     finally:
         choice.prompt_started.set()  # (the other samples never wait for a choice that ended)

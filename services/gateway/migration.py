@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
+from services.common.grpc_utils import cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.router import Replica, ReplicaRouter
 from services.sdk.client import AsyncClient, RequestRejected, SchedulerUnavailable
@@ -137,6 +138,12 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
             if not is_engine_failure(e):
                 raise
             failure: Exception = e
+        except asyncio.CancelledError as e:
+            if cancelled_from_outside():
+                raise
+            # From below, not a cancellation of this request: gRPC cancels a call whose channel
+            # is closed under it. The attempt is lost like one whose stream broke.
+            failure = SchedulerUnavailable(f"request {request.attempt_id} lost: its call was cancelled ({e!r})")
         finally:
             request._current = None
         if request.aborted:
@@ -195,6 +202,7 @@ async def _find_replica(router: ReplicaRouter, request: ResumableRequest, failed
                 continue  # alive, not serving yet (worker restarting): try it again next round
             if not await group_ready(router, replica):
                 continue
+            router.mark_up(replica)
             router.note_sent(replica)
             return replica
         remaining = deadline - time.monotonic()

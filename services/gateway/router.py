@@ -234,6 +234,14 @@ class ReplicaRouter:
             logger.warning("engine replica %s is down: %s", replica.address, reason)
         replica.healthy = False
 
+    def mark_up(self, replica: Replica) -> None:
+        """`replica` answered ready again. Load updates say so too where loads are followed;
+        a single static replica has none, and would otherwise stay marked down for good (off
+        engine_replicas_routable, and its next failure never logged)."""
+        if not replica.healthy:
+            logger.warning("engine replica %s is back", replica.address)
+        replica.healthy = True
+
     def any_client(self) -> AsyncClient:
         """A client for engine-wide questions (stats, max_model_len): a healthy replica's."""
         if not self.replicas:

@@ -67,7 +67,7 @@ async def create_message(ctx: GatewayContext, request: MessagesRequest,
     deltas = await start_chat(ctx, chat_request, chat, message_id, http_request, arrival_time)
     writer = _MessageWriter(ctx, message_id, len(chat.prompt.token_ids), chat.tools)
     if request.stream:
-        return sse_response(writer.stream(deltas))
+        return sse_response(writer.stream(deltas), on_error=lambda e: [_error_event(e)])
     return json_response(await writer.collect(deltas))
 
 

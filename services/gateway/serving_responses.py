@@ -322,7 +322,7 @@ async def create_response(ctx: GatewayContext, store: ResponseStore, request: Re
     deltas = await start_chat(ctx, chat_request, chat, response_id, http_request, arrival_time)
     writer = _ResponseWriter(ctx, store, request, response_id, chat, history.extended(new_messages))
     if request.stream:
-        return sse_response(writer.stream(deltas))
+        return sse_response(writer.stream(deltas), on_error=writer.error_events)
     return json_response(await writer.collect(deltas))
 
 
@@ -504,5 +504,10 @@ class _ResponseWriter:
                 yield self._event(ResponseLifecycleEvent, type="response.completed",
                                   response=self._finish(finish_reason))
             except Exception as e:  # the status line is already sent: report in-band, as OpenAI does
-                error = as_openai_error(e)
-                yield self._event(ErrorEvent, code=error.code or error.type, message=error.message, param=error.param)
+                for event in self.error_events(e):
+                    yield event
+
+    def error_events(self, e: Exception) -> list[str]:
+        """How this stream ends on an error: the Responses API's error event."""
+        error = as_openai_error(e)
+        return [self._event(ErrorEvent, code=error.code or error.type, message=error.message, param=error.param)]

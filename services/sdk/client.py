@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from services.common.auth import token_from_env, token_metadata
-from services.common.grpc_utils import CHANNEL_OPTIONS
+from services.common.grpc_utils import CHANNEL_OPTIONS, cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.common.sampling_params import SamplingParams
@@ -188,6 +188,13 @@ class AsyncClient:
         method = getattr(self._get_stub(), method_name)
         try:
             return await method(pb.Empty(), timeout=self.timeout, wait_for_ready=False, metadata=self.metadata)
+        except asyncio.CancelledError:
+            if cancelled_from_outside():
+                raise
+            # The channel was closed under the call (a concurrent call replaced it, see
+            # _reset_channel): the scheduler did not answer, which callers already handle.
+            raise SchedulerUnavailable(f"scheduler at {self.address} is unavailable (its call was cancelled "
+                                       "when the channel was replaced)") from None
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and (self._stream is None or self._stream.closed):
                 # Without this the next call would fail instantly while the channel
