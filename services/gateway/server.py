@@ -86,6 +86,14 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+# How long an idle keep-alive connection stays open. httpx (the openai and anthropic clients) drops
+# its idle connections after 5 s, uvicorn's default is also 5 s: with equal timers a client can send
+# a request on a connection in the very moment the server closes it, and on a busy machine that
+# moment widens into a visible "Connection error". Outliving the clients' timer leaves the close to
+# them.
+IDLE_KEEP_ALIVE_S = 15
+
+
 def _uvicorn_server(host: str, port: int, scheduler_address: str, model_path: str,
                     served_model_name: str | None, log_level: str, max_body_bytes: int,
                     redis_url: str | None = None, options: GatewayOptions | None = None) -> DrainingServer:
@@ -93,7 +101,8 @@ def _uvicorn_server(host: str, port: int, scheduler_address: str, model_path: st
     app = create_app(scheduler_address, model_path, served_model_name, max_body_bytes=max_body_bytes,
                      redis_url=redis_url, options=options)
     # The drain already waited for requests: uvicorn's own grace is only for the last bytes.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2,
+                            timeout_keep_alive=IDLE_KEEP_ALIVE_S)
     return DrainingServer(config, app.state.admission, options.shutdown_timeout_s)
 
 
