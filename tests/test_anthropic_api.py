@@ -19,6 +19,9 @@ from services.gateway.tools import ToolSettings
 from services.text.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
+# An output cut by max_tokens inside a character ends without its U+FFFD (the incomplete
+# bytes are held back, as vLLM does): the expected text is decode()'s without it.
+CUT = "\ufffd"
 MAX_MODEL_LEN = 512
 EOS = 2  # <|im_end|>
 REPLY = "Hello 世界 🎉! How are you today?"
@@ -104,7 +107,7 @@ def test_max_tokens(stack: Stack, client: anthropic.Anthropic) -> None:
     message = client.messages.create(model=MODEL, max_tokens=3, messages=MESSAGES)
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
     assert message.usage.output_tokens == 3
-    assert message.content[0].text == stack.tokenizer.decode(stack.reply_ids[:3])
+    assert message.content[0].text == stack.tokenizer.decode(stack.reply_ids[:3]).removesuffix(CUT)
 
 
 def test_sampling_parameters_reach_the_scheduler(stack: Stack, client: anthropic.Anthropic) -> None:

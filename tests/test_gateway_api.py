@@ -17,6 +17,9 @@ from services.gateway.server import BackgroundGateway
 from services.text.tokenizer import Tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"  # the served name: the model directory's basename
+# An output cut by max_tokens inside a character ends without its U+FFFD (the incomplete
+# bytes are held back, as vLLM does): the expected text is decode()'s without it.
+CUT = "\ufffd"
 MAX_MODEL_LEN = 512
 EOS = 2  # <|im_end|>
 REPLY = "Hello 世界 🎉! How are you today?"
@@ -104,7 +107,7 @@ def test_chat_max_completion_tokens_wins_over_max_tokens(stack: Stack, client: o
                                               max_completion_tokens=3)
     assert response.choices[0].finish_reason == "length"
     assert response.usage.completion_tokens == 3
-    assert response.choices[0].message.content == stack.tokenizer.decode(stack.reply_ids[:3])
+    assert response.choices[0].message.content == stack.tokenizer.decode(stack.reply_ids[:3]).removesuffix(CUT)
 
 
 def test_chat_stream(stack: Stack, client: openai.OpenAI) -> None:
@@ -295,7 +298,7 @@ def test_completion_with_string_prompt(stack: Stack, client: openai.OpenAI) -> N
 def test_completion_with_several_prompts_and_n(stack: Stack, client: openai.OpenAI, prompt: list) -> None:
     response = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=3)
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
-    assert all(c.text == stack.tokenizer.decode(stack.reply_ids[:3]) for c in response.choices)
+    assert all(c.text == stack.tokenizer.decode(stack.reply_ids[:3]).removesuffix(CUT) for c in response.choices)
     prompts_sent = sorted((r.request_id.rsplit("-", 1)[1], list(r.prompt_token_ids)) for r in stack.fake.requests)
     prompt_ids = [stack.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
     assert prompts_sent == [("0", prompt_ids[0]), ("1", prompt_ids[0]), ("2", prompt_ids[1]), ("3", prompt_ids[1])]
@@ -319,7 +322,7 @@ def test_completion_with_token_prompt_and_echo(stack: Stack, client: openai.Open
     prompt_ids = stack.tokenizer.encode("Echo me: ")
     response = client.completions.create(model=MODEL, prompt=prompt_ids, echo=True, max_tokens=5)
     assert response.choices[0].text == stack.tokenizer.decode(prompt_ids) + stack.tokenizer.decode(
-        stack.reply_ids[:5])
+        stack.reply_ids[:5]).removesuffix(CUT)
 
 
 def test_completion_stream(stack: Stack, client: openai.OpenAI) -> None:
