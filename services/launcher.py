@@ -25,7 +25,7 @@ import sys
 import time
 
 from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
-from services.common.config import EngineConfig, check_model_dir, default_model_path
+from services.common.config import VllmConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.common.secret_check import check_service_secrets
@@ -90,7 +90,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return _fail(f"--allowed-model-root {root} is not a directory")
     try:
         check_service_secrets(internal_token=token_from_env(args.internal_token))
-        config = EngineConfig(**{**engine_kwargs(args), "model": model})
+        config = VllmConfig.from_engine_args(**{**engine_kwargs(args), "model": model})
     except ValueError as e:
         return _fail(f"worker: {e}")
     own = pb.LoadModelRequest(config=config.to_proto())
@@ -109,7 +109,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     try:
         check_service_secrets(internal_token=token_from_env(args.internal_token),
                               redis_url=redis_url_from_env(args.redis))
-        config = EngineConfig(**engine_kwargs(args), model="")
+        config = VllmConfig.from_engine_args(**engine_kwargs(args), model="")
     except ValueError as e:
         return _fail(f"scheduler: {e}")
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.auth import TOKEN_ENV
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.kv_transfer_config import KVTransferConfig
 from services.common.parallel_shapes import check_tensor_parallel_shapes, read_model_shapes
 from services.common.redis_registry import REDIS_URL_ENV
@@ -109,7 +109,8 @@ def check_topology(args: argparse.Namespace, model: str, shapes_dir: str | None 
     if min(args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size) < 1:
         raise ValueError("--data-parallel-size, --tensor-parallel-size and --pipeline-parallel-size must be at least 1")
     check_disaggregation(args)
-    EngineConfig(**{**engine_kwargs(args), "model": model, "kv_transfer_config": kv_transfer_config_of(args, 0)})
+    VllmConfig.from_engine_args(**{**engine_kwargs(args), "model": model,
+                                   "kv_transfer_config": kv_transfer_config_of(args, 0)})
     shapes_dir = shapes_dir or model
     shapes = read_model_shapes(shapes_dir)
     if shapes is not None:

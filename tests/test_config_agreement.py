@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from services.common import grpc_utils
-from services.common.config import SHARED_PARTS, EngineConfig, config_mismatches
+from services.common.config import SHARED_PARTS, VllmConfig, config_mismatches
 from services.common.grpc_utils import StartupError
 from services.common.message_limits import WORKER_RECEIVE_BYTES
 from services.common.proto import myvllm_pb2 as pb
@@ -25,7 +25,7 @@ from services.worker.server import WorkerServicer
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-async def with_worker(worker_config: EngineConfig, body) -> None:
+async def with_worker(worker_config: VllmConfig, body) -> None:
     """Run `body(address)` beside a worker servicer started with `worker_config` (its flags)."""
     servicer = WorkerServicer(pb.LoadModelRequest(config=worker_config.to_proto()))
     await servicer.preload()
@@ -40,12 +40,12 @@ async def with_worker(worker_config: EngineConfig, body) -> None:
         servicer.compute.shutdown(wait=True)
 
 
-def worker_config(model_dir: str, **overrides) -> EngineConfig:
-    return EngineConfig(model=model_dir, dtype="float32", max_model_len=128, **overrides)
+def worker_config(model_dir: str, **overrides) -> VllmConfig:
+    return VllmConfig.from_engine_args(model=model_dir, dtype="float32", max_model_len=128, **overrides)
 
 
-def scheduler_config(**overrides) -> EngineConfig:
-    return EngineConfig(model="", max_num_seqs=4, kv_cache_memory_bytes=8 << 20, **overrides)
+def scheduler_config(**overrides) -> VllmConfig:
+    return VllmConfig.from_engine_args(model="", max_num_seqs=4, kv_cache_memory_bytes=8 << 20, **overrides)
 
 
 def test_the_scheduler_adopts_the_workers_model_part_and_gets_its_own_parts_back(tiny_llama_dir: str) -> None:
@@ -53,7 +53,8 @@ def test_the_scheduler_adopts_the_workers_model_part_and_gets_its_own_parts_back
         config = scheduler_config(speculative_config=NGRAM)
         group = WorkerGroup([WorkerLink(address, 1 << 20)])
         info, num_blocks = await set_up_workers(group, config, worker_owns_model=True)
-        assert (config.model, config.dtype, config.max_model_len) == (tiny_llama_dir, "float32", 128)
+        m = config.model_config
+        assert (m.model, m.dtype, m.max_model_len) == (tiny_llama_dir, "float32", 128)
         assert info.config.scheduler_config.max_num_seqs == 4  # the worker took the scheduler's part
         assert info.config.speculative_config.num_speculative_tokens == 2
         assert info.config == config.to_proto()  # one configuration, the same on both sides
@@ -90,9 +91,9 @@ def test_a_worker_count_that_is_not_tp_times_pp_is_refused_before_any_call() -> 
 
 
 def test_config_mismatches_names_every_differing_field_of_the_shared_parts() -> None:
-    a = EngineConfig(model="/a", tensor_parallel_size=2).to_proto()
-    b = EngineConfig(model="/b", tensor_parallel_size=2, pipeline_parallel_size=2, max_num_seqs=3).to_proto()
+    a = VllmConfig.from_engine_args(model="/a", tensor_parallel_size=2).to_proto()
+    b_args = {"model": "/b", "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "max_num_seqs": 3}
+    b = VllmConfig.from_engine_args(**b_args).to_proto()
     assert config_mismatches(a, b, SHARED_PARTS) == ["parallel_config.pipeline_parallel_size: 1 vs 2"]
     assert config_mismatches(a, a, [f.name for f in pb.VllmConfig.DESCRIPTOR.fields]) == []
-    assert EngineConfig.from_proto(b) == EngineConfig(model="/b", tensor_parallel_size=2, pipeline_parallel_size=2,
-                                                      max_num_seqs=3)
+    assert VllmConfig.from_proto(b) == VllmConfig.from_engine_args(**b_args)

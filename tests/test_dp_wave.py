@@ -256,12 +256,13 @@ def test_signed_wave_messages_and_entries_need_the_token() -> None:
     ("redis://h:1", 0, "127.0.0.1:5", "a b", "--dp-group must be a name"),
 ])
 def test_a_group_scheduler_refuses_missing_or_bad_group_flags(redis_url, rank, address, group, why) -> None:
-    from services.common.config import EngineConfig
+    from services.common.config import VllmConfig
     from services.common.grpc_utils import StartupError
     from services.scheduler.server import _check_group
 
-    config = EngineConfig(model="", data_parallel_size=2, enable_expert_parallel=True)
+    config = VllmConfig.from_engine_args(model="", data_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(StartupError, match=why):
         _check_group(config, redis_url, rank, address, group)
     assert _check_group(config, "redis://h:1", 1, "127.0.0.1:5", "g") == "tcp://127.0.0.1:5/0"
-    assert _check_group(EngineConfig(model="", data_parallel_size=2), None, 0, None, "g") is None  # dense replicas
+    dense = VllmConfig.from_engine_args(model="", data_parallel_size=2)  # independent replicas
+    assert _check_group(dense, None, 0, None, "g") is None

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from services.common.config import EngineConfig, choose_cpu_dtype, resolve_dtype_name
+from services.common.config import VllmConfig, choose_cpu_dtype, resolve_dtype_name
 
 AVX2_EPYC = {"fpu", "sse4_2", "avx", "avx2", "fma", "f16c"}           # no bf16 instructions
 AVX512_BF16_EPYC = AVX2_EPYC | {"avx512f", "avx512bw", "avx512_bf16"}
@@ -72,7 +72,7 @@ def test_engine_default_is_auto_as_in_vllm() -> None:
 
     from services.engine_args import add_model_args
 
-    assert EngineConfig(model="x").dtype == "auto"
+    assert VllmConfig.from_engine_args(model="x").model_config.dtype == "auto"
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     assert parser.parse_args([]).dtype == "auto"

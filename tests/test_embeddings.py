@@ -20,7 +20,7 @@ from mesh import Mesh
 from openai import BadRequestError, OpenAI
 
 from services.common.auth import TOKEN_ENV
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.pooling_config import PoolerConfig, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request
@@ -196,7 +196,8 @@ def test_offline_last_pooling_equals_hf(smollm2_dir: str, hf_model, tokenizer) -
     # pooled outputs of the one in flight come back; a pooling request takes no placeholder.
     with LLM(smollm2_dir, runner="pooling", dtype="float32", max_num_batched_tokens=BUDGET, max_model_len=512,
              kv_cache_memory_bytes=64 << 20, async_scheduling=True) as llm:
-        assert llm.config.pooler_config == PoolerConfig("LAST", True) and not llm.config.enable_prefix_caching
+        assert llm.config.model_config.pooler_config == PoolerConfig("LAST", True)
+        assert not llm.config.cache_config.enable_prefix_caching
         texts = [LONG, *SHORT, {"prompt_token_ids": tokenizer.encode(SHORT[2])}]
         outputs = llm.embed(texts, use_tqdm=False)
         worst = 0.0
@@ -271,15 +272,19 @@ def test_dimensions_only_for_matryoshka_models() -> None:
 
 
 def test_configuration_rules() -> None:
-    c = EngineConfig(runner="pooling", pooler_config='{"pooling_type": "mean"}')
-    assert (c.convert, c.pooler_config, c.enable_prefix_caching) == ("embed", PoolerConfig("MEAN", True), False)
-    back = EngineConfig.from_proto(c.to_proto())
-    assert (back.runner, back.pooler_config, back.enable_prefix_caching) == ("pooling", c.pooler_config, False)
-    g = EngineConfig()
-    assert (g.runner, g.convert, g.pooler_config, g.enable_prefix_caching) == ("generate", "none", None, True)
-    adopted = EngineConfig()  # a scheduler adopting a pooling worker's model part
+    c = VllmConfig.from_engine_args(runner="pooling", pooler_config='{"pooling_type": "mean"}')
+    m = c.model_config
+    assert (m.convert, m.pooler_config, c.cache_config.enable_prefix_caching) == ("embed", PoolerConfig("MEAN", True),
+                                                                                  False)
+    back = VllmConfig.from_proto(c.to_proto())
+    assert (back.model_config.runner, back.model_config.pooler_config, back.cache_config.enable_prefix_caching) == \
+        ("pooling", m.pooler_config, False)
+    g = VllmConfig.from_engine_args()
+    assert (g.model_config.runner, g.model_config.convert, g.model_config.pooler_config,
+            g.cache_config.enable_prefix_caching) == ("generate", "none", None, True)
+    adopted = VllmConfig.from_engine_args()  # a scheduler adopting a pooling worker's model part
     adopted.adopt_model_config(c.to_proto().model_config)
-    assert adopted.runner == "pooling" and not adopted.enable_prefix_caching
+    assert adopted.model_config.runner == "pooling" and not adopted.cache_config.enable_prefix_caching
     for bad, match in [({"runner": "pooling", "convert": "none"}, "convert 'embed'"),
                        ({"convert": "embed"}, "needs runner 'pooling'"),
                        ({"pooler_config": {"pooling_type": "LAST"}}, "needs runner 'pooling'"),
@@ -289,7 +294,7 @@ def test_configuration_rules() -> None:
                                                                     "num_speculative_tokens": 2}}, "pooling"),
                        ({"runner": "embed"}, "runner must be")]:
         with pytest.raises(ValueError, match=match):
-            EngineConfig(**bad)
+            VllmConfig.from_engine_args(**bad)
 
 
 # ---------------------------------------------------------------------- unit: the scheduler
@@ -369,7 +374,8 @@ def test_the_engine_serves_one_kind_of_request_per_runner() -> None:
     from services.engine.request_limits import InvalidRequest
 
     info = pb.ModelInfo(max_model_len=64, vocab_size=100, hidden_size=8, device="cpu")
-    generate, pooling = (EngineCore(EngineConfig(runner=r), info, num_blocks=16) for r in ("generate", "pooling"))
+    generate, pooling = (EngineCore(VllmConfig.from_engine_args(runner=r), info, num_blocks=16)
+                         for r in ("generate", "pooling"))
     embed = pb.GenerateRequest(request_id="e", prompt_token_ids=[1] * 64, pooling=pb.PoolingParams(),
                                sampling=pb.SamplingParams(logprobs=10**6))  # ignored, never sent on
     text = pb.GenerateRequest(request_id="t", prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=2))

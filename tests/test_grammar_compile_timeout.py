@@ -32,7 +32,7 @@ import pytest
 import torch
 from replica import Replica
 
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredOutputsError
@@ -194,11 +194,11 @@ def test_a_dead_helper_fails_its_compiles_as_the_engines_fault_and_a_new_one_sta
 
 def test_the_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="--structured-outputs-compile-timeout"):
-        EngineConfig(model="m", structured_outputs_compile_timeout=0)
+        VllmConfig.from_engine_args(model="m", structured_outputs_compile_timeout=0)
     with pytest.raises(ValueError, match="--structured-outputs-request-timeout"):
-        EngineConfig(model="m", structured_outputs_request_timeout=-1)
-    config = EngineConfig(model="m", structured_outputs_request_timeout=2.5)
-    assert EngineConfig.from_proto(config.to_proto()).structured_outputs_request_timeout == 2.5
+        VllmConfig.from_engine_args(model="m", structured_outputs_request_timeout=-1)
+    config = VllmConfig.from_engine_args(model="m", structured_outputs_request_timeout=2.5)
+    assert VllmConfig.from_proto(config.to_proto()).structured_outputs_config.request_timeout_s == 2.5
 
 
 def test_serve_passes_the_timeout_to_the_scheduler() -> None:

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from services.common.config import SHARED_PARTS, EngineConfig, config_mismatches
+from services.common.config import SHARED_PARTS, VllmConfig, config_mismatches
 from services.common.kv_transfer_config import KVTransferConfig
 from services.common.kv_transfer_params import params_from_dict, params_to_dict
 from services.engine_args import add_engine_args, engine_kwargs
@@ -40,16 +40,17 @@ def test_bad_configs_are_refused_naming_the_field(value, message) -> None:
 
 
 def test_it_rides_in_vllm_config_and_is_a_shared_part() -> None:
-    config = EngineConfig(model="/m", kv_transfer_config={**PRODUCER, "kv_connector_extra_config": {"shm_dir": "/s"}})
+    kv = {**PRODUCER, "kv_connector_extra_config": {"shm_dir": "/s"}}
+    config = VllmConfig.from_engine_args(model="/m", kv_transfer_config=kv)
     proto = config.to_proto()
     assert proto.kv_transfer_config.kv_role == "kv_producer"
-    assert EngineConfig.from_proto(proto).kv_transfer_config == config.kv_transfer_config
+    assert VllmConfig.from_proto(proto).kv_transfer_config == config.kv_transfer_config
     assert "kv_transfer_config" in SHARED_PARTS
-    consumer = EngineConfig(model="/m", kv_transfer_config={**PRODUCER, "kv_role": "kv_consumer",
+    consumer = VllmConfig.from_engine_args(model="/m", kv_transfer_config={**PRODUCER, "kv_role": "kv_consumer",
                                                             "kv_connector_extra_config": {"shm_dir": "/s"}})
     assert config_mismatches(proto, consumer.to_proto(), SHARED_PARTS) == [
         "kv_transfer_config.kv_role: 'kv_producer' vs 'kv_consumer'"]
-    assert config_mismatches(proto, EngineConfig(model="/m").to_proto(), SHARED_PARTS) == [
+    assert config_mismatches(proto, VllmConfig.from_engine_args(model="/m").to_proto(), SHARED_PARTS) == [
         "kv_transfer_config: {kv_connector='SharedMemoryConnector', kv_role='kv_producer', "
         "kv_connector_extra_config='{\"shm_dir\": \"/s\"}'} vs off"]
 
@@ -59,7 +60,7 @@ def test_engine_flag() -> None:
     add_engine_args(parser)
     args = parser.parse_args(["--model", "/m", "--kv-transfer-config", '{"kv_connector": "SharedMemoryConnector", '
                                                                         '"kv_role": "kv_consumer"}'])
-    assert EngineConfig(**engine_kwargs(args)).kv_transfer_config.is_consumer
+    assert VllmConfig.from_engine_args(**engine_kwargs(args)).kv_transfer_config.is_consumer
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -70,7 +71,7 @@ def test_engine_flag() -> None:
 ])
 def test_what_the_connector_does_not_transfer_yet_is_refused(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="/m", kv_transfer_config=PRODUCER, **kwargs)
+        VllmConfig.from_engine_args(model="/m", kv_transfer_config=PRODUCER, **kwargs)
 
 
 def test_request_params_round_trip_and_checks() -> None:

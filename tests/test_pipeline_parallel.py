@@ -16,7 +16,7 @@ import pytest
 from hf_reference import hf_greedy
 from test_tensor_parallel import MAX_NEW_TOKENS, _prompts
 
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.engine.request import Request
@@ -37,8 +37,8 @@ def test_layers_split_into_contiguous_stages_the_extra_ones_before_the_last() ->
 
 def test_pipeline_parallelism_refuses_what_it_cannot_combine_with() -> None:
     with pytest.raises(ValueError, match="async scheduling does not combine with pipeline parallelism"):
-        EngineConfig(model="/m", pipeline_parallel_size=2, async_scheduling=True)
-    config = EngineConfig(model="/m", pipeline_parallel_size=3)
+        VllmConfig.from_engine_args(model="/m", pipeline_parallel_size=2, async_scheduling=True)
+    config = VllmConfig.from_engine_args(model="/m", pipeline_parallel_size=3)
     assert not config.resolve_async_scheduling("cuda")  # the automatic choice stays off
     assert config.steps_in_flight == 3
 

@@ -107,10 +107,10 @@ def test_the_scheduler_and_the_python_api_accept_and_refuse_the_same_values(valu
 
 def test_an_absent_max_tokens_gets_the_rest_of_the_context_from_the_engine() -> None:
     """vLLM's default, applied in one place (the gateway and the SDK leave the field unset)."""
-    from services.common.config import EngineConfig
+    from services.common.config import VllmConfig
     from services.engine.engine_core import EngineCore
 
-    core = EngineCore(EngineConfig(model="unused"), pb.ModelInfo(max_model_len=MAX_LEN, vocab_size=VOCAB,
+    core = EngineCore(VllmConfig.from_engine_args(model="unused"), pb.ModelInfo(max_model_len=MAX_LEN, vocab_size=VOCAB,
                                                                   eos_token_ids=[2], device="cpu"), num_blocks=32)
     core.add_request(pb.GenerateRequest(request_id="free", prompt_token_ids=[5] * 10, sampling=pb.SamplingParams()))
     core.add_request(_request(request_id="five", max_tokens=5))

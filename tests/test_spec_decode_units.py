@@ -11,7 +11,7 @@ import pytest
 import torch
 from spec_stats import goodness_of_fit
 
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, may_speculate
 from services.engine.request import Request
@@ -54,24 +54,26 @@ def test_parse_errors_name_the_field(value, field: str) -> None:
 def test_refused_combinations_name_the_flag(args: dict, flag: str) -> None:
     spec = {"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=flag):
-        EngineConfig(model=".", speculative_config=spec, **args)
+        VllmConfig.from_engine_args(model=".", speculative_config=spec, **args)
     with pytest.raises(ValueError, match=flag):
-        EngineConfig(model=".", speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **args)
+        VllmConfig.from_engine_args(model=".", speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                                    **args)
 
 
 @pytest.mark.parametrize("spec", [{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2},
                                   {"method": "ngram", "num_speculative_tokens": 2}])
 def test_both_methods_run_with_tensor_parallelism(spec: dict) -> None:
     """(tests/test_spec_decode_tp.py runs a draft model over two ranks.)"""
-    config = EngineConfig(model=".", speculative_config=spec, tensor_parallel_size=2)
+    config = VllmConfig.from_engine_args(model=".", speculative_config=spec, tensor_parallel_size=2)
     assert config.speculative_config.method == spec["method"]
 
 
 def test_async_scheduling_auto_is_on_with_speculation_on_cuda_only() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    assert EngineConfig(model=".", speculative_config=spec).resolve_async_scheduling("cuda") is True
-    assert EngineConfig(model=".", speculative_config=spec).resolve_async_scheduling("cpu") is False
-    assert EngineConfig(model=".", speculative_config=spec, async_scheduling=True).async_scheduling is True
+    assert VllmConfig.from_engine_args(model=".", speculative_config=spec).resolve_async_scheduling("cuda") is True
+    assert VllmConfig.from_engine_args(model=".", speculative_config=spec).resolve_async_scheduling("cpu") is False
+    explicit = VllmConfig.from_engine_args(model=".", speculative_config=spec, async_scheduling=True)
+    assert explicit.scheduler_config.async_scheduling is True
 
 
 def test_may_speculate_excludes_history_dependent_processing() -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.cudagraph_config import (
     capture_sizes,
     check_cudagraph_mode,
@@ -77,16 +77,18 @@ def test_the_flags_travel_with_vllms_names() -> None:
     forwarded = forwarded_flags(args, add_model_args)
     assert forwarded[forwarded.index("--cuda-graph-sizes") + 1] == "1,2,4,8"
     again = parser.parse_args(forwarded)
-    config = EngineConfig(**engine_kwargs(again))
-    assert (config.cuda_graph_sizes, config.cudagraph_mode, config.enforce_eager) == ([1, 2, 4, 8], "static", False)
+    config = VllmConfig.from_engine_args(**engine_kwargs(again))
+    m = config.model_config
+    assert (m.cuda_graph_sizes, m.cudagraph_mode, m.enforce_eager) == ([1, 2, 4, 8], "static", False)
     model = config.to_proto().model_config
     assert list(model.cuda_graph_sizes) == [1, 2, 4, 8] and model.cudagraph_mode == "static"
-    back = EngineConfig.from_proto(config.to_proto())
+    back = VllmConfig.from_proto(config.to_proto()).model_config
     assert (back.cuda_graph_sizes, back.cudagraph_mode, back.enforce_eager) == ([1, 2, 4, 8], "static", False)
-    eager = EngineConfig(**engine_kwargs(parser.parse_args(["--model", "m", "--enforce-eager"])))
-    assert eager.enforce_eager and eager.cudagraph_mode is None and eager.cuda_graph_sizes is None
-    assert EngineConfig.from_proto(eager.to_proto()).enforce_eager
-    adopted = EngineConfig(model="")
+    eager = VllmConfig.from_engine_args(**engine_kwargs(parser.parse_args(["--model", "m", "--enforce-eager"])))
+    m = eager.model_config
+    assert m.enforce_eager and m.cudagraph_mode is None and m.cuda_graph_sizes is None
+    assert VllmConfig.from_proto(eager.to_proto()).model_config.enforce_eager
+    adopted = VllmConfig.from_engine_args(model="")
     adopted.adopt_model_config(config.to_proto().model_config)
     assert adopted.to_proto() == config.to_proto()
 
@@ -100,7 +102,7 @@ def test_the_flags_travel_with_vllms_names() -> None:
 ])
 def test_what_cannot_apply_is_refused_naming_the_flag(kwargs: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
-        EngineConfig(model="m", **kwargs)
+        VllmConfig.from_engine_args(model="m", **kwargs)
 
 
 def test_the_mode_each_worker_runs() -> None:

@@ -18,7 +18,7 @@ from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.worker.input_batch import InputBatch
@@ -140,7 +140,7 @@ def worker(tiny_llama_dir: str) -> Iterator[pb_grpc.WorkerStub]:
             except grpc.RpcError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
                 time.sleep(0.2)
-        config = EngineConfig(model="", max_num_seqs=MAX_NUM_SEQS).to_proto(with_model_config=False)
+        config = VllmConfig.from_engine_args(model="", max_num_seqs=MAX_NUM_SEQS).to_proto(with_model_config=False)
         stub.LoadModel(pb.LoadModelRequest(config=config), timeout=60)
         stub.InitKVCache(pb.InitKVCacheRequest(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE), timeout=60)
         yield stub

@@ -325,7 +325,7 @@ def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_di
     overlapped.engine.scheduler.grammar_followup = counted
     overlapped.engine.scheduler.step_fill_wait_s = 60.0  # both constrained rows in every step, loaded or not
     try:
-        assert overlapped.config.async_scheduling
+        assert overlapped.config.scheduler_config.async_scheduling
         assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == expected
         assert len(followups) > 10 and max(followups) == 2  # both constrained rows, step after step
         assert not overlapped.engine.scheduler.deferred_bitmasks

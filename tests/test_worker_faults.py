@@ -23,7 +23,7 @@ from mesh import Mesh
 from replica import Replica
 
 from services.common.auth import TOKEN_ENV, TOKEN_METADATA_KEY
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.common.redis_registry import ENGINES_KEY
@@ -132,9 +132,9 @@ def test_the_sdk_client_sends_its_token_and_a_wrong_one_is_refused(replica: Repl
 
 def _load_request(model: str | None = None, **engine_args) -> pb.LoadModelRequest:
     """A LoadModel as a scheduler sends it (no model part: the worker's), or naming `model`.
-    EngineConfig would refuse the out-of-range values these tests send: they go in the proto."""
+    VllmConfig would refuse the out-of-range values these tests send: they go in the proto."""
     max_num_seqs = engine_args.pop("max_num_seqs", 8)
-    config = EngineConfig(model=model or "", **engine_args).to_proto(with_model_config=model is not None)
+    config = VllmConfig.from_engine_args(model=model or "", **engine_args).to_proto(with_model_config=model is not None)
     config.scheduler_config.max_num_seqs = max_num_seqs
     return pb.LoadModelRequest(config=config)
 

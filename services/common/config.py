@@ -1,14 +1,18 @@
-"""Engine configuration, with vLLM's argument names, and where the default model lives."""
+"""Engine configuration (vLLM's VllmConfig and its parts, with vLLM's argument names), and where the
+default model lives."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from services.common.cudagraph_config import check_cudagraph_mode, parse_capture_sizes
+from services.common.config_fields import flag, flag_dest, flag_dests, flag_fields, from_proto, to_proto
+from services.common.cudagraph_config import CUDAGRAPH_MODES, check_cudagraph_mode, parse_capture_sizes
 from services.common.kv_transfer_config import KVTransferConfig
 from services.common.pooling_config import CONVERTS, RUNNERS, PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
@@ -124,75 +128,210 @@ MAX_NUM_SEQS_LIMIT = 16384
 MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
 
 
-@dataclass
-class EngineConfig:
-    """Everything one engine replica (scheduler + its worker) is built from."""
+class JoinSizes(argparse.Action):
+    """--cuda-graph-sizes 1 2 4 or 1,2,4: kept as one "1,2,4" string (VllmConfig parses it), so
+    that serve forwards it to the worker as one argument."""
 
-    model: str | None = None
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, ",".join(str(v) for v in values))
+
+
+# The parts of VllmConfig, vLLM's names. Each field is declared once, with its flag (help,
+# choices, vLLM's spelling) and its wire form (services/common/config_fields.py): the flags, the
+# engine arguments and the proto conversion are generated from these declarations. Field names
+# are the proto's (proto/myvllm.proto, message VllmConfig and its parts).
+
+
+@dataclass
+class ModelConfig:
+    """What the worker loads and how it computes (the worker's flags own it)."""
+
+    model: str | None = field(default=None, metadata=flag(
+        help="HF model directory (default: the converted SmolLM2-135M-Instruct)"))
     # "auto", as in vLLM: bf16 on a CPU with bf16 instructions (avx512_bf16 / AMX; measured 1.4x
     # our fp32 on an avx512_bf16 EPYC, BENCHMARKS.md), fp32 on other CPUs, bf16 on CUDA.
-    dtype: str = "auto"
-    seed: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    scheduling_policy: str = "fcfs"
-    attention_backend: str | None = None
-    # None: on where the worker runs on CUDA, off on CPU (see resolve_async_scheduling).
-    async_scheduling: bool | None = None
-    # Worker ranks per engine, each holding 1/T of the heads and MLP columns.
-    tensor_parallel_size: int = 1
-    # Pipeline stages per engine, each holding 1/P of the layers (T x P ranks in all); the
-    # scheduler keeps P steps in flight so no stage idles.
-    pipeline_parallel_size: int = 1
-    # MoE models: the experts are split across the tensor-parallel ranks (each rank holds whole
-    # experts) instead of every expert's columns; ignored by dense models, as in vLLM.
-    enable_expert_parallel: bool = False
-    # Engine replicas. Dense models (or MoE without enable_expert_parallel): independent replicas
-    # behind the gateway's load-based routing. With enable_expert_parallel: one group whose MoE
-    # layers split the experts over all D x T ranks and whose engines step in lockstep (an idle
-    # engine runs dummy steps; services/engine/step_loop.py, docs/design.md, "Waves").
-    data_parallel_size: int = 1
+    dtype: str = field(default="auto", metadata=flag(
+        choices=("float32", "bfloat16", "float16", "auto"),
+        help="default auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, float32 on other "
+             "CPUs (logged with the reason)"))
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
-    compile_model: bool = False
-    # Speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram",
-    # "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...} or
-    # {"method": "draft_model", "model": dir, "num_speculative_tokens": k}. None: off.
-    speculative_config: SpeculativeConfig | dict | str | None = None
-    # Seconds a constrained request's grammar may take to compile (a helper process runs the
-    # compile and kills it past this); the request then ends with a 400.
-    structured_outputs_compile_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S
-    # Wall-clock seconds a constrained request's grammar work (compile, rows, matcher) may take
-    # in all; the request then ends with a 400.
-    structured_outputs_request_timeout: float = DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S
+    compile_model: bool = field(default=False, metadata=flag(
+        name="--compile",
+        help="CPU: compile the model's forward with torch.compile (inductor; opt-in: the first start compiles for "
+             "minutes; see BENCHMARKS.md)"))
+    seed: int = field(default=0, metadata=flag(help="the engine's random seed (sampling without a per-request seed)"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        help="the longest a request (prompt and output) may be (default: the model's max_position_embeddings)"))
+    attention_backend: str | None = field(default=None, metadata=flag(
+        choices=("torch", "cpu", "triton"),
+        help="default: triton on CUDA, cpu (C decode kernel) on CPU; torch when cpu cannot be built"))
     # vLLM's runner: "generate" (sample tokens) or "pooling" (embeddings only). A causal LM runs
     # pooling as convert "embed" (None: what the runner implies); pooler_config (vLLM's dict or
     # its JSON text; None: LAST + normalize) says how its hidden states become one vector.
-    runner: str = "generate"
-    convert: str | None = None
-    pooler_config: PoolerConfig | dict | str | None = None
+    runner: str = field(default="generate", metadata=flag(
+        choices=RUNNERS, zero_is_default=True,
+        help="generate: sample tokens (default); pooling: embeddings only (/v1/embeddings, LLM.embed), prefix "
+             "caching off"))
+    convert: str | None = field(default=None, metadata=flag(
+        choices=CONVERTS,
+        help="how a causal LM runs under --runner pooling: embed (implied), its final-norm hidden states pooled"))
+    pooler_config: PoolerConfig | dict | str | None = field(default=None, metadata=flag(
+        help='the pooling runner\'s pooler, vLLM\'s JSON: \'{"pooling_type": "LAST"|"MEAN", "normalize": true}\' '
+             '(default LAST, normalized)'))
     # CUDA graphs for pure-decode steps (services/worker/cuda_graphs.py), vLLM's names:
     # enforce_eager turns them off; cuda_graph_sizes (a list, or "1,2,4,8") are the batch sizes
     # steps are padded to (None: vLLM's default list up to max_num_seqs); cudagraph_mode is
     # "none", "static" (the padded buffers run eagerly, on any device: what the CPU tests check)
     # or "full_decode_only" (CUDA graphs); None: full_decode_only on CUDA with the triton
     # backend, none elsewhere.
-    enforce_eager: bool = False
-    cuda_graph_sizes: list[int] | str | None = None
-    cudagraph_mode: str | None = None
+    enforce_eager: bool = field(default=False, metadata=flag(
+        help="no CUDA graphs: every step runs eager (vLLM's flag; on CPU steps always do)"))
+    cuda_graph_sizes: list[int] | str | None = field(default=None, metadata=flag(
+        nargs="+", action=JoinSizes, metavar="N",
+        help="batch sizes pure-decode steps are padded to and captured at, e.g. 1 2 4 8 (or 1,2,4,8); default "
+             "vLLM's list, 1 2 4 8 16 24 ... 248 256 272 ... 512, up to the first size >= --max-num-seqs"))
+    cudagraph_mode: str | None = field(default=None, metadata=flag(
+        type=str.lower, choices=CUDAGRAPH_MODES,
+        help="vLLM's compilation_config.cudagraph_mode: full_decode_only captures one CUDA graph per size at "
+             "start-up and replays it for pure-decode steps (mixed and prefill steps run eager); static runs those "
+             "steps eagerly on the same padded buffers (any device: what the CPU tests check); none: plain steps. "
+             "Default: full_decode_only on CUDA with the triton backend (unless --enforce-eager, --compile, "
+             "tensor/pipeline/expert parallelism or --runner pooling), none elsewhere"))
+
+
+@dataclass
+class CacheConfig:
+    """How the KV cache is laid out and sized (the scheduler's)."""
+
+    block_size: int = field(default=16, metadata=flag(help="tokens per KV cache block"))
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        help="recompute every prompt instead of reusing the KV blocks of an earlier identical prefix"))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=flag(
+        help="KV cache blocks to allocate (the null block included), instead of what fits the budget"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=flag(
+        name="--kv-cache-memory", help="KV cache budget in bytes (default: the worker's own budget)"))
+
+
+# An engine has T x P ranks, stage-major: rank = pipeline_parallel_rank * T + tensor_parallel_rank.
+@dataclass
+class ParallelConfig:
+    """Read by the worker (a rank loads its shard once its scheduler assigns its rank) and by the
+    scheduler (its --workers are T ranks per stage, stage-major; it keeps P steps in flight)."""
+
+    # Worker ranks per engine, each holding 1/T of the heads and MLP columns.
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        aliases=("-tp",),
+        help="ranks that split each layer's heads and MLP columns (a worker started with T > 1 waits for its "
+             "scheduler to assign its rank)"))
+    # Pipeline stages per engine, each holding 1/P of the layers (T x P ranks in all); the
+    # scheduler keeps P steps in flight so no stage idles.
+    pipeline_parallel_size: int = field(default=1, metadata=flag(
+        aliases=("-pp",),
+        help="stages that split the model's layers, T ranks each; the scheduler keeps P steps in flight so that "
+             "no stage idles"))
+    # MoE models: the experts are split across the tensor-parallel ranks (each rank holds whole
+    # experts) instead of every expert's columns; ignored by dense models, as in vLLM.
+    enable_expert_parallel: bool = field(default=False, metadata=flag(
+        help="MoE models: split the experts across the ranks (each holds whole experts) instead of every expert's "
+             "columns: the tensor-parallel ranks, or with --data-parallel-size D > 1 all D x T ranks of the D "
+             "engines, which then step in lockstep; dense models ignore it with one engine"))
+    # Engine replicas. Dense models (or MoE without enable_expert_parallel): independent replicas
+    # behind the gateway's load-based routing. With enable_expert_parallel: one group whose MoE
+    # layers split the experts over all D x T ranks and whose engines step in lockstep (an idle
+    # engine runs dummy steps; services/engine/step_loop.py, docs/design.md, "Waves").
+    data_parallel_size: int = field(default=1, metadata=flag(
+        aliases=("-dp",), zero_is_default=True,
+        help="engine replicas (each a scheduler and its worker ranks); serve starts a redis-server for their load "
+             "(or uses --redis) and the gateway routes between them. With --enable-expert-parallel the replicas "
+             "are one group (data-parallel attention, expert-parallel MoE layers)"))
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler batches requests (the scheduler's)."""
+
+    max_num_seqs: int = field(default=256, metadata=flag(help="requests one step may run at most"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag(help="tokens one step may compute at most"))
+    scheduling_policy: str = field(default="fcfs", metadata=flag(
+        choices=("fcfs", "priority"), help="the order waiting requests are scheduled in"))
+    # None: on where the worker runs on CUDA, off on CPU (see VllmConfig.resolve_async_scheduling).
+    async_scheduling: bool | None = field(default=None, metadata=flag(
+        help="keep two steps in flight (default: on for CUDA, off on CPU)"))
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Budgets of structured-output grammar work (the scheduler's)."""
+
+    # Seconds a constrained request's grammar may take to compile (a helper process runs the
+    # compile and kills it past this); the request then ends with a 400.
+    compile_timeout_s: float = field(default=DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S, metadata=flag(
+        name="--structured-outputs-compile-timeout", dest="structured_outputs_compile_timeout",
+        help="seconds of CPU time a structured-output grammar (JSON schema, regex, grammar) may take to compile, "
+             "in a low-priority helper process that is killed past it (or past "
+             f"{STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR}x it of wall-clock time); the request then ends with a 400 "
+             f"(default {DEFAULT_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT_S:g})"))
+    # Wall-clock seconds a constrained request's grammar work (compile, rows, matcher) may take
+    # in all; the request then ends with a 400.
+    request_timeout_s: float = field(default=DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S, metadata=flag(
+        name="--structured-outputs-request-timeout", dest="structured_outputs_request_timeout",
+        zero_is_default=True,
+        help="seconds of wall-clock time one structured-output request may spend waiting for its grammar work: its "
+             "compile (queue included) and every allowed-token row and matcher advance, together; the request then "
+             f"ends with a 400 naming this flag (default {DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S:g})"))
+
+
+# The parts, in VllmConfig's order, that are dataclasses of flags of their own (the other
+# fields of VllmConfig are one JSON-valued flag each).
+PARTS = {"model_config": ModelConfig, "cache_config": CacheConfig, "parallel_config": ParallelConfig,
+         "scheduler_config": SchedulerConfig, "structured_outputs_config": StructuredOutputsConfig}
+
+
+@dataclass
+class VllmConfig:
+    """Everything one engine replica (scheduler + its worker) is built from: vLLM's VllmConfig,
+    built once (from flags, LLM(...) arguments or LoadModel) and passed whole."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": ..., "prompt_lookup_min": ...} or
+    # {"method": "draft_model", "model": dir, "num_speculative_tokens": k}. None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata=flag(
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
+             '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N turns drafts off while N requests run '
+             '(default 0 = never)'))
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Prefill/decode disaggregation, vLLM's kv_transfer_config dict (or its JSON text):
     # {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
     # "kv_connector_extra_config": {...}}. None: no KV connector.
-    kv_transfer_config: KVTransferConfig | dict | str | None = None
+    kv_transfer_config: KVTransferConfig | dict | str | None = field(default=None, metadata=flag(
+        help='prefill/decode disaggregation, vLLM\'s JSON: \'{"kv_connector": "SharedMemoryConnector", '
+             '"kv_role": "kv_producer"}\' (or "kv_consumer", "kv_both"); "kv_connector_extra_config": '
+             '{"shm_dir": DIR, "segment_ttl_s": S}'))
+
+    @classmethod
+    def from_engine_args(cls, **engine_args: Any) -> VllmConfig:
+        """From vLLM's flat engine arguments (LLM(**kwargs), the parsed flags), each taken by the
+        part whose field declares it."""
+        args = dict(engine_args)
+        parts = {}
+        for name, part in PARTS.items():
+            parts[name] = part(**{f.name: args.pop(flag_dest(f)) for f in flag_fields(part) if flag_dest(f) in args})
+        unknown = sorted(set(args) - set(flag_dests(cls)))
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}")
+        return cls(**parts, **args)
 
     def __post_init__(self) -> None:
-        if self.model is None:
-            self.model = default_model_path()
+        m, c, p, s = self.model_config, self.cache_config, self.parallel_config, self.scheduler_config
+        so = self.structured_outputs_config
+        if m.model is None:
+            m.model = default_model_path()
         self._apply_runner()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
@@ -201,80 +340,83 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             self._check_kv_transfer()
         self._check_cuda_graphs()
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if not self.structured_outputs_compile_timeout > 0:
+        if s.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {s.scheduling_policy!r}")
+        if not so.compile_timeout_s > 0:
             raise ValueError("structured_outputs_compile_timeout (--structured-outputs-compile-timeout) must be "
-                             f"positive, got {self.structured_outputs_compile_timeout}")
-        if not self.structured_outputs_request_timeout > 0:
+                             f"positive, got {so.compile_timeout_s}")
+        if not so.request_timeout_s > 0:
             raise ValueError("structured_outputs_request_timeout (--structured-outputs-request-timeout) must be "
-                             f"positive, got {self.structured_outputs_request_timeout}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS_LIMIT:
-            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS_LIMIT}], got {self.max_num_seqs}")
-        if not 1 <= self.max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS_LIMIT:
+                             f"positive, got {so.request_timeout_s}")
+        if c.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {c.block_size}")
+        if not 1 <= s.max_num_seqs <= MAX_NUM_SEQS_LIMIT:
+            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS_LIMIT}], got {s.max_num_seqs}")
+        if not 1 <= s.max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS_LIMIT:
             raise ValueError(f"max_num_batched_tokens must be in [1, {MAX_NUM_BATCHED_TOKENS_LIMIT}], "
-                             f"got {self.max_num_batched_tokens}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be positive, got {self.pipeline_parallel_size}")
-        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+                             f"got {s.max_num_batched_tokens}")
+        if p.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {p.tensor_parallel_size}")
+        if p.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be positive, got {p.pipeline_parallel_size}")
+        if p.pipeline_parallel_size > 1 and s.async_scheduling:
             raise ValueError("async scheduling does not combine with pipeline parallelism (the first stage "
                              "needs each sampled token before it schedules the next); the pipeline keeps "
                              "pipeline_parallel_size steps in flight instead")
-        if self.pipeline_parallel_size > 1 and self.compile_model:
+        if p.pipeline_parallel_size > 1 and m.compile_model:
             raise ValueError("compile_model is not supported with pipeline_parallel_size > 1")
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
+        if p.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be positive, got {p.data_parallel_size}")
         if self.expert_parallel_group:
             self._check_expert_parallel_group()
 
     def _apply_runner(self) -> None:
         """The pooling runner's rules, in one place (also run when a scheduler adopts its
         worker's model part, which carries the runner)."""
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
-        if self.convert is None:  # vLLM: a causal LM under the pooling runner is converted to embed
-            self.convert = "embed" if self.runner == "pooling" else "none"
-        if self.convert not in CONVERTS:
-            raise ValueError(f"convert must be one of {CONVERTS}, got {self.convert!r}")
-        self.pooler_config = PoolerConfig.parse(self.pooler_config)
-        if self.runner == "generate":
-            if self.convert != "none":
-                raise ValueError(f"convert {self.convert!r} (--convert) needs runner 'pooling' (--runner pooling)")
-            if self.pooler_config is not None:
+        m = self.model_config
+        if m.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {m.runner!r}")
+        if m.convert is None:  # vLLM: a causal LM under the pooling runner is converted to embed
+            m.convert = "embed" if m.runner == "pooling" else "none"
+        if m.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {CONVERTS}, got {m.convert!r}")
+        m.pooler_config = PoolerConfig.parse(m.pooler_config)
+        if m.runner == "generate":
+            if m.convert != "none":
+                raise ValueError(f"convert {m.convert!r} (--convert) needs runner 'pooling' (--runner pooling)")
+            if m.pooler_config is not None:
                 raise ValueError("pooler_config (--pooler-config) needs runner 'pooling' (--runner pooling)")
             return
-        if self.convert != "embed":
+        if m.convert != "embed":
             raise ValueError("runner 'pooling' on a causal LM needs convert 'embed' (--convert embed; the default): "
                              "the model has no pooling head of its own")
-        if self.pooler_config is None:
-            self.pooler_config = PoolerConfig()
+        if m.pooler_config is None:
+            m.pooler_config = PoolerConfig()
         if self.speculative_config is not None:
             raise ValueError("speculative_config does not combine with runner 'pooling' (nothing is decoded)")
         # Prefix caching is off under the pooling runner: MEAN pooling needs every prompt token's
         # hidden state, and a prefix-cache hit would skip computing them (vLLM turns it off too).
-        self.enable_prefix_caching = False
+        self.cache_config.enable_prefix_caching = False
 
     def _check_cuda_graphs(self) -> None:
         """Parse --cuda-graph-sizes and refuse a --cudagraph-mode that cannot apply (the worker
         checks the device-dependent rest)."""
-        self.cuda_graph_sizes = parse_capture_sizes(self.cuda_graph_sizes)
-        self.cudagraph_mode = check_cudagraph_mode(self.cudagraph_mode, self.enforce_eager, self.compile_model,
-                                                   self.pipeline_parallel_size)
+        m = self.model_config
+        m.cuda_graph_sizes = parse_capture_sizes(m.cuda_graph_sizes)
+        m.cudagraph_mode = check_cudagraph_mode(m.cudagraph_mode, m.enforce_eager, m.compile_model,
+                                                self.parallel_config.pipeline_parallel_size)
 
     @property
     def expert_parallel_group(self) -> bool:
         """The data-parallel engines form one expert-parallel group that steps in lockstep."""
-        return self.enable_expert_parallel and self.data_parallel_size > 1
+        return self.parallel_config.enable_expert_parallel and self.parallel_config.data_parallel_size > 1
 
     def _check_expert_parallel_group(self) -> None:
         """Refuse what the lockstep group does not run (yet), naming the flag."""
-        refused = [(self.pipeline_parallel_size > 1, "pipeline_parallel_size > 1 (--pipeline-parallel-size)"),
-                   (bool(self.async_scheduling), "async_scheduling (--async-scheduling)"),
-                   (self.compile_model, "compile_model (--compile)")]
+        refused = [(self.parallel_config.pipeline_parallel_size > 1,
+                    "pipeline_parallel_size > 1 (--pipeline-parallel-size)"),
+                   (bool(self.scheduler_config.async_scheduling), "async_scheduling (--async-scheduling)"),
+                   (self.model_config.compile_model, "compile_model (--compile)")]
         for hit, what in refused:
             if hit:
                 raise ValueError(f"data_parallel_size > 1 with enable_expert_parallel does not combine with {what}: "
@@ -282,7 +424,7 @@ class EngineConfig:
 
     def _check_speculation(self) -> None:
         """Refuse the combinations speculative decoding does not make exact (yet), naming the flag."""
-        if self.pipeline_parallel_size > 1:
+        if self.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config does not combine with pipeline_parallel_size > 1 "
                              "(--pipeline-parallel-size)")
         if self.expert_parallel_group and self.speculative_config.method == "draft_model":
@@ -291,10 +433,11 @@ class EngineConfig:
 
     def _check_kv_transfer(self) -> None:
         """Refuse what the KV connector does not transfer (yet), naming the flag."""
-        refused = [(self.tensor_parallel_size > 1, "tensor_parallel_size > 1 (--tensor-parallel-size)"),
-                   (self.pipeline_parallel_size > 1, "pipeline_parallel_size > 1 (--pipeline-parallel-size)"),
+        p = self.parallel_config
+        refused = [(p.tensor_parallel_size > 1, "tensor_parallel_size > 1 (--tensor-parallel-size)"),
+                   (p.pipeline_parallel_size > 1, "pipeline_parallel_size > 1 (--pipeline-parallel-size)"),
                    (self.expert_parallel_group, "data_parallel_size > 1 with enable_expert_parallel"),
-                   (self.runner == "pooling", "runner 'pooling' (--runner pooling)"),
+                   (self.model_config.runner == "pooling", "runner 'pooling' (--runner pooling)"),
                    (self.speculative_config is not None and self.speculative_config.method == "draft_model",
                     "speculative_config method draft_model (the draft's own KV is not transferred)")]
         for hit, what in refused:
@@ -304,91 +447,37 @@ class EngineConfig:
 
     def resolve_async_scheduling(self, device: str) -> bool:
         """Fix the automatic choice once the worker's device is known."""
-        if self.async_scheduling is None:
-            self.async_scheduling = (device == "cuda" and self.pipeline_parallel_size == 1
-                                     and not self.expert_parallel_group)
-        return self.async_scheduling
+        s = self.scheduler_config
+        if s.async_scheduling is None:
+            s.async_scheduling = (device == "cuda" and self.parallel_config.pipeline_parallel_size == 1
+                                  and not self.expert_parallel_group)
+        return s.async_scheduling
 
     def to_proto(self, with_model_config: bool = True) -> pb.VllmConfig:
         """The whole configuration as it travels (LoadModel, ModelInfo). A scheduler leaves out
         the model part, which is its worker's (see VllmConfig in proto/myvllm.proto)."""
-        spec = self.speculative_config
-        return pb.VllmConfig(
-            model_config=pb.ModelConfig(model=self.model, dtype=self.dtype, seed=self.seed,
-                                        max_model_len=self.max_model_len or 0,
-                                        attention_backend=self.attention_backend or "",
-                                        compile_model=self.compile_model, runner=self.runner,
-                                        convert=self.convert,
-                                        pooler_config=self.pooler_config.to_proto() if self.pooler_config else None,
-                                        enforce_eager=self.enforce_eager,
-                                        cuda_graph_sizes=self.cuda_graph_sizes or (),
-                                        cudagraph_mode=self.cudagraph_mode or "")
-            if with_model_config else None,
-            cache_config=pb.CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                                        num_gpu_blocks_override=self.num_gpu_blocks_override or 0,
-                                        kv_cache_memory_bytes=self.kv_cache_memory_bytes or 0),
-            parallel_config=pb.ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                              pipeline_parallel_size=self.pipeline_parallel_size,
-                                              enable_expert_parallel=self.enable_expert_parallel,
-                                              data_parallel_size=self.data_parallel_size),
-            scheduler_config=pb.SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                                max_num_batched_tokens=self.max_num_batched_tokens,
-                                                scheduling_policy=self.scheduling_policy,
-                                                async_scheduling=self.async_scheduling),
-            speculative_config=spec.to_proto() if spec else None,
-            structured_outputs_config=pb.StructuredOutputsConfig(
-                compile_timeout_s=self.structured_outputs_compile_timeout,
-                request_timeout_s=self.structured_outputs_request_timeout),
-            kv_transfer_config=self.kv_transfer_config.to_proto() if self.kv_transfer_config else None)
+        message = to_proto(self, pb.VllmConfig)
+        if not with_model_config:
+            message.ClearField("model_config")
+        return message
 
     @classmethod
-    def from_proto(cls, config: pb.VllmConfig) -> EngineConfig:
+    def from_proto(cls, config: pb.VllmConfig) -> VllmConfig:
         """The configuration a proto carries, checked by the same rules as any other (ValueError)."""
-        m, c, p, s = config.model_config, config.cache_config, config.parallel_config, config.scheduler_config
-        return cls(model=m.model, dtype=m.dtype, seed=m.seed, max_model_len=m.max_model_len or None,
-                   attention_backend=m.attention_backend or None, compile_model=m.compile_model,
-                   runner=m.runner or "generate", convert=m.convert or None,
-                   pooler_config=PoolerConfig.from_proto(m.pooler_config) if m.HasField("pooler_config") else None,
-                   enforce_eager=m.enforce_eager, cuda_graph_sizes=list(m.cuda_graph_sizes) or None,
-                   cudagraph_mode=m.cudagraph_mode or None,
-                   block_size=c.block_size, enable_prefix_caching=c.enable_prefix_caching,
-                   num_gpu_blocks_override=c.num_gpu_blocks_override or None,
-                   kv_cache_memory_bytes=c.kv_cache_memory_bytes or None,
-                   tensor_parallel_size=p.tensor_parallel_size, pipeline_parallel_size=p.pipeline_parallel_size,
-                   enable_expert_parallel=p.enable_expert_parallel, data_parallel_size=p.data_parallel_size or 1,
-                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                   scheduling_policy=s.scheduling_policy,
-                   async_scheduling=s.async_scheduling if s.HasField("async_scheduling") else None,
-                   speculative_config=SpeculativeConfig.from_proto(config.speculative_config)
-                   if config.HasField("speculative_config") else None,
-                   structured_outputs_compile_timeout=config.structured_outputs_config.compile_timeout_s,
-                   # (unset: a sender that predates the field)
-                   structured_outputs_request_timeout=config.structured_outputs_config.request_timeout_s
-                   or DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S,
-                   kv_transfer_config=KVTransferConfig.from_proto(config.kv_transfer_config)
-                   if config.HasField("kv_transfer_config") else None)
+        return from_proto(cls, config)
 
     def adopt_model_config(self, model_config: pb.ModelConfig) -> None:
         """A scheduler takes its worker's model part (model_config is the worker's)."""
-        self.model, self.dtype, self.seed = model_config.model, model_config.dtype, model_config.seed
-        self.max_model_len = model_config.max_model_len or None
-        self.attention_backend = model_config.attention_backend or None
-        self.compile_model = model_config.compile_model
-        self.runner, self.convert = model_config.runner or "generate", model_config.convert or None
-        self.pooler_config = PoolerConfig.from_proto(model_config.pooler_config) \
-            if model_config.HasField("pooler_config") else None
-        self.enforce_eager = model_config.enforce_eager
-        self.cuda_graph_sizes = list(model_config.cuda_graph_sizes) or None
-        self.cudagraph_mode = model_config.cudagraph_mode or None
+        self.model_config = from_proto(ModelConfig, model_config)
         self._apply_runner()
 
     @property
     def steps_in_flight(self) -> int:
         """How many scheduled steps the engine loop keeps on the workers at once: one per
         pipeline stage, two with async scheduling, else one."""
-        if self.pipeline_parallel_size > 1:
-            return self.pipeline_parallel_size
-        return 2 if self.async_scheduling else 1
+        if self.parallel_config.pipeline_parallel_size > 1:
+            return self.parallel_config.pipeline_parallel_size
+        return 2 if self.scheduler_config.async_scheduling else 1
 
 
 # Where scheduler and worker are separate processes, who sets which part of VllmConfig: the
@@ -407,12 +496,12 @@ def config_mismatches(ours: pb.VllmConfig, theirs: pb.VllmConfig, parts: Iterabl
         if ours.HasField(part) != theirs.HasField(part):
             found.append(f"{part}: {_part_text(ours, part)} vs {_part_text(theirs, part)}")
             continue
-        for field in a.DESCRIPTOR.fields:
-            x, y = getattr(a, field.name), getattr(b, field.name)
-            if field.has_presence and a.HasField(field.name) != b.HasField(field.name):
-                x, y = (v if m.HasField(field.name) else None for v, m in ((x, a), (y, b)))
+        for desc in a.DESCRIPTOR.fields:
+            x, y = getattr(a, desc.name), getattr(b, desc.name)
+            if desc.has_presence and a.HasField(desc.name) != b.HasField(desc.name):
+                x, y = (v if m.HasField(desc.name) else None for v, m in ((x, a), (y, b)))
             if x != y:
-                found.append(f"{part}.{field.name}: {x!r} vs {y!r}")
+                found.append(f"{part}.{desc.name}: {x!r} vs {y!r}")
     return found
 
 

@@ -67,7 +67,7 @@ def parse_capture_sizes(value: str | Sequence[int] | None) -> list[int] | None:
 def check_cudagraph_mode(mode: str | None, enforce_eager: bool = False, compile_model: bool = False,
                          pipeline_parallel_size: int = 1) -> str | None:
     """The configured mode, lower-cased (None: automatic), refused where it cannot apply whatever
-    the device (ValueError naming the flags). EngineConfig and the runner both check."""
+    the device (ValueError naming the flags). VllmConfig and the runner both check."""
     if mode is None or mode == "":
         return None
     mode = mode.lower()

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.config_fields import from_proto, to_proto, wire
 from services.common.kv_transfer_params import HOST_RE
 from services.common.proto import myvllm_pb2 as pb
 
@@ -43,9 +44,10 @@ DEFAULT_MAX_BUFFER_BYTES = 4 << 30
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    kv_connector: str
-    kv_role: str
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_connector: str = field(metadata=wire(choices=CONNECTORS))
+    kv_role: str = field(metadata=wire(choices=ROLES))
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, metadata=wire(
+        example={"segment_ttl_s": 5.0}))
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:
@@ -132,12 +134,8 @@ class KVTransferConfig:
                    kv_connector_extra_config=dict(value.get("kv_connector_extra_config") or {}))
 
     @classmethod
-    def from_proto(cls, config: pb.KVTransferConfig) -> KVTransferConfig:
-        extra = config.kv_connector_extra_config
-        return cls.parse({"kv_connector": config.kv_connector, "kv_role": config.kv_role,
-                          "kv_connector_extra_config": json.loads(extra) if extra else {}})
+    def from_proto(cls, message: pb.KVTransferConfig) -> KVTransferConfig:
+        return from_proto(cls, message)
 
     def to_proto(self) -> pb.KVTransferConfig:
-        extra = self.kv_connector_extra_config
-        return pb.KVTransferConfig(kv_connector=self.kv_connector, kv_role=self.kv_role,
-                                   kv_connector_extra_config=json.dumps(extra, sort_keys=True) if extra else "")
+        return to_proto(self, pb.KVTransferConfig)

@@ -3,15 +3,16 @@
 Shared by the offline `LLM`, `serve`, the scheduler, the worker and the gateway: `--pooler-config`
 (a dict or its JSON text) becomes a `PoolerConfig`, then the proto message inside ModelConfig.
 The rules that tie them together (pooling implies convert "embed" on a causal LM, prefix caching
-off) live in `EngineConfig` (services/common/config.py), once.
+off) live in `VllmConfig` (services/common/config.py), once.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.config_fields import from_proto, to_proto, wire
 from services.common.proto import myvllm_pb2 as pb
 
 RUNNERS = ("generate", "pooling")
@@ -31,7 +32,7 @@ class PoolerConfig:
     """How hidden states become one vector. Defaults as vLLM's for decoder LMs served as
     embedding models (e.g. Qwen3-Embedding): the last token, L2-normalized."""
 
-    pooling_type: str = "LAST"
+    pooling_type: str = field(default="LAST", metadata=wire(choices=POOLING_TYPES))
     normalize: bool = True
 
     def __post_init__(self) -> None:
@@ -60,12 +61,11 @@ class PoolerConfig:
                    normalize=value.get("normalize", True))
 
     def to_proto(self) -> pb.PoolerConfig:
-        return pb.PoolerConfig(pooling_type=self.pooling_type, normalize=self.normalize)
+        return to_proto(self, pb.PoolerConfig)
 
     @classmethod
     def from_proto(cls, message: pb.PoolerConfig) -> PoolerConfig:
-        return cls(pooling_type=message.pooling_type, normalize=message.normalize)
-
+        return from_proto(cls, message)
 
 def dimensions_error(dimensions: int, hidden_size: int, is_matryoshka: bool,
                      matryoshka_dimensions: list[int] | tuple[int, ...] = ()) -> str | None:

@@ -7,9 +7,10 @@ a user writes becomes a `SpeculativeConfig`, then the proto message the worker l
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.config_fields import from_proto, to_proto, wire
 from services.common.proto import myvllm_pb2 as pb
 
 METHODS = ("ngram", "draft_model")
@@ -25,7 +26,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 0
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str
+    method: str = field(metadata=wire(choices=METHODS))
     num_speculative_tokens: int
     prompt_lookup_max: int = 0
     prompt_lookup_min: int = 0
@@ -88,17 +89,11 @@ class SpeculativeConfig:
         return cls(**args)
 
     @classmethod
-    def from_proto(cls, config: pb.SpeculativeConfig) -> SpeculativeConfig:
-        return cls(method=config.method, num_speculative_tokens=config.num_speculative_tokens,
-                   prompt_lookup_max=config.prompt_lookup_max, prompt_lookup_min=config.prompt_lookup_min,
-                   model=config.model, disable_by_batch_size=config.disable_by_batch_size)
+    def from_proto(cls, message: pb.SpeculativeConfig) -> SpeculativeConfig:
+        return from_proto(cls, message)
 
     def to_proto(self) -> pb.SpeculativeConfig:
-        return pb.SpeculativeConfig(method=self.method, num_speculative_tokens=self.num_speculative_tokens,
-                                    prompt_lookup_max=self.prompt_lookup_max,
-                                    prompt_lookup_min=self.prompt_lookup_min, model=self.model,
-                                    disable_by_batch_size=self.disable_by_batch_size)
-
+        return to_proto(self, pb.SpeculativeConfig)
 
 def may_speculate(sampling: pb.SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request's next tokens may come from verified drafts, exactly as without them.

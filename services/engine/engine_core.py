@@ -6,7 +6,7 @@ worker (a direct call or a gRPC stream) is the caller's business.
 
 from __future__ import annotations
 
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.kv_transfer_params import check_params
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
@@ -17,7 +17,7 @@ from services.engine.structured_output import RequestGrammar, StructuredOutputMa
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_info: pb.ModelInfo, num_blocks: int,
+    def __init__(self, config: VllmConfig, model_info: pb.ModelInfo, num_blocks: int,
                  kv_producer_address: str | None = None) -> None:
         """`kv_producer_address`: where other engines' workers reach this engine's worker
         (GrpcConnector producers: the params of its saved prompts say it)."""
@@ -26,15 +26,17 @@ class EngineCore:
         self.model_info = model_info
         self.max_model_len = model_info.max_model_len
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
+        sched, cache = config.scheduler_config, config.cache_config
         self.structured_output = StructuredOutputManager(
-            config.model, model_info.vocab_size, model_info.eos_token_ids, config.max_num_seqs,
-            compile_timeout_s=config.structured_outputs_compile_timeout,
-            request_timeout_s=config.structured_outputs_request_timeout)
+            config.model_config.model, model_info.vocab_size, model_info.eos_token_ids, sched.max_num_seqs,
+            compile_timeout_s=config.structured_outputs_config.compile_timeout_s,
+            request_timeout_s=config.structured_outputs_config.request_timeout_s)
         self.scheduler = Scheduler(
-            num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching, policy=config.scheduling_policy,
-            async_scheduling=config.async_scheduling, pipeline_parallel=config.pipeline_parallel_size > 1,
+            num_blocks=num_blocks, block_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=self.max_model_len,
+            enable_prefix_caching=cache.enable_prefix_caching, policy=sched.scheduling_policy,
+            async_scheduling=sched.async_scheduling,
+            pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
             structured_output=self.structured_output, speculative_config=config.speculative_config,
             kv_transfer_config=config.kv_transfer_config, kv_producer_address=kv_producer_address)
         self.num_steps = 0
@@ -72,7 +74,7 @@ class EngineCore:
     def _check_runner(self, req: pb.GenerateRequest) -> None:
         """A pooling engine serves embedding requests only, a generate engine none (vLLM's rule);
         `dimensions` only where the model allows them."""
-        pooling = self.config.runner == "pooling"
+        pooling = self.config.model_config.runner == "pooling"
         if req.HasField("pooling") != pooling:
             raise InvalidRequest(POOLING_ONLY_MESSAGE if pooling else GENERATE_ONLY_MESSAGE)
         if pooling:
@@ -158,10 +160,12 @@ class EngineCore:
     def stats(self) -> pb.Stats:
         s = self.scheduler.stats()
         info = self.model_info
-        return pb.Stats(max_model_len=self.max_model_len, model=self.config.model, block_size=self.config.block_size,
-                        num_steps=self.num_steps, dtype=info.dtype, attention_backend=info.attention_backend,
-                        max_num_seqs=self.config.max_num_seqs, runner=self.config.runner,
-                        max_num_batched_tokens=self.config.max_num_batched_tokens,
+        c = self.config
+        return pb.Stats(max_model_len=self.max_model_len, model=c.model_config.model,
+                        block_size=c.cache_config.block_size, num_steps=self.num_steps, dtype=info.dtype,
+                        attention_backend=info.attention_backend, max_num_seqs=c.scheduler_config.max_num_seqs,
+                        runner=c.model_config.runner,
+                        max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens,
                         grammar_compiles=self.structured_output.num_compiles,
                         grammar_compile_seconds=self.structured_output.compile_seconds,
                         grammar_cache_hits=self.structured_output.cache_hits,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from services.common.config import WORKER_OWNED_PARTS, EngineConfig, config_mismatch_message, config_mismatches
+from services.common.config import WORKER_OWNED_PARTS, VllmConfig, config_mismatch_message, config_mismatches
 from services.common.proto import myvllm_pb2 as pb
 
 
@@ -21,7 +21,7 @@ class WorkerSetup(Protocol):
     async def init_kv_cache(self, request: pb.InitKVCacheRequest) -> None: ...
 
 
-async def set_up_workers(workers: WorkerSetup, config: EngineConfig,
+async def set_up_workers(workers: WorkerSetup, config: VllmConfig,
                          worker_owns_model: bool = False) -> tuple[pb.ModelInfo, int]:
     """Load the model on every rank and allocate its KV cache: (the model info, the number of
     KV blocks). `worker_owns_model`: a scheduler's separate workers load their own model (their
@@ -37,20 +37,22 @@ async def set_up_workers(workers: WorkerSetup, config: EngineConfig,
         raise ValueError(config_mismatch_message(mismatches, "the scheduler's", "the worker's"))
     if worker_owns_model:
         config.adopt_model_config(info.config.model_config)
+    cache = config.cache_config
     capacity = await workers.get_kv_capacity(pb.KVCapacityRequest(
-        block_size=config.block_size, kv_cache_memory_bytes=config.kv_cache_memory_bytes or 0))
+        block_size=cache.block_size, kv_cache_memory_bytes=cache.kv_cache_memory_bytes or 0))
     num_blocks = choose_num_blocks(config, capacity, info.max_model_len)
-    await workers.init_kv_cache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=config.block_size))
+    await workers.init_kv_cache(pb.InitKVCacheRequest(num_blocks=num_blocks, block_size=cache.block_size))
     return info, num_blocks
 
 
-def choose_num_blocks(config: EngineConfig, capacity: pb.KVCapacity, max_model_len: int) -> int:
+def choose_num_blocks(config: VllmConfig, capacity: pb.KVCapacity, max_model_len: int) -> int:
     """Blocks in the pool (the null block included): the override, else what fits the budget."""
-    if config.num_gpu_blocks_override:
-        return int(config.num_gpu_blocks_override)
-    needed = -(-max_model_len // config.block_size) + 1
+    cache = config.cache_config
+    if cache.num_gpu_blocks_override:
+        return int(cache.num_gpu_blocks_override)
+    needed = -(-max_model_len // cache.block_size) + 1
     if capacity.num_blocks < needed:
         raise ValueError(
-            f"KV cache budget holds {capacity.num_blocks} blocks of {config.block_size} tokens; one request of "
+            f"KV cache budget holds {capacity.num_blocks} blocks of {cache.block_size} tokens; one request of "
             f"max_model_len={max_model_len} needs {needed}. Raise kv_cache_memory_bytes or lower max_model_len.")
     return int(capacity.num_blocks)

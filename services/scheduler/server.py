@@ -31,7 +31,7 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.auth import server_interceptors
-from services.common.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
+from services.common.config import DEFAULT_MAX_WAITING_REQUESTS, VllmConfig
 from services.common.dp_wave import check_request_wave
 from services.common.grpc_utils import StartupError
 from services.common.message_limits import generate_request_bytes, receive_limit, runner_output_bytes
@@ -69,7 +69,7 @@ IDLE_PROBE_S = 2.0
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, config: EngineConfig, worker: WorkerGroup, load_reporter: LoadReporter | None = None,
+    def __init__(self, config: VllmConfig, worker: WorkerGroup, load_reporter: LoadReporter | None = None,
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, wave: EngineWave | None = None) -> None:
         self.config = config
         self.wave = wave  # a data-parallel expert-parallel group's engine: its part of the wave protocol
@@ -87,7 +87,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         # Why this replica cannot serve right now (None: the worker is set up and stepping).
         self.worker_down: str | None = None
         # Prefix-cache changes for gateways (SubscribeKvEvents); outlives engine cores.
-        self.kv_events = KvEventLog(config.block_size)
+        self.kv_events = KvEventLog(config.cache_config.block_size)
         # A GrpcConnector consumer with Redis: the producers the signed registry names.
         self.kv_producers: ProducerRegistry | None = None
 
@@ -341,7 +341,7 @@ def advertised_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_addresses: list[str],
+async def serve_scheduler(host: str, port: int, config: VllmConfig, worker_addresses: list[str],
                           redis_url: str | None = None, engine_id: str | None = None,
                           connect_timeout: float = 120.0, advertise_address: str | None = None,
                           token: str | None = None, engine_timeout: float = DEFAULT_ENGINE_TIMEOUT_S,
@@ -365,11 +365,12 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
 
             group_host, _, group_port = data_parallel_address.rpartition(":")
             store = RendezvousStore(group_host, int(group_port))
-        answer_bytes = receive_limit(runner_output_bytes(config.max_num_seqs, config.max_num_batched_tokens,
+        sched = config.scheduler_config
+        answer_bytes = receive_limit(runner_output_bytes(sched.max_num_seqs, sched.max_num_batched_tokens,
                                                          drafts_per_step(config.speculative_config)))
         worker = WorkerGroup([WorkerLink(a, answer_bytes, token=token, engine_timeout=engine_timeout)
                               for a in worker_addresses],
-                             config.tensor_parallel_size, config.pipeline_parallel_size,
+                             config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size,
                              rendezvous_host=host, advertise_host=address.rpartition(":")[0],
                              group_init_method=group_init_method, data_parallel_rank=data_parallel_rank)
     except (ValueError, RuntimeError) as e:
@@ -387,7 +388,7 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
         import redis.asyncio as aioredis
 
         client = aioredis.from_url(redis_url)
-        size = config.data_parallel_size
+        size = config.parallel_config.data_parallel_size
         coordinator = WaveCoordinator(client, dp_group, size, token) if data_parallel_rank == 0 else None
         wave = EngineWave(client, dp_group, data_parallel_rank, size, token, coordinator, wake=lambda: None)
         await wave.start()  # subscribed before the engine can step
@@ -421,14 +422,14 @@ async def serve_scheduler(host: str, port: int, config: EngineConfig, worker_add
         raise StartupError(f"scheduler: {servicer.group_fault.result()}")
 
 
-def _check_group(config: EngineConfig, redis_url: str | None, rank: int, address: str | None,
+def _check_group(config: VllmConfig, redis_url: str | None, rank: int, address: str | None,
                  group: str) -> str | None:
     """For an engine of a data-parallel expert-parallel group: the init method its workers join
     the group's process group by (None for an engine of its own). Raises StartupError naming the
     flag that is missing or wrong."""
     if not config.expert_parallel_group:
         return None
-    size = config.data_parallel_size
+    size = config.parallel_config.data_parallel_size
     if not 0 <= rank < size:
         raise StartupError(f"scheduler: --data-parallel-rank {rank} is outside [0, --data-parallel-size {size})")
     if not redis_url:

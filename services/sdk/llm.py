@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from services.common.config import EngineConfig
+from services.common.config import VllmConfig
 from services.common.kv_transfer_params import params_from_dict, params_to_dict
 from services.common.pooling_config import PoolingParams
 from services.common.proto import myvllm_pb2 as pb
@@ -58,8 +58,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.config = c = EngineConfig(model=model, **engine_args)
-        if c.data_parallel_size > 1 and not c.expert_parallel_group:
+        self.config = c = VllmConfig.from_engine_args(model=model, **engine_args)
+        if c.parallel_config.data_parallel_size > 1 and not c.expert_parallel_group:
             raise ValueError("LLM(data_parallel_size > 1) runs its engines as one expert-parallel group: add "
                              "enable_expert_parallel=True (MoE models); independent replicas are `myvllm serve "
                              "--data-parallel-size`")
@@ -70,7 +70,8 @@ class LLM:
                              "offline kv_consumer can fetch from one)")
         self._groups = self._make_rank_groups()
         self.worker = self._groups[0]
-        self._handles = [LocalWorkers(group, pipelined=c.pipeline_parallel_size > 1, threaded=c.expert_parallel_group)
+        self._handles = [LocalWorkers(group, pipelined=c.parallel_config.pipeline_parallel_size > 1,
+                                      threaded=c.expert_parallel_group)
                          for group in self._groups]
         self._workers = self._handles[0]
         self._loop = asyncio.new_event_loop()  # runs the set-up and the step loop, within each call
@@ -86,7 +87,7 @@ class LLM:
             handle.set_steps_in_flight(c.steps_in_flight)
         # Text, stop strings and bad words go through the gateway's pieces (services/text), so
         # offline and served completions of the same request read the same.
-        self.text_tokenizer = Tokenizer(AutoTokenizer.from_pretrained(self.config.model),
+        self.text_tokenizer = Tokenizer(AutoTokenizer.from_pretrained(self.config.model_config.model),
                                         list(info.eos_token_ids), info.vocab_size)
         self.tokenizer = self.text_tokenizer.hf_tokenizer
         self._ids = itertools.count()
@@ -94,12 +95,12 @@ class LLM:
     def _make_rank_groups(self) -> list[Worker | ParallelWorkers]:
         """One engine's ranks; or, for a data-parallel expert-parallel group, each engine's, all
         meeting at one store (engine 0's rank 0 in this process, every other rank a child)."""
-        c = self.config
+        c, p = self.config, self.config.parallel_config
         if not c.expert_parallel_group:
-            return [make_workers(c.tensor_parallel_size, c.pipeline_parallel_size)]
+            return [make_workers(p.tensor_parallel_size, p.pipeline_parallel_size)]
         store = RendezvousStore()
-        return [ParallelWorkers(c.tensor_parallel_size, data_parallel_rank=rank, rendezvous=store, local=rank == 0)
-                for rank in range(c.data_parallel_size)]
+        return [ParallelWorkers(p.tensor_parallel_size, data_parallel_rank=rank, rendezvous=store, local=rank == 0)
+                for rank in range(p.data_parallel_size)]
 
     def close(self) -> None:
         """Stop the model-parallel rank processes, if any (they also die with this process), and

@@ -22,7 +22,7 @@ import grpc
 
 from services.common import grpc_utils
 from services.common.auth import server_interceptors
-from services.common.config import SHARED_PARTS, EngineConfig, config_mismatch_message, config_mismatches
+from services.common.config import SHARED_PARTS, VllmConfig, config_mismatch_message, config_mismatches
 from services.common.message_limits import MAX_ERROR_CHARS, WORKER_RECEIVE_BYTES
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
@@ -94,7 +94,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                            f"this worker may not load draft model {draft} (start it with --speculative-config "
                            "naming that model, or with --allowed-model-root above it)")
         try:
-            EngineConfig.from_proto(config)  # every configuration passes the same checks
+            VllmConfig.from_proto(config)  # every configuration passes the same checks
         except ValueError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"LoadModel.config: {e}") from None
         return merged
