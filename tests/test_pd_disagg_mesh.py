@@ -80,7 +80,7 @@ def test_two_replicas_hand_a_prompt_over(tiny_llama_dir, tmp_path, redis_server,
             flag = kv_flag(connector, role, shm)
             replicas.append(Replica(tiny_llama_dir, worker_args=(*WORKER_ARGS, *flag),
                                     extra_scheduler_args=("--block-size", "4", *flag),
-                                    **({"redis_url": redis_server, "token": "pd-mesh-token"} if grpc else {})))
+                                    **({"redis_url": redis_server, "token": "pd-mesh-internal-token"} if grpc else {})))
         producer, consumer = replicas
         for r in replicas:
             r.wait_ready()
