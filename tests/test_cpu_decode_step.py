@@ -13,7 +13,7 @@ from isa_levels import levels_here
 
 from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_packed_library
-from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm
+from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm, keeps_onednn_for_bf16
 from services.worker.model_runner import ModelRunner
 
 # Only a machine without a C compiler may skip: a build failure where one exists is a failure.
@@ -24,10 +24,15 @@ NUM_BLOCKS = 12 * 40 + 1  # room for 40 requests of up to 12 blocks
 
 
 def _packed_step_or_skip(runner: ModelRunner) -> PackedStep:
-    """The runner's packed step; a CPU without AVX-512 has no packed GEMM for it to run on."""
+    """The runner's packed step; a CPU without AVX-512 has no packed GEMM for it to run on, and one
+    with AMX keeps oneDNN (its AMX tiles) for bf16 layers, so it has no bf16 packed step."""
     step = runner.model.packed_step
-    if step is None and PanelGemm.load() is None:
+    gemm = PanelGemm.load()
+    if step is None and gemm is None:
         pytest.skip("no AVX-512: the linear layers keep oneDNN and there is no packed step")
+    if step is None and runner.dtype not in gemm.dtypes:
+        assert runner.dtype == torch.bfloat16 and keeps_onednn_for_bf16()  # the only other reason
+        pytest.skip("AMX: bf16 linear layers keep oneDNN and there is no bf16 packed step")
     assert isinstance(step, PackedStep)
     return step
 
