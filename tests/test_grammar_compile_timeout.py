@@ -285,7 +285,8 @@ def test_a_row_that_outlasts_the_budget_ends_its_request_and_wakes_an_idle_loop(
     out = sched.schedule()
     assert [r.request_id for r in out.new_requests] == ["f"]  # "c" sits out: its row is not there
     start = time.monotonic()
-    assert woken.wait(5) and time.monotonic() - start < UNIT_BUDGET_S + 1.0
+    # Woken at the deadline, not when the row ends (60 s): the slack is for a busy machine's scheduling.
+    assert woken.wait(10) and time.monotonic() - start < UNIT_BUDGET_S + 3.0
     assert grammar.over_budget() and isinstance(grammar.budget_error(), GrammarBudgetExceeded)
     sched.update_from_output(out, pb.ModelRunnerOutput(step_id=out.step_id, request_ids=["f"], sampled_token_ids=[7]))
     out = sched.schedule()
