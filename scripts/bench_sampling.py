@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.sdk import LLM, SamplingParams  # noqa: E402
+from services.offline import LLM, SamplingParams  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 

@@ -74,7 +74,7 @@ def try_import(name: str) -> tuple[bool, str]:
 
 def engine_import_error() -> str | None:
     """None when the offline engine imports here, else why not (one line)."""
-    ok, why = try_import("services.sdk.llm")
+    ok, why = try_import("services.offline.llm")
     if ok:
         return None
     if "myvllm_pb2" in why:
@@ -132,7 +132,7 @@ def stage_probe(_args: argparse.Namespace) -> int:
         ok, info = try_import(name)
         say(f"{name}: {(info or 'ok') if ok else 'MISSING (' + info + ')'}")
     why = engine_import_error()
-    say("engine (services.sdk.llm): " + ("importable" if why is None else f"NOT importable: {why}"))
+    say("engine (services.offline.llm): " + ("importable" if why is None else f"NOT importable: {why}"))
     say(f"SmolLM2 checkpoint: {'present' if (SMOLLM2_DIR / 'model.safetensors').is_file() else 'absent'} "
         f"at {SMOLLM2_DIR.relative_to(REPO_ROOT)}")
     return 0
@@ -471,7 +471,7 @@ def engine_level_greedy(device: str, quick: bool, work: Path, use_smollm2: bool 
     import torch
 
     from services.common.sampling_params import SamplingParams
-    from services.sdk.llm import LLM
+    from services.offline.llm import LLM
     if use_smollm2 and (SMOLLM2_DIR / "model.safetensors").is_file():
         model_dir, label = str(SMOLLM2_DIR), "SmolLM2-135M-Instruct"
     else:
@@ -555,7 +555,7 @@ def stage_cudagraphs(args: argparse.Namespace) -> int:
     if engine_stage_skip("cudagraphs", device):
         return SKIP
     from services.common.sampling_params import SamplingParams
-    from services.sdk.llm import LLM
+    from services.offline.llm import LLM
     torch.set_float32_matmul_precision("highest")  # no TF32: greedy equality in fp32
     graphs_mode = "full_decode_only" if device == "cuda" else "static"  # cpu: a smoke run of this code
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
@@ -691,7 +691,7 @@ def throughput_run(args: argparse.Namespace, model_dir: str, device: str, config
     import torch
 
     from services.common.sampling_params import SamplingParams
-    from services.sdk.llm import LLM
+    from services.offline.llm import LLM
     rng = np.random.default_rng(1)
     t0 = time.perf_counter()
     kv_bytes = args.kv_cache_gib << 30

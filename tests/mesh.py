@@ -35,7 +35,7 @@ class Mesh:
         self.port = free_port()
         self.scheduler_port = free_port() if one_replica else None
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "services.entrypoints.cli", "serve", "--port", str(self.port),
                *(["--scheduler-port", str(self.scheduler_port)] if one_replica else []), *(extra_args or [])]
         if "--dtype" not in cmd:
             cmd += ["--dtype", "float32"]  # outputs are compared with fp32 references, on any CPU

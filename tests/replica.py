@@ -15,13 +15,13 @@ from pathlib import Path
 import suite_processes
 from conftest import free_port
 
+from services.client.grpc_client import Client
 from services.common.auth import TOKEN_ENV
 from services.common.proto import myvllm_pb2 as pb
 from services.common.redis_registry import REDIS_URL_ENV
-from services.sdk.client import Client
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "services.entrypoints.cli"]
 # Small and quick: a short context, a small KV cache, one thread per process (two cores).
 WORKER_ARGS = ("--max-model-len", "1024", "--dtype", "float32")  # fp32: outputs compared across CPUs
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.sdk import LLM, SamplingParams
+from services.offline import LLM, SamplingParams
 
 CONFIGS = {
     "defaults": {},

@@ -1,4 +1,4 @@
-"""`myvllm bench throughput` / `bench latency`, run in-process through `services.cli.main` on tiny
+"""`myvllm bench throughput` / `bench latency`, run in-process through `services.entrypoints.cli.main` on tiny
 workloads with the real SmolLM2 checkpoint: both peers report positive figures and the ratio
 is the last line."""
 
@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from services.bench.workload import SAFE_TOKEN_ID_MIN, format_table, random_requests
-from services.cli import main
+from services.entrypoints.bench.workload import SAFE_TOKEN_ID_MIN, format_table, random_requests
+from services.entrypoints.cli import main
 
 NUMBER = r"[0-9]+(?:\.[0-9]+)?"
 
@@ -85,10 +85,10 @@ def test_bench_latency_tiny(smollm2_dir: str, capsys: pytest.CaptureFixture[str]
 
 def test_bench_latency_interleaved(smollm2_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     """--interleave loads the in-process peers together and alternates their iterations."""
-    from services.bench import workload
+    from services.entrypoints.bench import workload
 
     order: list[str] = []
-    for cls in (workload.MyVllmPeer, __import__("services.bench.hf_peer", fromlist=["HFPeer"]).HFPeer):
+    for cls in (workload.MyVllmPeer, __import__("services.entrypoints.bench.hf_peer", fromlist=["HFPeer"]).HFPeer):
         original = cls.generate
         monkeypatch.setattr(cls, "generate", lambda self, reqs, knobs, _o=original: order.append(self.name) or
                             _o(self, reqs, knobs))

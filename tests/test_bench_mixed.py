@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from services.bench import mixed_workload as mw
-from services.bench.workload import SAFE_TOKEN_ID_MIN
+from services.entrypoints.bench import mixed_workload as mw
+from services.entrypoints.bench.workload import SAFE_TOKEN_ID_MIN
 
 VOCAB = 1000
 
@@ -105,7 +105,7 @@ def test_table_and_json(tmp_path):
     assert table[1].split() == ["colocated", "4", "115", "130", "50.0", "50.0", "1250", "1250", "2.2", "ok"]
     assert table[2].split() == ["pd"] + ["-"] * 8 + ["failed"]
     path = tmp_path / "mixed.json"
-    from services.bench.workload import write_json
+    from services.entrypoints.bench.workload import write_json
 
     write_json(str(path), mw.report_json(_workload(), 8, [ok, failed]))
     data = json.loads(path.read_text())["mixed"]
@@ -116,7 +116,7 @@ def test_table_and_json(tmp_path):
 
 def _args(**kw) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    from services.bench import serve
+    from services.entrypoints.bench import serve
 
     serve.add_arguments(p)
     args = p.parse_args(["--workload", "mixed", "--short-streams", "2", "--long-prompts", "2",

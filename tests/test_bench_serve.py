@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from services.cli import main
+from services.entrypoints.cli import main
 
 
 def test_bench_serve_reports_percentiles_ratio_and_plot_and_keeps_them_when_the_peer_fails(

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from conftest import free_port
 
+from services.client.grpc_client import AsyncClient
 from services.common.block_hash import NONE_HASH, block_hashes
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
@@ -26,7 +27,6 @@ from services.gateway.prefix_index import KvEventGap, PrefixIndex
 from services.gateway.router import ReplicaRouter
 from services.gateway.routing import Candidate, RoutePrompt, RoutingConfig, choose_cache_aware
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
-from services.sdk.client import AsyncClient
 
 B = 4  # tokens per block
 
@@ -333,7 +333,7 @@ def test_metrics_count_predicted_and_actual_cached_tokens() -> None:
 
 
 def test_multi_tenant_workload_interleaves_tenants_sharing_system_prompts() -> None:
-    from services.bench.multi_tenant import tenant_requests
+    from services.entrypoints.bench.multi_tenant import tenant_requests
 
     requests = tenant_requests(num_tenants=3, users_per_tenant=2, system_len=20, question_len=4, output_len=5,
                                vocab_size=1000, seed=0)

@@ -46,7 +46,7 @@ def _config(*files: Path, check: bool = True, secrets: dict[str, str] = SECRETS)
 
 def _flags(path: Path) -> list[str]:
     """The `myvllm deploy compose` flags a committed file was written with (its first line)."""
-    from services.deploy.cli import GENERATED
+    from services.entrypoints.deploy.cli import GENERATED
 
     first = path.read_text().splitlines()[0]
     assert first.startswith(f"{GENERATED} compose --out FILE"), (path.name, first)
@@ -56,7 +56,7 @@ def _flags(path: Path) -> list[str]:
 def test_committed_compose_files_are_current(tmp_path: Path) -> None:
     """Each file is what `myvllm deploy compose` writes now with the flags on its first line:
     the same processes, with the same commands, as `myvllm serve` with those flags."""
-    from services.cli import main
+    from services.entrypoints.cli import main
 
     assert sorted(DEPLOY.glob("docker-compose*.yml")) == sorted([COMPOSE, GPU, TP3])  # none left unchecked
     assert _flags(COMPOSE) == ["--data-parallel-size", "2"]
@@ -151,7 +151,7 @@ class _Localizer:
     def command(self, args: list[str]) -> list[str]:
         args = [self.arg(a) for a in args]
         if args[0] == "myvllm":
-            return [sys.executable, "-m", "services.cli", *args[1:]]
+            return [sys.executable, "-m", "services.entrypoints.cli", *args[1:]]
         if args[0] == "python":
             return [sys.executable, *args[1:]]
         return args

@@ -139,14 +139,14 @@ def _command_flags(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()
 def test_each_command_keeps_its_flags() -> None:
     """The flags generated from the fields are the ones each command had when they were written
     by hand (tests/data/command_flags.json; a new engine option adds its flag there too)."""
-    from services.cli import build_parser
+    from services.entrypoints.cli import build_parser
 
     assert _command_flags(build_parser()) == json.loads(COMMAND_FLAGS.read_text())
 
 
 def test_help_shows_each_default_and_engine_args_reach_their_part() -> None:
-    from services.cli import build_parser
-    from services.engine_args import engine_kwargs
+    from services.entrypoints.cli import build_parser
+    from services.entrypoints.engine_args import engine_kwargs
 
     parser = build_parser()
     serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]

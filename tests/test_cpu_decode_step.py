@@ -174,7 +174,7 @@ def test_greedy_tokens_are_the_same_with_the_step_on_and_off(smollm2_dir, monkey
     so steps of 12 down to 1 rows run both C steps; greedy output is token-identical to the eager
     forward's."""
     from services.common.sampling_params import SamplingParams
-    from services.sdk import LLM
+    from services.offline import LLM
 
     prompts = [f"{topic} is" for topic in ("The capital of France", "Water", "Python", "A prime number", "The moon",
                                            "Music", "Coffee", "A river", "Chess", "Gravity", "Bread", "A library")]

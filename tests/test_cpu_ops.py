@@ -127,7 +127,7 @@ def test_the_model_with_fused_ops_scores_prompts_as_the_torch_ops_do(tiny_model_
     top logprobs agree (qwen2: q/k/v biases, untied head; qwen3: q/k norms before the in-place
     RoPE, tied head), chunked prefill included."""
     from services.common.sampling_params import SamplingParams
-    from services.sdk import LLM
+    from services.offline import LLM
     from services.worker.models.layers import DecoderForCausalLM
 
     model_dir = tiny_model_dir(arch)

@@ -14,10 +14,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.cli import build_parser, main
-from services.deploy.cli import GENERATED, IMAGE_MODEL_DIR
+from services.entrypoints.cli import build_parser, main
+from services.entrypoints.deploy.cli import GENERATED, IMAGE_MODEL_DIR
+from services.entrypoints.topology import EXIT_GRACE_S
 from services.gateway.options import DEFAULT_SHUTDOWN_TIMEOUT_S
-from services.topology import EXIT_GRACE_S
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
@@ -97,7 +97,7 @@ def test_the_schemas_catch_a_bad_object() -> None:
 def _serve_commands() -> dict[str, list[str]]:
     """What `myvllm serve` runs for the reference topology (its own code path, with ports of our
     choosing and the model directory the image has)."""
-    from services.launcher import _serve_commands
+    from services.entrypoints.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", *REFERENCE])
     commands = _serve_commands(args, IMAGE_MODEL_DIR, [[11, 12, 13], [21, 22, 23]], [10, 20], 6379)
@@ -150,7 +150,7 @@ def test_each_container_runs_serves_command_for_its_rank() -> None:
 
     for name, container in containers.items():
         command = serve[name]
-        assert command[:3][1:] == ["-m", "services.cli"]
+        assert command[:3][1:] == ["-m", "services.entrypoints.cli"]
         expected = ["myvllm", *command[3:]]
         expected[expected.index("--host") + 1] = "0.0.0.0"  # in its own pod, reached through the pod network
         expected[expected.index("--port") + 1] = str(container["ports"][0]["containerPort"])
@@ -242,7 +242,7 @@ def test_probes_and_shutdown_follow_serve() -> None:
         assert pod["terminationGracePeriodSeconds"] == engine_prestop + EXIT_GRACE_S
         role = container["name"]
         port = container["ports"][0]["containerPort"]
-        check = ["python", "-m", "services.healthcheck", role, f"127.0.0.1:{port}"]
+        check = ["python", "-m", "services.entrypoints.healthcheck", role, f"127.0.0.1:{port}"]
         assert container["readinessProbe"]["exec"]["command"] == check
         assert container["startupProbe"]["exec"]["command"] == check
         assert container["livenessProbe"]["tcpSocket"] == {"port": "grpc"}

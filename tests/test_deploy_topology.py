@@ -3,7 +3,7 @@
 containers' `command`), each service's command line parses with the real `myvllm worker |
 scheduler | gateway` parsers, each listens on a valid port at an address of its own, every
 address a service dials is one another listens at, and the topology rebuilt from the commands
-passes serve's own checks (services/topology.py's check_topology), the model's shapes read from
+passes serve's own checks (services/entrypoints/topology.py's check_topology), the model's shapes read from
 the shipped model the image converts (SmolLM2-135M: 9 attention heads, 3 KV heads)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import build_parser
-from services.deploy.cli import IMAGE_MODEL_DIR
-from services.engine_args import add_model_args
-from services.topology import check_topology, forwarded_flags
+from services.entrypoints.cli import build_parser
+from services.entrypoints.deploy.cli import IMAGE_MODEL_DIR
+from services.entrypoints.engine_args import add_model_args
+from services.entrypoints.topology import check_topology, forwarded_flags
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -24,12 +24,12 @@ import pytest
 from conftest import free_port, start_redis, stop_process
 from replica import Replica
 
+from services.client.grpc_client import SchedulerUnavailable
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.migration import MigrationPolicy, ResumableRequest, _find_replica, group_ready
 from services.gateway.options import GatewayOptions
 from services.gateway.router import REDIS_MAX_AGE_S, REFRESH_INTERVAL_S, ReplicaRouter
 from services.gateway.server import BackgroundGateway
-from services.sdk.client import SchedulerUnavailable
 
 # ---------------------------------------------------------------------- pick()
 

@@ -31,10 +31,10 @@ import redis
 from conftest import free_port, start_redis, stop_process
 from mesh import Mesh
 
+from services.client.grpc_client import AsyncClient
 from services.common.dp_wave import coordinator_channel, parse_wave_entry, wave_key
 from services.common.proto import myvllm_pb2 as pb
-from services.sdk.client import AsyncClient
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 
 TOKEN = "dp-wave-test-token"
 GROUP = "default"

@@ -70,7 +70,7 @@ def test_engine_default_is_auto_as_in_vllm() -> None:
     one, BENCHMARKS.md), fp32 on the others; an explicit dtype still wins."""
     import argparse
 
-    from services.engine_args import add_model_args
+    from services.entrypoints.engine_args import add_model_args
 
     assert VllmConfig.from_engine_args(model="x").model_config.dtype == "auto"
     parser = argparse.ArgumentParser()

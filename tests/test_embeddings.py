@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from mesh import Mesh
 from openai import BadRequestError, OpenAI
 
+from services.client.grpc_client import Client
 from services.common.auth import TOKEN_ENV
 from services.common.config import VllmConfig
 from services.common.pooling_config import PoolerConfig, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
-from services.sdk.client import Client
 from services.worker.input_batch import InputBatch
 from services.worker.pooler import Pooler, embedding_bytes, embedding_from_bytes, finish_embedding
 from services.worker.step_validation import InvalidStep, PoolingLimits, validate_step
@@ -172,7 +172,7 @@ def test_every_kv_block_is_free_afterwards(mesh: Mesh) -> None:
 
 
 def test_offline_embed_equals_the_served_values_and_hf(smollm2_dir: str, served, hf_model) -> None:
-    from services.sdk import LLM
+    from services.offline import LLM
 
     if len(served) < len(SHORT) + 1:
         pytest.skip("needs the served values of the tests above")
@@ -190,7 +190,7 @@ def test_offline_embed_equals_the_served_values_and_hf(smollm2_dir: str, served,
 
 
 def test_offline_last_pooling_equals_hf(smollm2_dir: str, hf_model, tokenizer) -> None:
-    from services.sdk import LLM, SamplingParams
+    from services.offline import LLM, SamplingParams
 
     # Async scheduling (off by default on CPU, on for CUDA): the next step is scheduled before the
     # pooled outputs of the one in flight come back; a pooling request takes no placeholder.

@@ -13,10 +13,10 @@ import re
 import pytest
 from conftest import free_port
 
+from services.client.grpc_client import AsyncClient, RequestRejected, SchedulerUnavailable
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.errors import RETRY_AFTER_S, OpenAIError, as_openai_error, error_body, error_response
 from services.gateway.migration import MigrationFailed
-from services.sdk.client import AsyncClient, RequestRejected, SchedulerUnavailable
 
 INTERNAL = re.compile(r"\d+\.\d+\.\d+\.\d+|:\d+|UNAVAILABLE|StatusCode|DEADLINE_EXCEEDED|failed to connect|"
                       r"Connection refused|ipv4:|worker at|scheduler at")

@@ -57,10 +57,10 @@ class Deployment:
             self.url = f"http://127.0.0.1:{self.port}"
             self.gateway_log = tempfile.TemporaryFile()
             self.gateway = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--redis", self.redis_url, "--model", model_dir, "--migration-wait", "60", "--shutdown-timeout",
-                 "20"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=self.gateway_log,
-                stderr=self.gateway_log)
+                [sys.executable, "-m", "services.entrypoints.cli", "gateway", "--host", "127.0.0.1", "--port",
+                 str(self.port), "--redis", self.redis_url, "--model", model_dir, "--migration-wait", "60",
+                 "--shutdown-timeout", "20"], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                stdout=self.gateway_log, stderr=self.gateway_log)
             self.wait_routed()
         except BaseException:
             self.stop()
@@ -271,7 +271,7 @@ def test_redis_killed_routing_goes_on_and_recovers(deployment: Deployment, no_fa
 
 
 def test_n_seeded_choices_distinct_reproducible_and_as_offline(deployment: Deployment, smollm2_dir: str) -> None:
-    from services.sdk.llm import LLM
+    from services.offline.llm import LLM
 
     prompt = "Once upon a time"
     client = deployment.client()

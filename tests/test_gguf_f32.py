@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
-from services.bench.gguf_f32 import ALL_F32, GENERAL_FILE_TYPE, f32_gguf
-from services.bench.llamacpp_peer import smollm2_gguf_path
+from services.entrypoints.bench.gguf_f32 import ALL_F32, GENERAL_FILE_TYPE, f32_gguf
+from services.entrypoints.bench.llamacpp_peer import smollm2_gguf_path
 
 
 class _Reader(GGUFReader):

@@ -32,6 +32,7 @@ import pytest
 import torch
 from replica import Replica
 
+from services.client.grpc_client import AsyncClient, RequestRejected
 from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
@@ -41,8 +42,7 @@ from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from services.engine.structured_output import GrammarBudgetExceeded, RequestGrammar, StructuredOutputManager
 from services.gateway.server import BackgroundGateway
-from services.sdk import LLM, StructuredOutputsParams
-from services.sdk.client import AsyncClient, RequestRejected
+from services.offline import LLM, StructuredOutputsParams
 from services.worker.grammar_mask import unpack_bitmask
 
 VOCAB = 49152
@@ -202,8 +202,8 @@ def test_the_timeout_must_be_positive() -> None:
 
 
 def test_serve_passes_the_timeout_to_the_scheduler() -> None:
-    from services.cli import build_parser
-    from services.launcher import _serve_commands
+    from services.entrypoints.cli import build_parser
+    from services.entrypoints.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", "--structured-outputs-compile-timeout", "3",
                                       "--structured-outputs-request-timeout", "7"])
@@ -211,13 +211,13 @@ def test_serve_passes_the_timeout_to_the_scheduler() -> None:
     assert scheduler[scheduler.index("--structured-outputs-compile-timeout") + 1] == "3.0"
     assert scheduler[scheduler.index("--structured-outputs-request-timeout") + 1] == "7.0"
     assert "--structured-outputs-compile-timeout" not in worker and "--structured-outputs-request-timeout" not in worker
-    parsed = build_parser().parse_args(scheduler[scheduler.index("services.cli") + 1:])
+    parsed = build_parser().parse_args(scheduler[scheduler.index("services.entrypoints.cli") + 1:])
     assert parsed.structured_outputs_compile_timeout == 3.0 and parsed.structured_outputs_request_timeout == 7.0
 
 
 def test_the_request_timeout_is_in_the_help_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import build_parser
     from services.common.config import DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S
+    from services.entrypoints.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])

@@ -1,6 +1,6 @@
 """A service stopped by SIGTERM (or Ctrl-C) stops its gRPC server gracefully: a call in flight
 still gets its answer within the grace period, and the process exits without a traceback.
-The child process runs a server exactly as the worker and scheduler do (services.cli's stop
+The child process runs a server exactly as the worker and scheduler do (services.entrypoints.cli's stop
 signals, asyncio.run, grpc_utils.serve_until_cancelled) with one slow unary method."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ SLOW_CALL_S = SHUTDOWN_GRACE_S / 2  # finishes inside the grace period
 CHILD = f"""
 import asyncio, logging
 import grpc
-from services.cli import install_stop_signals
+from services.entrypoints.cli import install_stop_signals
 from services.common import grpc_utils
 
 async def slow(request, context):

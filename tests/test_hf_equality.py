@@ -25,7 +25,7 @@ import pytest
 from hf_reference import hf_greedy, hf_greedy_batched
 
 from services.common.sampling_params import SamplingParams
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 
 MAX_NEW_TOKENS = 64
 BLOCK_SIZE = 16

@@ -1,10 +1,15 @@
 """The project's import structure (README "Layout"), read from the source with `ast`:
 
 - no import circle among the project's modules (imports under TYPE_CHECKING or inside a function
-  count: a circle is a circle whenever it is taken);
-- the services (gateway, scheduler, worker) import none of each other, and nothing of the SDK but
-  the gateway's use of its gRPC client;
-- the shared layers (common, text, engine) import no service, SDK or tool package.
+  count: a circle is a circle whenever it is taken), nor among the worker's sub-packages;
+- the services (gateway, scheduler, worker) import none of each other; the gateway reaches the
+  engines through the gRPC client (services/client) and nothing else outside the shared layers;
+- the shared layers (common, text, engine) import no service and no front package (client,
+  offline, entrypoints);
+- the gRPC client imports only the common layer; the offline `LLM` (services/offline) no
+  process-level service (gateway, scheduler) and no entry point;
+- nothing outside services/entrypoints imports it, and its benchmarks drive the engine through
+  the public entry points only (the offline `LLM`, the client, the command line, common settings).
 """
 
 from __future__ import annotations
@@ -15,10 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("gateway", "scheduler", "worker")
 SHARED = ("common", "text", "engine")
-TOOLS = ("sdk", "bench")
 # The one import across those lines the design keeps: the gateway talks to schedulers through the
-# SDK's gRPC client.
-ALLOWED = {("gateway", "services.sdk.client")}
+# gRPC client (services/client).
+ALLOWED = {("gateway", "client")}
 
 
 def _modules() -> dict[str, Path]:
@@ -114,7 +118,7 @@ GRAPH = _imports(_modules())
 
 def test_the_walker_sees_imports_of_every_kind() -> None:
     """Guard against a walker that finds nothing: known edges, one of each import form."""
-    assert "services.sdk.client" in GRAPH["services.gateway.context"]        # from x.y import Name
+    assert "services.client.grpc_client" in GRAPH["services.gateway.context"]        # from x.y import Name
     assert "services.common.proto.myvllm_pb2" not in GRAPH                   # generated code left out
     assert "services.worker.attention.triton_kernels" in GRAPH["services.worker.attention.triton_backend"]
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -124,20 +128,51 @@ def test_no_import_circles() -> None:
     assert _circles(GRAPH) == []
 
 
-def test_services_import_no_other_service_and_shared_layers_no_service() -> None:
+def _crossings(may_import: dict[str, tuple[str, ...]]) -> list[str]:
+    """Imports from a package listed in `may_import` to a project package outside its list."""
     wrong = []
     for module, targets in GRAPH.items():
         own = _package(module)
+        if own not in may_import:
+            continue
         for target in targets:
             other = _package(target)
-            if other == own or (own, target) in ALLOWED:
-                continue
-            if own in SERVICES and other in SERVICES + TOOLS:
+            if other != own and other not in may_import[own] and (own, other) not in ALLOWED:
                 wrong.append(f"{module} -> {target}")
-            if own in SHARED and other in SERVICES + TOOLS:
-                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_services_import_no_other_service_and_shared_layers_no_service() -> None:
+    shared_and_proto = SHARED + ("",)  # ("" = the services package itself)
+    assert _crossings({**{s: shared_and_proto for s in SERVICES},
+                       **{s: shared_and_proto for s in SHARED}}) == []
+
+
+def test_the_fronts_depend_downwards_only() -> None:
+    assert _crossings({"client": ("common", ""),
+                       "offline": ("common", "text", "engine", "worker", "client", "")}) == []
+    outside = [f"{m} -> {t}" for m, ts in GRAPH.items() if _package(m) != "entrypoints"
+               for t in ts if _package(t) == "entrypoints"]
+    assert outside == []
+
+
+def test_the_benchmarks_use_public_entry_points() -> None:
+    bench = "services.entrypoints.bench"
+    public = ("services.offline", "services.client", "services.common", "services.text", "services.entrypoints")
+    wrong = [f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith(bench) for t in ts
+             if not t.startswith(public)]
     assert wrong == []
 
 
-def test_the_sdk_and_the_gateway_depend_one_way() -> None:
-    assert not [(m, t) for m, ts in GRAPH.items() if _package(m) == "sdk" for t in ts if _package(t) == "gateway"]
+def test_the_worker_sub_packages_form_no_loop() -> None:
+    """services/worker/<sub>/ folders (attention, cpu, models, ...) import one another one way."""
+    def sub(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "worker" else None
+
+    folders: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        if sub(module) is not None:
+            folders.setdefault(sub(module), set()).update(
+                t for t in map(sub, targets) if t is not None and t != sub(module))
+    assert _circles(folders) == []

@@ -183,7 +183,7 @@ def test_params_and_configuration_of_each_connector() -> None:
 
 
 def test_an_offline_llm_cannot_be_a_grpc_producer(tiny_llama_dir: str) -> None:
-    from services.sdk.llm import LLM
+    from services.offline.llm import LLM
 
     with pytest.raises(ValueError, match="myvllm serve"):
         LLM(tiny_llama_dir, kv_transfer_config={"kv_connector": "GrpcConnector", "kv_role": "kv_both"})

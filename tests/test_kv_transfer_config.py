@@ -10,7 +10,7 @@ import pytest
 from services.common.config import SHARED_PARTS, VllmConfig, config_mismatches
 from services.common.kv_transfer_config import KVTransferConfig
 from services.common.kv_transfer_params import params_from_dict, params_to_dict
-from services.engine_args import add_engine_args, engine_kwargs
+from services.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 PRODUCER = {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer"}
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import _drain_gateway
-from services.supervisor import ServiceProcess, stop_all
+from services.entrypoints.launcher import _drain_gateway
+from services.entrypoints.supervisor import ServiceProcess, stop_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def _start_ignoring_sigint(args: list[str]) -> subprocess.Popen:
     import suite_processes
 
     env = dict(suite_processes.owner_env()[1], PYTHONPATH=str(REPO), MYVLLM_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "services.entrypoints.cli", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
 
@@ -143,7 +143,7 @@ def _stopped_by(proc: subprocess.Popen, sig: int, up) -> tuple[int, str]:
 def test_service_commands_stop_on_ctrl_c_and_sigterm_with_sigint_ignored(tiny_qwen2_dir: str, sig: int) -> None:
     from conftest import free_port
 
-    from services.launcher import _grpc_healthy, _http_healthy
+    from services.entrypoints.launcher import _grpc_healthy, _http_healthy
 
     port = free_port()
     worker = _start_ignoring_sigint(["worker", "--port", str(port), "--model", tiny_qwen2_dir,

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.sdk.llm import LLM
-from services.sdk.outputs import CompletionOutput, RequestOutput
+from services.offline.llm import LLM
+from services.offline.outputs import CompletionOutput, RequestOutput
 
 GREEDY = dict(temperature=0.0)
 CAPITAL_Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -240,7 +240,7 @@ def long_prompt_tokens(llm: LLM) -> list[int]:
 @pytest.mark.parametrize("fail_at_call", [0, 2])
 def test_a_failed_step_raises_frees_everything_and_poisons_no_prefix(llm: LLM, long_prompt_tokens: list[int],
                                                                     monkeypatch, fail_at_call: int) -> None:
-    from services.sdk.llm import EngineFault
+    from services.offline.llm import EngineFault
 
     sp = SamplingParams(max_tokens=6, **GREEDY)
     pool = llm.engine.scheduler.kv_cache_manager.block_pool

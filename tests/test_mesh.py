@@ -11,7 +11,7 @@ import pytest
 from mesh import Mesh
 from openai import AsyncOpenAI, OpenAI
 
-from services.sdk import LLM, SamplingParams
+from services.offline import LLM, SamplingParams
 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 

@@ -19,7 +19,7 @@ import torch
 from hf_reference import hf_greedy
 
 from services.common.sampling_params import SamplingParams
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 from services.worker.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, route
 from services.worker.parallel import ExpertParallel, expert_range
 
@@ -206,7 +206,7 @@ def test_moe_data_parallel_group_survives_a_dead_rank(tiny_model_dir) -> None:
     import signal
     import threading
 
-    from services.sdk.llm import EngineFault
+    from services.offline.llm import EngineFault
 
     llm = LLM(tiny_model_dir("qwen3_moe"), dtype="float32", seed=0, data_parallel_size=2, enable_expert_parallel=True,
               kv_cache_memory_bytes=32 << 20)

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 from services.worker.step_validation import InvalidStep
 
 BLOCK = 4

@@ -19,8 +19,8 @@ import threading
 import pytest
 from replica import WORKER_ARGS, Replica
 
+from services.client.grpc_client import AsyncClient, RequestRejected
 from services.common.proto import myvllm_pb2 as pb
-from services.sdk.client import AsyncClient, RequestRejected
 
 MAX_TOKENS = 8
 

@@ -13,15 +13,10 @@ import json
 
 import pytest
 
+from services.client.grpc_client import RequestRejected, SchedulerUnavailable
 from services.common import redis_registry
 from services.common.proto import myvllm_pb2 as pb
-from services.gateway.disaggregation import remote_prefill, wants_remote_prefill
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.migration import ResumableRequest
-from services.gateway.router import ReplicaRouter
-from services.gateway.routing import RoutePrompt, RoutingConfig, RoutingPolicy
-from services.sdk.client import RequestRejected, SchedulerUnavailable
-from services.topology import (
+from services.entrypoints.topology import (
     LocalPlacement,
     Topology,
     add_topology_args,
@@ -30,6 +25,11 @@ from services.topology import (
     num_replicas,
     processes,
 )
+from services.gateway.disaggregation import remote_prefill, wants_remote_prefill
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import ResumableRequest
+from services.gateway.router import ReplicaRouter
+from services.gateway.routing import RoutePrompt, RoutingConfig, RoutingPolicy
 
 HANDLE = "mvkv-" + "a" * 32
 

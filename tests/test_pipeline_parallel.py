@@ -21,7 +21,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 from services.worker.parallel import PipelineParallel, stage_layers
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hf_reference import hf_logprobs
 
-from services.sdk import LLM, SamplingParams
+from services.offline import LLM, SamplingParams
 
 TOL = 1e-4
 K = 3

@@ -12,7 +12,7 @@ import pytest
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.engine.step_loop import StepLoop
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 
 PROMPT = "Write a short poem about the sea:"
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
-from services.sdk import LLM, SamplingParams
+from services.offline import LLM, SamplingParams
 from services.worker.exponential import exponential_, exponential_like
 from services.worker.input_batch import InputBatch
 from services.worker.logits_processors import apply_processors

@@ -25,7 +25,7 @@ from mesh import Mesh
 from services.common.redis_registry import ENGINES_KEY, REDIS_URL_ENV
 from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 
 MAX_TOKENS = 12
 PROMPTS = [[5 + i, 900 + 7 * i, 4000 + i, 33, 2000 + 11 * i] for i in range(8)]

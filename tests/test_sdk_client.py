@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 from fake_scheduler import FakeScheduler, FakeSchedulerServer, wait_until
 
+from services.client.grpc_client import AsyncClient, Client, RequestRejected, SchedulerUnavailable
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
-from services.sdk.client import AsyncClient, Client, RequestRejected, SchedulerUnavailable
 
 
 @pytest.fixture
@@ -284,7 +284,7 @@ def test_closing_a_stream_whose_reader_never_ran_still_ends_its_requests() -> No
     """A client dropped (e.g. by the gateway's router) right after its stream opened: the reader
     task is cancelled before it ever ran, so its `finally` never runs; close() itself must still
     end every request waiting on the stream, or they would wait forever."""
-    from services.sdk.client import _GenerateStream, _StreamBroken
+    from services.client.grpc_client import _GenerateStream, _StreamBroken
 
     class Call:
         def cancel(self) -> None:

@@ -53,8 +53,8 @@ def test_unset_secrets_and_real_ones_pass() -> None:
 def _start(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items()
             if k not in ("MYVLLM_INTERNAL_TOKEN", "MYVLLM_API_KEY", "MYVLLM_REDIS_URL")}
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          env=base | {"PYTHONPATH": str(REPO)} | env, timeout=120)
+    return subprocess.run([sys.executable, "-m", "services.entrypoints.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, env=base | {"PYTHONPATH": str(REPO)} | env, timeout=120)
 
 
 def test_every_service_refuses_a_placeholder_or_short_secret_at_start_up(smollm2_dir: str) -> None:

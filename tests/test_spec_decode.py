@@ -13,7 +13,7 @@ from spec_stats import two_sample
 from test_hf_equality import BLOCK_SIZE, _engine_args, _prompts
 
 from services.common.sampling_params import SamplingParams
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 
 MAX_NEW_TOKENS = 48
 # disable_by_batch_size 0: these tests run many requests at once and want drafts for all of them.

@@ -14,7 +14,7 @@ import pytest
 from mesh import REPO, Mesh
 from openai import OpenAI
 
-from services.sdk import LLM, SamplingParams
+from services.offline import LLM, SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 # A prompt the model partly repeats: the n-gram proposer's home ground.
@@ -63,7 +63,7 @@ def test_stream_is_offline_greedy_with_several_tokens_per_chunk(mesh: Mesh, smol
 
 
 def test_serve_refuses_a_bad_speculative_config() -> None:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--speculative-config",
+    proc = subprocess.run([sys.executable, "-m", "services.entrypoints.cli", "serve", "--speculative-config",
                            '{"method": "ngram", "num_speculative_tokens": 0}'],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0

@@ -15,7 +15,7 @@ import pytest
 from test_spec_decode import ALPHABET, DIST_PROMPT
 
 from services.common.sampling_params import SamplingParams
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 from services.worker.rank_workers import ParallelWorkers
 
 PROMPTS = [[1000 + 13 * i for i in range(12)], [7, 99, 4242, 31000, 17], list(range(3000, 3040)),

@@ -29,9 +29,9 @@ from services.common.cudagraph_config import (
     vllm_capture_sizes,
 )
 from services.common.sampling_params import SamplingParams
-from services.engine_args import add_model_args, engine_kwargs
-from services.sdk.llm import LLM
-from services.topology import forwarded_flags
+from services.entrypoints.engine_args import add_model_args, engine_kwargs
+from services.entrypoints.topology import forwarded_flags
+from services.offline.llm import LLM
 from services.worker import cuda_graphs
 from services.worker.attention.base import AttentionMetadata, current_metadata
 from services.worker.attention.torch_backend import TorchAttentionBackend

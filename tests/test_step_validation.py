@@ -125,7 +125,7 @@ def test_a_row_verifying_the_workers_own_drafts_is_bounded_by_what_the_worker_ho
 @pytest.fixture(scope="module")
 def worker(tiny_llama_dir: str) -> Iterator[pb_grpc.WorkerStub]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--port", str(port), "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "services.entrypoints.cli", "worker", "--port", str(port), "--model",
                              tiny_llama_dir, "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"],
                             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), MYVLLM_NUM_THREADS="1"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from services.client.grpc_client import AsyncClient
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.gateway.generation import ChoiceRequest, _merge_choices, _Run
@@ -30,7 +31,6 @@ from services.gateway.migration import MigrationPolicy, ResumableRequest, resuma
 from services.gateway.router import ReplicaRouter
 from services.gateway.routing import RoutePrompt
 from services.gateway.sse import DONE, guarded_events, sse_event, sse_response
-from services.sdk.client import AsyncClient
 
 
 async def _writer(failure: BaseException, after_done: bool = False) -> AsyncIterator[str]:

@@ -22,7 +22,7 @@ from services.common.structured_outputs import StructuredOutputsError, Structure
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from services.engine.structured_output import COMPILE_WORKERS, StructuredOutputManager
-from services.sdk import LLM, SamplingParams
+from services.offline import LLM, SamplingParams
 from services.worker.grammar_mask import unpack_bitmask
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "structured_output_schemas.json").read_text())

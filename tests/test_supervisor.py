@@ -1,4 +1,4 @@
-"""`myvllm serve`'s supervision (services/supervisor.py) on a tiny process that keeps exiting.
+"""`myvllm serve`'s supervision (services/entrypoints/supervisor.py) on a tiny process that keeps exiting.
 The real thing (a killed worker under serve) is in test_worker_faults.py."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from services import supervisor
-from services.supervisor import ServiceProcess, stop_all
+from services.entrypoints import supervisor
+from services.entrypoints.supervisor import ServiceProcess, stop_all
 
 
 def test_an_exiting_service_is_restarted_with_a_growing_backoff_and_a_log_line(monkeypatch, capsys) -> None:
@@ -56,8 +56,8 @@ def test_stop_all_ends_a_running_service(capsys) -> None:
 
 @pytest.mark.parametrize("flags", [[], ["--dtype", "bfloat16", "--no-enable-prefix-caching", "--async-scheduling"]])
 def test_serve_forwards_each_flag_to_the_service_that_reads_it(flags: list[str]) -> None:
-    from services.cli import build_parser
-    from services.launcher import _serve_commands
+    from services.entrypoints.cli import build_parser
+    from services.entrypoints.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", "--max-num-seqs", "4", "--engine-timeout", "7", *flags])
     worker, scheduler, gateway = (cmd for _, cmd, _ in _serve_commands(args, "/m", [[1]], [2], None))
@@ -68,13 +68,13 @@ def test_serve_forwards_each_flag_to_the_service_that_reads_it(flags: list[str])
     assert ("--no-enable-prefix-caching" in scheduler) == ("--async-scheduling" in scheduler) == bool(flags)
     # Every forwarded command parses with that service's own CLI.
     for cmd in (worker, scheduler, gateway):
-        build_parser().parse_args(cmd[cmd.index("services.cli") + 1:])
+        build_parser().parse_args(cmd[cmd.index("services.entrypoints.cli") + 1:])
 
 
 def test_serve_passes_the_pipeline_size_to_workers_and_scheduler() -> None:
     """-tp 2 -pp 2: four ranks per replica (stage-major), each worker and the scheduler told P."""
-    from services.cli import build_parser
-    from services.launcher import _serve_commands, _topology
+    from services.entrypoints.cli import build_parser
+    from services.entrypoints.launcher import _serve_commands, _topology
 
     args = build_parser().parse_args(["serve", "-tp", "2", "-pp", "2"])
     assert _topology(args, None) == ("topology: 1 engine replica (data parallel), 4 worker ranks each "
@@ -85,7 +85,7 @@ def test_serve_passes_the_pipeline_size_to_workers_and_scheduler() -> None:
     for name in ("worker-rank3", "scheduler"):
         assert commands[name][commands[name].index("--pipeline-parallel-size") + 1] == "2"
         assert commands[name][commands[name].index("--tensor-parallel-size") + 1] == "2"
-        build_parser().parse_args(commands[name][commands[name].index("services.cli") + 1:])
+        build_parser().parse_args(commands[name][commands[name].index("services.entrypoints.cli") + 1:])
     scheduler = commands["scheduler"]
     assert scheduler[scheduler.index("--workers") + 1] == ",".join(f"127.0.0.1:{p}" for p in (11, 12, 13, 14))
 
@@ -93,8 +93,8 @@ def test_serve_passes_the_pipeline_size_to_workers_and_scheduler() -> None:
 def test_serve_starts_data_and_tensor_parallel_topologies() -> None:
     """--data-parallel-size 2 --tensor-parallel-size 2: a redis, two replicas of two worker ranks
     and a scheduler naming both (in rank order), one gateway naming both schedulers and redis."""
-    from services.cli import build_parser
-    from services.launcher import _serve_commands
+    from services.entrypoints.cli import build_parser
+    from services.entrypoints.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", "--data-parallel-size", "2", "--tensor-parallel-size", "2"])
     services = _serve_commands(args, "/m", [[11, 12], [21, 22]], [10, 20], 6379)
@@ -119,7 +119,7 @@ def test_serve_starts_data_and_tensor_parallel_topologies() -> None:
     assert gateway[gateway.index("--scheduler") + 1] == "127.0.0.1:10,127.0.0.1:20"
     assert "--redis" not in gateway
     for name in names[1:]:  # every myvllm command parses with its service's own CLI
-        build_parser().parse_args(commands[name][commands[name].index("services.cli") + 1:])
+        build_parser().parse_args(commands[name][commands[name].index("services.entrypoints.cli") + 1:])
 
 
 @pytest.mark.parametrize(("command", "foreign_flag"), [
@@ -129,7 +129,7 @@ def test_serve_starts_data_and_tensor_parallel_topologies() -> None:
     (["scheduler", "--port", "1", "--workers", "w:2"], ["--model", "/m"]),
 ])
 def test_each_service_refuses_flags_it_does_not_read(command: list[str], foreign_flag: list[str], capsys) -> None:
-    from services.cli import build_parser
+    from services.entrypoints.cli import build_parser
 
     build_parser().parse_args(command)
     with pytest.raises(SystemExit):
@@ -139,8 +139,8 @@ def test_each_service_refuses_flags_it_does_not_read(command: list[str], foreign
 
 
 def test_serve_forwards_gateway_flags_but_never_credentials() -> None:
-    from services.cli import build_parser
-    from services.launcher import _serve_commands
+    from services.entrypoints.cli import build_parser
+    from services.entrypoints.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", "--max-migrations", "5", "--api-key", "secret-key",
                                       "--internal-token", "secret-token"])
@@ -152,8 +152,8 @@ def test_serve_forwards_gateway_flags_but_never_credentials() -> None:
 def test_serve_makes_an_expert_parallel_group_of_its_replicas() -> None:
     """-dp 2 --enable-expert-parallel: both flags reach every worker and scheduler, each scheduler
     gets its DP rank and the group's rendezvous address; without the flag, none of that."""
-    from services.cli import build_parser
-    from services.launcher import _serve_commands
+    from services.entrypoints.cli import build_parser
+    from services.entrypoints.launcher import _serve_commands
 
     args = build_parser().parse_args(["serve", "-dp", "2", "--enable-expert-parallel"])
     commands = {name: cmd for name, cmd, _ in _serve_commands(args, "/m", [[11], [21]], [10, 20], 6379,
@@ -164,7 +164,7 @@ def test_serve_makes_an_expert_parallel_group_of_its_replicas() -> None:
         assert scheduler[scheduler.index("--data-parallel-address") + 1] == "127.0.0.1:5555"
         for cmd in (scheduler, worker):
             assert cmd[cmd.index("--data-parallel-size") + 1] == "2" and "--enable-expert-parallel" in cmd
-            build_parser().parse_args(cmd[cmd.index("services.cli") + 1:])
+            build_parser().parse_args(cmd[cmd.index("services.entrypoints.cli") + 1:])
     dense = build_parser().parse_args(["serve", "-dp", "2"])
     scheduler = dict((n, c) for n, c, _ in _serve_commands(dense, "/m", [[11], [21]], [10, 20], 6379))["scheduler-1"]
     assert "--data-parallel-rank" not in scheduler and "--enable-expert-parallel" not in scheduler

@@ -18,7 +18,7 @@ from hf_reference import hf_greedy
 
 from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.common.sampling_params import SamplingParams
-from services.sdk.llm import LLM
+from services.offline.llm import LLM
 from services.worker.parallel import TensorParallel, head_range, kv_head_range, vocab_range
 
 MAX_NEW_TOKENS = 24

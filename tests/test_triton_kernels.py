@@ -268,7 +268,7 @@ if pytest is not None:
             pytest.skip("the SmolLM2 tokenizer the tiny models borrow is absent (make setup)")
         try:
             from services.common.sampling_params import SamplingParams
-            from services.sdk.llm import LLM
+            from services.offline.llm import LLM
         except Exception as exc:  # noqa: BLE001 - e.g. transformers or the generated protobuf modules missing
             pytest.skip(f"the engine does not import here: {exc}")
         model_dir = request.getfixturevalue("tiny_qwen3_dir")

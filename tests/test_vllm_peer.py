@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.vllm_peer import VllmPeer, cpu_bind_list, peer_env
-from services.bench.workload import BenchRequest, SamplingKnobs
-from services.cli import main
+from services.entrypoints.bench.vllm_peer import VllmPeer, cpu_bind_list, peer_env
+from services.entrypoints.bench.workload import BenchRequest, SamplingKnobs
+from services.entrypoints.cli import main
 
 # A stand-in with vLLM's offline API: generate returns `max_tokens` ids per request and records
 # what it was given, so the test sees the engine args, sampling and environment that arrived.

@@ -22,13 +22,13 @@ import redis
 from mesh import Mesh
 from replica import Replica
 
+from services.client.grpc_client import Client, RequestRejected, SchedulerUnavailable
 from services.common.auth import TOKEN_ENV, TOKEN_METADATA_KEY
 from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.common.redis_registry import ENGINES_KEY
 from services.common.sampling_params import SamplingParams
-from services.sdk.client import Client, RequestRejected, SchedulerUnavailable
 
 TOKEN = "test-internal-token"
 ENGINE_TIMEOUT_S = 3.0

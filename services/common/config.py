@@ -58,6 +58,8 @@ STRUCTURED_OUTPUTS_COMPILE_WALL_FACTOR = 10
 # (it runs at the lowest priority), and some grammars get slower with every token; past this the
 # request ends with a 400 instead of holding its place that long.
 DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S = 30.0
+# A CPU worker's KV cache budget when --kv-cache-memory does not give one.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 def default_model_path() -> str:

@@ -9,7 +9,7 @@ it; its bitmask (a follow-up message) goes out once the step before it is proces
 
 Who the ranks are is the `WorkerHandle`'s business: gRPC streams to worker processes
 (services/scheduler/worker_group.py) or workers in this process and its children
-(services/sdk/local_workers.py). Who the outputs go to is the `emit` callback's.
+(services/offline/local_workers.py). Who the outputs go to is the `emit` callback's.
 
 Lockstep (data-parallel engines whose MoE layers are one expert-parallel group): every engine's
 ranks must enter every MoE layer's exchange together, so while the group's wave runs each engine

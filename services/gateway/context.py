@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import ParamSpec, TypeVar
 
+from services.client.grpc_client import SchedulerUnavailable
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE
 from services.gateway.errors import OpenAIError, invalid_request
 from services.gateway.limits import RequestLimits
@@ -23,7 +24,6 @@ from services.gateway.prompts import PromptBound
 from services.gateway.protocol import ModelCard
 from services.gateway.router import ReplicaRouter
 from services.gateway.tools import ToolSettings
-from services.sdk.client import SchedulerUnavailable
 from services.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

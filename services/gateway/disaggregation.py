@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 
+from services.client.grpc_client import RequestRejected, SchedulerUnavailable
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import ResumableRequest
 from services.gateway.router import ReplicaRouter
 from services.gateway.routing import RoutePrompt
-from services.sdk.client import RequestRejected, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
 

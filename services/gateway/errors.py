@@ -23,10 +23,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.client.grpc_client import RequestRejected, SchedulerUnavailable
 from services.common.param_errors import SamplingParamsError
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.migration import MigrationFailed
-from services.sdk.client import RequestRejected, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
 

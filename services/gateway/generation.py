@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from services.client.grpc_client import SchedulerUnavailable
 from services.common.grpc_utils import cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
@@ -26,7 +27,6 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy, ResumableRequest, resumable_outputs
 from services.gateway.router import Replica, ReplicaRouter
 from services.gateway.routing import RoutePrompt
-from services.sdk.client import SchedulerUnavailable
 from services.text.output_processor import ChoiceDelta, ChoiceOutputProcessor
 from services.text.tokenizer import Tokenizer
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.client.grpc_client import AsyncClient, SchedulerUnavailable
 from services.gateway.prefix_index import KvEventGap, PrefixIndex
-from services.sdk.client import AsyncClient, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
+from services.client.grpc_client import AsyncClient, RequestRejected, SchedulerUnavailable
 from services.common.grpc_utils import cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.router import Replica, ReplicaRouter
-from services.sdk.client import AsyncClient, RequestRejected, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from services.client.grpc_client import AsyncClient, SchedulerUnavailable
 from services.common import redis_registry
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.dp_waves import GroupWaves
 from services.gateway.kv_subscriber import follow_kv_events
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.routing import Candidate, RoutePrompt, RoutingConfig, RoutingPolicy, choose_cache_aware
-from services.sdk.client import AsyncClient, SchedulerUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from services.common.config import check_model_dir
+from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES, check_model_dir
 from services.common.message_limits import MAX_POOLED_DIMENSIONS
 from services.common.pooling_config import PoolerConfig, matryoshka_of
 from services.common.proto import myvllm_pb2 as pb
@@ -51,7 +51,6 @@ from services.worker.step_validation import PoolingLimits, validate_step
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 # Prompt logprobs take the LM head over every prompt position: in slices of this many rows,
 # so a 2048-token chunk never holds a [2048, vocab] fp32 logits tensor at once.
 PROMPT_LOGPROBS_ROWS = 256

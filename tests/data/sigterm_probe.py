@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port, start_redis
 from mesh import Mesh
 
-from services import cli
+from services.entrypoints import cli
 
 
 def test_commands_run_in_process_first() -> None:

@@ -1,5 +1,5 @@
 """A docker-compose file from serve's processes: one compose service per process, named as serve
-names it, running serve's command with compose addresses (services/topology.py's
+names it, running serve's command with compose addresses (services/entrypoints/topology.py's
 ComposePlacement). Secrets come from the shell's environment through compose's interpolation:
 compose refuses to start without the internal token and (with several replicas) redis' password."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.common.auth import TOKEN_ENV
 from services.common.redis_registry import REDIS_URL_ENV
-from services.topology import (
+from services.entrypoints.topology import (
     API_KEY_ENV,
     GATEWAY,
     REDIS,

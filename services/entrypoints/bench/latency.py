@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.bench.workload import (
+from services.entrypoints.bench.workload import (
     SPEC_PEER,
     BenchRequest,
     Peer,

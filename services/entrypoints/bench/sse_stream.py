@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from services.bench.workload import BenchRequest
+from services.entrypoints.bench.workload import BenchRequest
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,7 @@ class MyVllmPeer:
     def __init__(self, engine_kwargs: dict[str, Any], json_schema: dict[str, Any] | None = None,
                  name: str = "my-vllm") -> None:
         from services.common.structured_outputs import StructuredOutputsParams
-        from services.sdk import LLM
+        from services.offline import LLM
 
         self.name = name
         self.structured_outputs = StructuredOutputsParams(json=json_schema) if json_schema is not None else None

@@ -75,8 +75,8 @@ class ServiceProcess(_Restarting):
     def start(self) -> None:
         # Its own session: Ctrl-C in the terminal reaches serve only, which stops the
         # services in order; and a signal to one service never hits the others.
-        # Through services.die_with_parent: SIGTERM when serve dies, even by SIGKILL.
-        command = [sys.executable, "-m", "services.die_with_parent", str(os.getpid()), *self.command]
+        # Through services.entrypoints.die_with_parent: SIGTERM when serve dies, even by SIGKILL.
+        command = [sys.executable, "-m", "services.entrypoints.die_with_parent", str(os.getpid()), *self.command]
         self.proc = subprocess.Popen(command, start_new_session=True, env=self.env,
                                      stdin=subprocess.PIPE if self.stdin_data is not None else None)
         if self.stdin_data is not None:

@@ -1,6 +1,6 @@
 """`myvllm bench ...`: the benchmark subcommands (throughput, latency; serve when present).
 
-`services.cli` calls `add_subcommand(sub, add_engine_args)`. Engine flags (--model,
+`services.entrypoints.cli` calls `add_subcommand(sub, add_engine_args)`. Engine flags (--model,
 --dtype, --seed, --max-num-seqs, ...) are the engine's own; `--seed` also seeds the
 workload. Progress goes to stderr; stdout is the report, whose last line is the ratio.
 """
@@ -16,7 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from services.bench.workload import (
+from services.common.param_errors import SamplingParamsError
+from services.entrypoints.bench.workload import (
     SPEC_PEER,
     PeerSpec,
     SamplingKnobs,
@@ -29,7 +30,6 @@ from services.bench.workload import (
     warmup_request,
     write_json,
 )
-from services.common.param_errors import SamplingParamsError
 
 AddEngineArgs = Callable[[argparse.ArgumentParser], None]
 
@@ -90,10 +90,10 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_hook(bench_sub: argparse._SubParsersAction) -> None:
-    """`bench serve`, provided by `services.bench.serve` (add_arguments(parser), run(args) -> int)
+    """`bench serve`, provided by `services.entrypoints.bench.serve` (add_arguments(parser), run(args) -> int)
     once that module exists. A module that fails to import still registers `serve`, which then
     reports the error, so the other subcommands keep working."""
-    name = "services.bench.serve"
+    name = "services.entrypoints.bench.serve"
     try:
         if importlib.util.find_spec(name) is None:
             return
@@ -133,12 +133,11 @@ def _model_dir(args: argparse.Namespace) -> str:
 def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSpec], list[str]]:
     """my-vllm, then HF (unless --no-hf), then llama.cpp (default model, llama_cpp importable,
     not --no-llamacpp), then vLLM (--vllm). Returns the specs and notes on what was left out or differs."""
-    from services.bench import llamacpp_peer, throughput, vllm_peer
-    from services.bench.hf_peer import HFPeer
-    from services.bench.workload import MyVllmPeer
-    from services.common.config import DEFAULT_MODEL_DIR
-    from services.engine_args import engine_kwargs
-    from services.worker.model_runner import DEFAULT_CPU_KV_CACHE_BYTES
+    from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL_DIR
+    from services.entrypoints.bench import llamacpp_peer, throughput, vllm_peer
+    from services.entrypoints.bench.hf_peer import HFPeer
+    from services.entrypoints.bench.workload import MyVllmPeer
+    from services.entrypoints.engine_args import engine_kwargs
 
     model = _model_dir(args)
     kwargs = {**engine_kwargs(args), "model": model}
@@ -215,7 +214,7 @@ def _common_json(args: argparse.Namespace, knobs: SamplingKnobs) -> dict[str, An
 
 def run_throughput(args: argparse.Namespace) -> int:
     """`myvllm bench throughput`: print the table and, last, the my-vllm / hf ratio."""
-    from services.bench import throughput
+    from services.entrypoints.bench import throughput
 
     try:
         knobs = _knobs(args)
@@ -253,7 +252,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 def run_latency(args: argparse.Namespace) -> int:
     """`myvllm bench latency`: print the table and, last, the hf / my-vllm ITL ratio."""
-    from services.bench import latency
+    from services.entrypoints.bench import latency
 
     try:
         knobs = _knobs(args)
@@ -264,7 +263,7 @@ def run_latency(args: argparse.Namespace) -> int:
         vocab = model_vocab_size(_model_dir(args))
         # A fresh prompt per timed run: nothing may hit a prefix cache filled by an earlier run.
         if args.workload == "repeat":
-            from services.bench.repeat_workload import repeat_prompts
+            from services.entrypoints.bench.repeat_workload import repeat_prompts
 
             prompt_ids = repeat_prompts(_model_dir(args), 2 * args.num_iters, args.seed)
         else:

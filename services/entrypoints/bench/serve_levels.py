@@ -1,6 +1,6 @@
 """Streaming a workload through an OpenAI server's `/v1/completions` at one concurrency level
 (TTFT, ITL, E2E per request), and starting / stopping a `myvllm serve` to run it against. Used by
-`bench serve` (services/bench/serve.py) and its multi-tenant workload (multi_tenant.py)."""
+`bench serve` (services/entrypoints/bench/serve.py) and its multi-tenant workload (multi_tenant.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from services.bench.sse_stream import stream_request
-from services.bench.workload import BenchRequest
+from services.entrypoints.bench.sse_stream import stream_request
+from services.entrypoints.bench.workload import BenchRequest
 
 
 @dataclass
@@ -85,10 +85,10 @@ async def run_level(base_url: str, requests: list[BenchRequest], concurrency: in
 
 def start_mesh(args: argparse.Namespace, extra: list[str] | tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """Start `myvllm serve` with the engine flags of `args` (plus `extra`), once it is ready."""
-    from services.launcher import free_port
+    from services.entrypoints.launcher import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--dtype", args.dtype,
+    cmd = [sys.executable, "-m", "services.entrypoints.cli", "serve", "--port", str(port), "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
         cmd += ["--model", args.model]

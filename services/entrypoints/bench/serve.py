@@ -10,9 +10,9 @@ transformers' static batch; a PNG plots throughput against latency over the swee
 line is the ratio against vLLM (with --vllm), else against HF.
 
 `--workload multi-tenant` instead compares the gateway's routing policies over data-parallel
-replicas on tenants sharing system prompts (services/bench/multi_tenant.py); `--workload mixed`
+replicas on tenants sharing system prompts (services/entrypoints/bench/multi_tenant.py); `--workload mixed`
 compares colocated and prefill/decode-disaggregated deployments on long prompts arriving while
-short streams decode (services/bench/mixed_workload.py).
+short streams decode (services/entrypoints/bench/mixed_workload.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.bench.serve_levels import ServeResult, run_level, start_mesh, stop_mesh
-from services.bench.workload import (
+from services.entrypoints.bench.serve_levels import ServeResult, run_level, start_mesh, stop_mesh
+from services.entrypoints.bench.workload import (
     BenchRequest,
     MyVllmPeer,
     PeerSpec,
@@ -39,8 +39,8 @@ from services.bench.workload import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from services.bench import mixed_workload, multi_tenant
-    from services.engine_args import add_engine_args
+    from services.entrypoints.bench import mixed_workload, multi_tenant
+    from services.entrypoints.engine_args import add_engine_args
 
     p.add_argument("--base-url", default=None, help="a running server (default: start `myvllm serve` here)")
     p.add_argument("--workload", default="random", choices=["random", "multi-tenant", "mixed"],
@@ -86,18 +86,18 @@ def _plot(results: list[ServeResult], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.cli import engine_kwargs
     from services.common.config import default_model_path
+    from services.entrypoints.cli import engine_kwargs
 
     model_dir = args.model or default_model_path()
     args.dtype = resolve_bench_dtype(args.dtype)
     if args.workload == "multi-tenant":
-        from services.bench import multi_tenant
+        from services.entrypoints.bench import multi_tenant
 
         return multi_tenant.run(args, model_vocab_size(model_dir), warmup_request(model_vocab_size(model_dir),
                                                                                   args.seed))
     if args.workload == "mixed":
-        from services.bench import mixed_workload
+        from services.entrypoints.bench import mixed_workload
 
         return mixed_workload.run(args, model_vocab_size(model_dir))
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                            lambda peer: peer.generate(requests, knobs))
         peers[f"my-vllm offline LLM (max_num_seqs={kwargs['max_num_seqs']})"] = total_out / elapsed
     if not args.no_hf:
-        from services.bench.hf_peer import HFPeer
+        from services.entrypoints.bench.hf_peer import HFPeer
 
         elapsed = run_peer(PeerSpec("hf transformers", lambda: HFPeer(model_dir, args.dtype, args.seed)),
                            warmup, knobs, lambda peer: peer.generate(requests, knobs))
@@ -171,9 +171,9 @@ def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRe
     """vLLM's server on the same requests and levels, then stopped (before the in-process peers):
     the levels it completed, and its error if it failed (which must not lose the rows measured
     so far, ours or its own)."""
-    from services.bench import vllm_peer
-    from services.launcher import free_port
-    from services.worker.model_runner import DEFAULT_CPU_KV_CACHE_BYTES
+    from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES
+    from services.entrypoints.bench import vllm_peer
+    from services.entrypoints.launcher import free_port
 
     results: list[ServeResult] = []
     proc = None

@@ -2,12 +2,12 @@
 
 `serve` (what `make up` runs) starts the three services as separate local processes,
 waits until each is healthy, prints where the API is, restarts any service that exits
-(services/supervisor.py), and stops them all on Ctrl-C. Its services share a random
+(services/entrypoints/supervisor.py), and stops them all on Ctrl-C. Its services share a random
 internal token (generated per run, unless $MYVLLM_INTERNAL_TOKEN is set) and bind the
 loopback interface, except the gateway (`--host`). With several replicas it starts a
 redis-server with a random password (given to it on stdin, to the scheduler and gateway in
 $MYVLLM_REDIS_URL: neither shows in `ps`). Which processes it starts, with which command lines,
-is services/topology.py, which `myvllm deploy compose | k8s` write down too.
+is services/entrypoints/topology.py, which `myvllm deploy compose | k8s` write down too.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from services.common.config import VllmConfig, check_model_dir, default_model_pa
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.common.secret_check import check_service_secrets
-from services.engine_args import (
+from services.entrypoints.engine_args import (
     add_kv_transfer_arg,
     add_model_args,
     add_parallel_args,
@@ -38,9 +38,8 @@ from services.engine_args import (
     add_speculative_arg,
     engine_kwargs,
 )
-from services.gateway.options import add_gateway_options
-from services.supervisor import ServiceGroup, ServiceProcess, stop_all
-from services.topology import (
+from services.entrypoints.supervisor import ServiceGroup, ServiceProcess, stop_all
+from services.entrypoints.topology import (
     API_KEY_ENV,
     DEFAULT_STARTUP_TIMEOUT_S,
     EXIT_GRACE_S,
@@ -56,6 +55,7 @@ from services.topology import (
     processes,
     redis_url,
 )
+from services.gateway.options import add_gateway_options
 
 
 def _fail(message: str) -> int:
@@ -234,7 +234,7 @@ def _redis_config(password: str) -> bytes:
 def _serve_plan(args: argparse.Namespace, model: str, worker_ports: list[list[int]],
                scheduler_ports: list[int], redis_port: int | None, redis_url: str | None = None,
                group_port: int | None = None) -> list[tuple[ProcessSpec, object]]:
-    """Each service (services/topology.py: the same processes `deploy` writes down) and its health
+    """Each service (services/entrypoints/topology.py: the same processes `deploy` writes down) and its health
     check, in start order: an embedded redis when there are several replicas, then each replica's
     worker ranks and scheduler, then the gateway. `redis_url` (credentials and all) is the one
     scheduler and gateway get in $MYVLLM_REDIS_URL (default: `--redis`, else the embedded
@@ -291,7 +291,7 @@ def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # SIGINT raises KeyboardInterrupt (services.cli)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # SIGINT raises KeyboardInterrupt (services.entrypoints.cli)
     model = args.model or default_model_path()
     try:
         check_model_dir(model)
@@ -331,7 +331,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     redis_url = _embedded_redis_url(redis_port, redis_password) if redis_port is not None else args.redis
     os.environ.pop(REDIS_URL_ENV, None)
     # The Redis URL reaches schedulers and gateway, the API key the gateway alone, through their
-    # environment (services/topology.py says who reads which).
+    # environment (services/entrypoints/topology.py says who reads which).
     secret_env = {REDIS_URL_ENV: redis_url, API_KEY_ENV: args.api_key}
     services: list[ServiceProcess] = []
     *engine_plan, (gateway_spec, gateway_healthy) = _serve_plan(

@@ -1,4 +1,4 @@
-"""Kubernetes manifests from serve's processes (services/topology.py's KubernetesPlacement names
+"""Kubernetes manifests from serve's processes (services/entrypoints/topology.py's KubernetesPlacement names
 every object and address).
 
 The process model is serve's, one process per container:
@@ -21,7 +21,7 @@ The process model is serve's, one process per container:
   is ever written, since a Secret applied unedited would hand every service a guessable secret
   (the services refuse one at start-up: services/common/secret_check.py).
 
-Probes run what compose's healthchecks run (`python -m services.healthcheck`, which presents the
+Probes run what compose's healthchecks run (`python -m services.entrypoints.healthcheck`, which presents the
 internal token); see `_engine_probes` for why liveness is a TCP check.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from services.common.auth import TOKEN_ENV
 from services.common.redis_registry import REDIS_URL_ENV
 from services.common.secret_check import check_service_secrets
-from services.topology import (
+from services.entrypoints.topology import (
     API_KEY_ENV,
     EXIT_GRACE_S,
     GATEWAY,
@@ -145,7 +145,7 @@ class _Manifests:
 
     def _engine_probes(self, spec: ProcessSpec) -> dict:
         """Startup and readiness: the service's own Health (what serve waits for, within
-        --startup-timeout), run by services.healthcheck with the internal token. Not a `grpc:`
+        --startup-timeout), run by services.entrypoints.healthcheck with the internal token. Not a `grpc:`
         probe: the services do not serve grpc.health.v1, and their token check refuses any
         call without the token. Liveness: the gRPC port accepts connections. Health itself would
         be wrong there: a scheduler whose worker died answers not-ok while it waits to set the

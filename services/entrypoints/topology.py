@@ -32,7 +32,7 @@ from services.common.kv_transfer_config import KVTransferConfig
 from services.common.parallel_shapes import check_tensor_parallel_shapes, read_model_shapes
 from services.common.redis_registry import REDIS_URL_ENV
 from services.common.secret_check import API_KEY_ENV
-from services.engine_args import (
+from services.entrypoints.engine_args import (
     add_engine_args,
     add_kv_transfer_arg,
     add_model_args,
@@ -263,7 +263,7 @@ class LocalPlacement:
     redis_port: int | None = None
     group_port: int | None = None
     redis_executable: str = "redis-server"
-    command: tuple[str, ...] = (sys.executable, "-m", "services.cli")
+    command: tuple[str, ...] = (sys.executable, "-m", "services.entrypoints.cli")
     redis_password: str | None = None  # the embedded redis-server reads its password on stdin
 
     def bind_host(self, role: str) -> str:
@@ -420,8 +420,8 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
 
 def healthcheck_command(spec: ProcessSpec) -> list[str]:
     """The check a container runs inside itself (compose healthchecks, Kubernetes exec probes):
-    `services.healthcheck` (it presents the internal token from the environment), redis-cli for
+    `services.entrypoints.healthcheck` (it presents the internal token from the environment), redis-cli for
     redis (REDISCLI_AUTH in its environment)."""
     if spec.role == REDIS:
         return ["redis-cli", "-p", str(spec.port), "ping"]
-    return ["python", "-m", "services.healthcheck", spec.role, f"127.0.0.1:{spec.port}"]
+    return ["python", "-m", "services.entrypoints.healthcheck", spec.role, f"127.0.0.1:{spec.port}"]

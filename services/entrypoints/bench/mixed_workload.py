@@ -33,9 +33,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from services.bench.serve_levels import run_level, start_mesh, stop_mesh
-from services.bench.sse_stream import StreamTiming, stream_request
-from services.bench.workload import (
+from services.entrypoints.bench.serve_levels import run_level, start_mesh, stop_mesh
+from services.entrypoints.bench.sse_stream import StreamTiming, stream_request
+from services.entrypoints.bench.workload import (
     SAFE_TOKEN_ID_MIN,
     BenchRequest,
     format_table,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.bench.workload import BenchRequest, SamplingKnobs
+from services.entrypoints.bench.workload import BenchRequest, SamplingKnobs
 
 __all__ = ["LlamaCppPeer", "available", "smollm2_gguf_path"]
 
@@ -55,7 +55,7 @@ class LlamaCppPeer:
     def __init__(self, n_ctx: int, n_threads: int, seed: int = 0, gguf_path: str | None = None) -> None:
         from llama_cpp import Llama
 
-        from services.bench.gguf_f32 import f32_gguf
+        from services.entrypoints.bench.gguf_f32 import f32_gguf
 
         path = gguf_path
         if path is None:

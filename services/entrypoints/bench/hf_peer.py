@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from services.bench.workload import BenchRequest, SamplingKnobs
+from services.entrypoints.bench.workload import BenchRequest, SamplingKnobs
 
 __all__ = ["HFPeer", "OutputPenaltiesProcessor"]
 
@@ -46,11 +46,11 @@ class HFPeer:
     def __init__(self, model_dir: str, dtype: str, seed: int = 0, device: str | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        from services.worker.models.loader import resolve_dtype
+        from services.common.config import resolve_dtype_name
 
         self.seed = seed
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, resolve_dtype_name(dtype, "cpu")))
         self.model = model.to(self.device).eval()
         gen = self.model.generation_config
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.model.config.pad_token_id

@@ -21,8 +21,8 @@ import re
 import httpx
 import numpy as np
 
-from services.bench.serve_levels import run_level, start_mesh, stop_mesh
-from services.bench.workload import SAFE_TOKEN_ID_MIN, BenchRequest, format_table, log, write_json
+from services.entrypoints.bench.serve_levels import run_level, start_mesh, stop_mesh
+from services.entrypoints.bench.workload import SAFE_TOKEN_ID_MIN, BenchRequest, format_table, log, write_json
 
 # Replicas per deployment when --data-parallel-size is left at its engine default of 1.
 DEFAULT_REPLICAS = 2

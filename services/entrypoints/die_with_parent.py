@@ -1,4 +1,4 @@
-"""`python -m services.die_with_parent PARENT_PID COMMAND [ARG...]`: run COMMAND so that the
+"""`python -m services.entrypoints.die_with_parent PARENT_PID COMMAND [ARG...]`: run COMMAND so that the
 kernel sends it SIGTERM when process PARENT_PID dies, even by SIGKILL (PR_SET_PDEATHSIG, which
 survives exec). `serve` starts every service through it: the services run in sessions of their
 own, so nothing else would reach them.
@@ -23,7 +23,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or not argv[0].isdigit():
-        print("usage: python -m services.die_with_parent PARENT_PID COMMAND [ARG...]", file=sys.stderr)
+        print("usage: python -m services.entrypoints.die_with_parent PARENT_PID COMMAND [ARG...]", file=sys.stderr)
         return 2
     parent_pid, command = int(argv[0]), argv[1:]
     try:

@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 
-from services.engine_args import add_engine_args, engine_kwargs
+from services.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from services.sdk import LLM, SamplingParams
+    from services.offline import LLM, SamplingParams
 
     try:
         llm = LLM(**engine_kwargs(args))
@@ -43,15 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=_cmd_generate)
 
-    from services import launcher
+    from services.entrypoints import launcher
 
     launcher.add_subcommands(sub)
 
-    from services.bench import cli as bench_cli
+    from services.entrypoints.bench import cli as bench_cli
 
     bench_cli.add_subcommand(sub, add_engine_args)
 
-    from services.deploy import cli as deploy_cli
+    from services.entrypoints.deploy import cli as deploy_cli
 
     deploy_cli.add_subcommand(sub)
     return parser

@@ -1,7 +1,7 @@
 """The in-process offline `LLM`, vLLM-compatible: `LLM(model).generate(prompts, params)`.
 
 It runs the engine (services/engine/: EngineCore and the one step loop the scheduler service
-also runs) over workers in this process and its children (services/sdk/local_workers.py): the
+also runs) over workers in this process and its children (services/offline/local_workers.py): the
 same classes the service mesh runs, minus gRPC. With data_parallel_size D and
 enable_expert_parallel (MoE models) it runs D engines as one expert-parallel group: each its own
 requests (placed on the least loaded engine) and KV cache, their ranks one process group, their
@@ -29,8 +29,8 @@ from services.common.sampling_params import SamplingParams, sampling_for_choice
 from services.engine.engine_core import EngineCore
 from services.engine.step_loop import StepLoop
 from services.engine.worker_setup import set_up_workers
-from services.sdk.local_workers import LocalWorkers
-from services.sdk.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from services.offline.local_workers import LocalWorkers
+from services.offline.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from services.text.output_processor import ChoiceOutputProcessor
 from services.text.tokenizer import Tokenizer
 from services.worker.rank_workers import ParallelWorkers, make_workers

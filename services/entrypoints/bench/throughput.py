@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.bench.workload import (
+from services.entrypoints.bench.workload import (
     SPEC_PEER,
     BenchRequest,
     Peer,

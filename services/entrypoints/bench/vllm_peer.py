@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from services.bench.workload import BenchRequest, SamplingKnobs, log
 from services.common.config import REPO_ROOT
+from services.entrypoints.bench.workload import BenchRequest, SamplingKnobs, log
 
 __all__ = ["VllmPeer", "available", "cpu_bind_list", "peer_env", "vllm_python"]
 

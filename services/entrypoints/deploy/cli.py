@@ -1,8 +1,8 @@
 """`myvllm deploy k8s --out DIR [serve's flags]` and `myvllm deploy compose --out FILE [serve's flags]`.
 
 Both take serve's topology and engine flags (`-dp`, `-tp`, `-pp`, `--model`, `--dtype`, `--device`,
-scheduling and gateway flags: services/topology.py's add_topology_args), refuse what serve refuses
-(services/topology.py's check_topology: the model's heads must split over `-tp`), and write the
+scheduling and gateway flags: services/entrypoints/topology.py's add_topology_args), refuse what serve refuses
+(services/entrypoints/topology.py's check_topology: the model's heads must split over `-tp`), and write the
 processes serve would start with them. Credentials never go into a file meant to be committed:
 compose reads them from the environment `docker compose` runs in (so `--api-key` and
 `--internal-token` are refused here, saying so); Kubernetes from a Secret, which `deploy k8s`
@@ -23,8 +23,7 @@ from collections.abc import Callable
 import yaml
 
 from services.common.config import DEFAULT_MODEL_DIR
-from services.gateway.options import CREDENTIAL_OPTIONS
-from services.topology import (
+from services.entrypoints.topology import (
     DEFAULT_STARTUP_TIMEOUT_S,
     ComposePlacement,
     KubernetesPlacement,
@@ -35,6 +34,7 @@ from services.topology import (
     num_replicas,
     processes,
 )
+from services.gateway.options import CREDENTIAL_OPTIONS
 
 DEFAULT_IMAGE = "myvllm:latest"
 # Where deploy/Dockerfile converts the default model (its $MYVLLM_MODEL): the processes' --model
@@ -65,7 +65,7 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_k8s_args(p: argparse.ArgumentParser) -> None:
-    from services.deploy.k8s import K8sOptions
+    from services.entrypoints.deploy.k8s import K8sOptions
 
     defaults = K8sOptions(image="", device=None, shutdown_timeout_s=0, startup_timeout_s=0, served_model_name="")
     p.add_argument("--name", default="myvllm", help="prefix of every object's name (default myvllm)")
@@ -120,8 +120,9 @@ def _header(target: str, out: str, args: argparse.Namespace, add_args: Callable,
     so that the same topology always gives the same bytes), and how to use it."""
     flags = forwarded_flags(args, add_args, exclude=CREDENTIAL_OPTIONS)
     lines = [f"{GENERATED} {target} --out {out} {shlex.join(flags)}".rstrip(),
-             "# from the processes `myvllm serve` starts with the same flags (services/topology.py): regenerate,",
-             "# do not edit.", *(f"# {line}".rstrip() for line in usage.splitlines())]
+             "# from the processes `myvllm serve` starts with the same flags",
+             "# (services/entrypoints/topology.py): regenerate, do not edit.",
+             *(f"# {line}".rstrip() for line in usage.splitlines())]
     return "\n".join(lines) + "\n"
 
 
@@ -136,7 +137,7 @@ def _yaml(documents: list[dict]) -> str:
 
 def k8s_files(args: argparse.Namespace) -> dict[str, str]:
     """File name -> text of `myvllm deploy k8s` with these flags."""
-    from services.deploy.k8s import SECRET_FILE, SECRET_USAGE, USAGE, K8sOptions, manifests, secret_values
+    from services.entrypoints.deploy.k8s import SECRET_FILE, SECRET_USAGE, USAGE, K8sOptions, manifests, secret_values
 
     model = _model(args)
     if not _DNS_LABEL.fullmatch(args.name) or len(args.name) > 30:
@@ -159,7 +160,7 @@ def k8s_files(args: argparse.Namespace) -> dict[str, str]:
 
 def compose_text(args: argparse.Namespace, file_name: str) -> str:
     """The text of `myvllm deploy compose` with these flags, for a file called `file_name` in deploy/."""
-    from services.deploy.compose import USAGE, ComposeOptions, compose_file
+    from services.entrypoints.deploy.compose import USAGE, ComposeOptions, compose_file
 
     for flag, value in (("--api-key", args.api_key), ("--internal-token", args.internal_token)):
         if value:
@@ -185,7 +186,7 @@ def write_k8s(out: str, files: dict[str, str]) -> list[str]:
             with open(path) as f:
                 if f.readline().startswith(GENERATED):
                     os.remove(path)
-    from services.deploy.k8s import SECRET_FILE
+    from services.entrypoints.deploy.k8s import SECRET_FILE
 
     written = []
     for name, text in files.items():
