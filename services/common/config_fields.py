@@ -11,6 +11,10 @@ Wire rules, one place for every field:
 - a list travels as a repeated field, a dict as JSON text ("" = empty);
 - `wire(zero_is_default=True)`: a zero value read means the field's default (a sender that
   predates the field).
+
+The proto messages themselves are generated from the same declarations
+(services/common/config_proto_gen.py): `wire(proto_type="int64")` widens an int field,
+`wire(comment=...)` replaces the flag's help as the proto field's comment.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ from google.protobuf.message import Message
 FLAG = "flag"
 ZERO_IS_DEFAULT = "zero_is_default"
 EXAMPLE = "example"
+PROTO_TYPE = "proto_type"
+COMMENT = "comment"
 
 
 def flag(help: str | None = None, name: str | None = None, aliases: Sequence[str] = (),
          choices: Sequence[str] | None = None, dest: str | None = None, type: Callable[[str], Any] | None = None,
          nargs: str | None = None, action: type[argparse.Action] | None = None, metavar: str | None = None,
-         show_default: bool = True, zero_is_default: bool = False, example: Any = None) -> dict[str, Any]:
+         show_default: bool = True, zero_is_default: bool = False, example: Any = None,
+         proto_type: str | None = None, comment: str | None = None) -> dict[str, Any]:
     """A field's metadata for `dataclasses.field(metadata=...)`: its flag, with vLLM's spelling.
 
     name: the flag (default `--` + the field name with dashes); dest: the engine argument's name
@@ -41,16 +48,22 @@ def flag(help: str | None = None, name: str | None = None, aliases: Sequence[str
     booleans become `--name` (default False), `--no-name` (default True) or both (default None,
     "automatic"). show_default: append a non-None default to the help text (unless it already
     speaks of it). example: a valid non-default value for the round-trip test, where one cannot be derived
-    from the type and choices."""
+    from the type and choices. proto_type, comment: the proto field's, as `wire` takes them."""
     meta: dict[str, Any] = {FLAG: {"help": help, "name": name, "aliases": tuple(aliases), "choices": choices,
                                    "dest": dest, "type": type, "nargs": nargs, "action": action,
                                    "metavar": metavar, "show_default": show_default}}
-    return {**meta, **wire(zero_is_default=zero_is_default, example=example)}
+    return {**meta, **wire(zero_is_default=zero_is_default, example=example, proto_type=proto_type,
+                           comment=comment)}
 
 
-def wire(zero_is_default: bool = False, example: Any = None, choices: Sequence[str] | None = None) -> dict[str, Any]:
+def wire(zero_is_default: bool = False, example: Any = None, choices: Sequence[str] | None = None,
+         proto_type: str | None = None, comment: str | None = None) -> dict[str, Any]:
     """A field's metadata where it has no flag of its own (the fields of a JSON-valued flag's
-    config): its wire rule and, for the round-trip test, a valid example or its choices."""
+    config): its wire rule and, for the round-trip test, a valid example or its choices.
+
+    proto_type: the proto scalar type where the Python type's default one is too narrow
+    ("int64" for an int that can pass 2**31); comment: the proto field's comment (default the
+    flag's help)."""
     meta: dict[str, Any] = {}
     if zero_is_default:
         meta[ZERO_IS_DEFAULT] = True
@@ -58,6 +71,10 @@ def wire(zero_is_default: bool = False, example: Any = None, choices: Sequence[s
         meta[EXAMPLE] = example
     if choices is not None:
         meta["choices"] = tuple(choices)
+    if proto_type is not None:
+        meta[PROTO_TYPE] = proto_type
+    if comment is not None:
+        meta[COMMENT] = comment
     return meta
 
 

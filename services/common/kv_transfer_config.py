@@ -44,10 +44,13 @@ DEFAULT_MAX_BUFFER_BYTES = 4 << 30
 
 @dataclass(frozen=True)
 class KVTransferConfig:
+    """vLLM's kv_transfer_config: which KV connector moves a prompt's KV between engines, and this
+    engine's role in prefill/decode disaggregation."""
+
     kv_connector: str = field(metadata=wire(choices=CONNECTORS))
     kv_role: str = field(metadata=wire(choices=ROLES))
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, metadata=wire(
-        example={"segment_ttl_s": 5.0}))
+        example={"segment_ttl_s": 5.0}, comment='a JSON object (connector-specific settings), "" = none'))
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:

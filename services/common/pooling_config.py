@@ -29,11 +29,13 @@ GENERATE_ONLY_MESSAGE = ("embeddings need the pooling runner: serve the model wi
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    """How hidden states become one vector. Defaults as vLLM's for decoder LMs served as
-    embedding models (e.g. Qwen3-Embedding): the last token, L2-normalized."""
+    """vLLM's PoolerConfig: how a pooling model turns a prompt's hidden states into one vector.
+    Defaults as vLLM's for decoder LMs served as embedding models (e.g. Qwen3-Embedding): the last
+    token, L2-normalized."""
 
-    pooling_type: str = field(default="LAST", metadata=wire(choices=POOLING_TYPES))
-    normalize: bool = True
+    pooling_type: str = field(default="LAST", metadata=wire(
+        choices=POOLING_TYPES, comment="the prompt's last token (LAST) or the mean over every prompt token (MEAN)"))
+    normalize: bool = field(default=True, metadata=wire(comment="L2-normalize the pooled vector"))
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:

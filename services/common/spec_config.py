@@ -26,14 +26,18 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 0
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """vLLM's speculative_config names. The worker proposes up to num_speculative_tokens drafts per
+    request after each step; the scheduler schedules them as extra tokens of the request."""
+
     method: str = field(metadata=wire(choices=METHODS))
     num_speculative_tokens: int
-    prompt_lookup_max: int = 0
-    prompt_lookup_min: int = 0
-    model: str = ""
+    prompt_lookup_max: int = field(default=0, metadata=wire(comment="ngram: longest suffix matched"))
+    prompt_lookup_min: int = field(default=0, metadata=wire(comment="ngram: shortest suffix matched"))
+    model: str = field(default="", metadata=wire(comment="draft_model: the draft's HF directory (same tokenizer)"))
     # No drafts while at least this many requests run (0: never off): verifying k drafts costs
     # k extra positions per request, which a large batch pays in throughput.
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int = field(default=DEFAULT_DISABLE_BY_BATCH_SIZE, metadata=wire(
+        comment="no drafts while this many requests run (0 = never off)"))
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
