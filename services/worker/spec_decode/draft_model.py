@@ -40,7 +40,7 @@ import logging
 import numpy as np
 import torch
 
-from services.common.proto import myvllm_pb2 as pb
+from services.common.spec_config import SpeculativeConfig
 from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.exponential import exponential_
 from services.worker.kv_memory import zeroed_kv_cache
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer(SpecProposer):
-    def __init__(self, config: pb.SpeculativeConfig, runner: TargetRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: TargetRunner) -> None:
         super().__init__(config, runner)
         self.k = config.num_speculative_tokens
         try:  # this rank's shard, like the target's (see the module docstring)
