@@ -1,4 +1,4 @@
-"""The whole-step decode kernels (services/worker/cpu/decode_step.c for a few requests,
+"""The whole-step decode kernels (services/worker/models/c_step/decode_step.c for a few requests,
 packed_step.c for more) against the eager forward."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from isa_levels import levels_here
 from runners import runner_for
 
 from services.worker.attention.base import AttentionMetadata, forward_context
-from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_packed_library
 from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm, keeps_onednn_for_bf16
 from services.worker.model_runner import ModelRunner
+from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_packed_library
 
 # Only a machine without a C compiler may skip: a build failure where one exists is a failure.
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")

@@ -141,3 +141,11 @@ def test_services_import_no_other_service_and_shared_layers_no_service() -> None
 
 def test_the_sdk_and_the_gateway_depend_one_way() -> None:
     assert not [(m, t) for m, ts in GRAPH.items() if _package(m) == "sdk" for t in ts if _package(t) == "gateway"]
+
+
+def test_the_workers_cpu_kernels_import_neither_attention_nor_models() -> None:
+    """services/worker/cpu/ is the C kernels and their build, used by attention/ and models/: it
+    imports neither, so the folders form no loop."""
+    wrong = [(m, t) for m, ts in GRAPH.items() if m.startswith("services.worker.cpu")
+             for t in ts if t.startswith(("services.worker.attention", "services.worker.models"))]
+    assert wrong == []

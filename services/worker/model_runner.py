@@ -166,7 +166,7 @@ class ModelRunner:
         # A step that waits for its grammar bitmask: (its output so far, logits, sampling rows).
         self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
         if self.device.type == "cpu":
-            # The whole decode step as one C call (services/worker/cpu/decode_step.py): with the
+            # The whole decode step as one C call (services/worker/models/c_step/): with the
             # C attention kernels, outside a compiled graph, unless MYVLLM_CPU_DECODE_STEP=0.
             c_steps = (self.attn_backend.name == "cpu" and not compile_model
                        and os.environ.get("MYVLLM_CPU_DECODE_STEP", "1") != "0")

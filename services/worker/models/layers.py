@@ -21,7 +21,7 @@ from torch import nn
 
 from services.worker.attention.base import AttentionLayer, AttentionMetadata, current_metadata
 from services.worker.cpu.cpu_ops import CpuOps
-from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_library, load_packed_library
+from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_library, load_packed_library
 from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps, TritonOps
 from services.worker.models.moe import MoeSpec, SparseMoeBlock
 from services.worker.parallel import (
