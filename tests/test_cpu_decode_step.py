@@ -16,6 +16,7 @@ from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm, keeps_onednn_for_bf16
 from services.worker.model_runner import ModelRunner
 from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_packed_library
+from services.worker.models.fast_paths import c_step_for
 
 # Only a machine without a C compiler may skip: a build failure where one exists is a failure.
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
@@ -145,7 +146,7 @@ def test_each_step_takes_its_batches(tiny_model_dir) -> None:
     small, packed = model.decode_step, _packed_step_or_skip(runner)
 
     def chosen(ctx: np.ndarray, num_new: np.ndarray):
-        return model.c_step_for(_meta(runner, ctx, num_new))
+        return c_step_for(model, _meta(runner, ctx, num_new))
 
     assert chosen(np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)) is small
     assert chosen(np.full(small.max_rows + 1, 3), np.ones(small.max_rows + 1, np.int64)) is packed
@@ -153,8 +154,8 @@ def test_each_step_takes_its_batches(tiny_model_dir) -> None:
     assert chosen(np.array([3, 0]), np.array([1, 4])) is packed  # a prefill among them
     assert chosen(np.array([3]), np.array([2])) is packed  # two new tokens (drafts)
     # at and beyond its token budget (only the sizes matter to the choice)
-    assert model.c_step_for(SimpleNamespace(num_tokens=packed.max_tokens, max_query_len=64)) is packed
-    assert model.c_step_for(SimpleNamespace(num_tokens=packed.max_tokens + 1, max_query_len=64)) is None
+    assert c_step_for(model, SimpleNamespace(num_tokens=packed.max_tokens, max_query_len=64)) is packed
+    assert c_step_for(model, SimpleNamespace(num_tokens=packed.max_tokens + 1, max_query_len=64)) is None
 
 
 def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, monkeypatch) -> None:

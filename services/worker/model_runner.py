@@ -29,6 +29,7 @@ from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch, runs_own_counts
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.compiled import CompiledForward, Forward
+from services.worker.models.fast_paths import c_step_for, use_fast_paths
 from services.worker.models.loader import load_model, resolve_dtype
 from services.worker.parallel import (
     any_engine_unfinished,
@@ -165,20 +166,11 @@ class ModelRunner:
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
         # A step that waits for its grammar bitmask: (its output so far, logits, sampling rows).
         self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
-        if self.device.type == "cpu":
-            # The whole decode step as one C call (services/worker/models/c_step/): with the
-            # C attention kernels, outside a compiled graph, unless MYVLLM_CPU_DECODE_STEP=0.
-            c_steps = (self.attn_backend.name == "cpu" and not compile_model
-                       and os.environ.get("MYVLLM_CPU_DECODE_STEP", "1") != "0")
-            if c_steps:
-                # Before packing: the small step keeps the row-major weights (at most a tenth of the RAM).
-                self.model.use_cpu_decode_step(_available_ram_bytes() // 10)
-            if self.model.pack_for_cpu() and c_steps:
-                self.model.use_cpu_packed_step()  # on the packed weights: after packing
-        # Outside a compiled graph (inductor fuses these itself) the elementwise ops go through
-        # fused kernels: C on the CPU, Triton on CUDA (models/layer_ops.py).
-        self.model.use_fused_ops()
-        # CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain here.
+        # What runs the layers faster than their torch ops (fused kernels; on CPU the C steps and
+        # packed weights). The small C step's row-major copy of the weights may take at most a
+        # tenth of the RAM.
+        use_fast_paths(self.model, self.attn_backend.name, compile_model, _available_ram_bytes() // 10)
+        # torch.compile, CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain.
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and compile_model:
             self.compiled = CompiledForward(self.model)
@@ -348,8 +340,7 @@ class ModelRunner:
                                           bs, dev)
         # The C decode step attends without the backend's plan; a draft model mirrors the
         # target's forward with the same metadata, so it needs the plan either way.
-        c_step_for = getattr(self.model, "c_step_for", None)
-        if c_step_for is None or self.proposer is not None or c_step_for(meta) is None:
+        if self.proposer is not None or c_step_for(self.model, meta) is None:
             meta.backend_data = self.attn_backend.prepare(meta)
         batch.num_computed_tokens[rows] = seq_lens
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)
