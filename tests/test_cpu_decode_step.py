@@ -1,4 +1,4 @@
-"""The whole-step decode kernels (services/worker/cpu/decode_step.c for a few requests,
+"""The whole-step decode kernels (services/worker/models/c_step/decode_step.c for a few requests,
 packed_step.c for more) against the eager forward."""
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 from isa_levels import levels_here
+from runners import runner_for
 
 from services.worker.attention.base import AttentionMetadata, forward_context
-from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_packed_library
 from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm, keeps_onednn_for_bf16
 from services.worker.model_runner import ModelRunner
+from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_packed_library
+from services.worker.models.fast_paths import c_step_for
 
 # Only a machine without a C compiler may skip: a build failure where one exists is a failure.
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
@@ -83,7 +85,7 @@ def test_c_steps_match_the_eager_forward(tiny_model_dir, arch: str, dtype: str, 
     count up to its most (decode_step.c has a copy of its projections for each); `packed-decode`:
     the packed step on decodes of one row more than that up to 40 rows; `packed-mixed`: on prefill
     chunks, alone and among decodes."""
-    runner = ModelRunner(tiny_model_dir(arch), dtype=dtype, seed=0)
+    runner = runner_for(tiny_model_dir(arch), dtype=dtype, seed=0)
     runner.init_kv_cache(NUM_BLOCKS, BLOCK)
     small = runner.model.decode_step
     assert isinstance(small, CpuDecodeStep)
@@ -138,13 +140,13 @@ def test_c_steps_match_the_eager_forward(tiny_model_dir, arch: str, dtype: str, 
 def test_each_step_takes_its_batches(tiny_model_dir) -> None:
     """The small step takes decodes of at most its rows; the packed step every other step up to
     its token budget; the eager layers the rest."""
-    runner = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0)
+    runner = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0)
     runner.init_kv_cache(NUM_BLOCKS, BLOCK)
     model = runner.model
     small, packed = model.decode_step, _packed_step_or_skip(runner)
 
     def chosen(ctx: np.ndarray, num_new: np.ndarray):
-        return model.c_step_for(_meta(runner, ctx, num_new))
+        return c_step_for(model, _meta(runner, ctx, num_new))
 
     assert chosen(np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)) is small
     assert chosen(np.full(small.max_rows + 1, 3), np.ones(small.max_rows + 1, np.int64)) is packed
@@ -152,21 +154,21 @@ def test_each_step_takes_its_batches(tiny_model_dir) -> None:
     assert chosen(np.array([3, 0]), np.array([1, 4])) is packed  # a prefill among them
     assert chosen(np.array([3]), np.array([2])) is packed  # two new tokens (drafts)
     # at and beyond its token budget (only the sizes matter to the choice)
-    assert model.c_step_for(SimpleNamespace(num_tokens=packed.max_tokens, max_query_len=64)) is packed
-    assert model.c_step_for(SimpleNamespace(num_tokens=packed.max_tokens + 1, max_query_len=64)) is None
+    assert c_step_for(model, SimpleNamespace(num_tokens=packed.max_tokens, max_query_len=64)) is packed
+    assert c_step_for(model, SimpleNamespace(num_tokens=packed.max_tokens + 1, max_query_len=64)) is None
 
 
 def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, monkeypatch) -> None:
     # 2 MB: room for one sequence's batch state, not for the step's copy of the weights (1/10 of it).
     monkeypatch.setattr("services.worker.model_runner._available_ram_bytes", lambda: 2 << 20)
-    runner = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0, max_num_seqs=1)
+    runner = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0, max_num_seqs=1)
     assert runner.model.decode_step is None
     monkeypatch.undo()
     monkeypatch.setenv("MYVLLM_CPU_DECODE_STEP", "0")
-    off = ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0).model
+    off = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0).model
     assert off.decode_step is None and off.packed_step is None
     monkeypatch.delenv("MYVLLM_CPU_DECODE_STEP")
-    assert ModelRunner(tiny_model_dir("llama"), dtype="float32", seed=0).model.decode_step is not None
+    assert runner_for(tiny_model_dir("llama"), dtype="float32", seed=0).model.decode_step is not None
 
 
 def test_greedy_tokens_are_the_same_with_the_step_on_and_off(smollm2_dir, monkeypatch) -> None:

@@ -22,10 +22,11 @@ def test_available_for_the_pinned_torch() -> None:
 
 
 def test_bf16_layers_stay_plain_where_onednn_cannot_pack_them(tiny_llama_dir: str) -> None:
+    from services.worker.models.fast_paths import pack_for_cpu
     from services.worker.models.loader import load_model
 
     model, _ = load_model(tiny_llama_dir, torch.bfloat16, torch.device("cpu"), progress=False)
-    assert model.pack_for_cpu() == BF16_PACKABLE
+    assert pack_for_cpu(model) == BF16_PACKABLE
     assert any(isinstance(m, nn.Linear) for m in model.modules()) != BF16_PACKABLE
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

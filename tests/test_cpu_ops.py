@@ -128,7 +128,7 @@ def test_the_model_with_fused_ops_scores_prompts_as_the_torch_ops_do(tiny_model_
     RoPE, tied head), chunked prefill included."""
     from services.common.sampling_params import SamplingParams
     from services.offline import LLM
-    from services.worker.models.layers import DecoderForCausalLM
+    from services.worker.models import fast_paths
 
     model_dir = tiny_model_dir(arch)
     prompts = [[(7 * i + 3 * j) % 500 + 100 for j in range(n)] for i, n in enumerate((5, 40, 77))]
@@ -136,9 +136,9 @@ def test_the_model_with_fused_ops_scores_prompts_as_the_torch_ops_do(tiny_model_
 
     def score(fused: bool) -> list:
         if not fused:
-            monkeypatch.setattr(DecoderForCausalLM, "use_cpu_ops", lambda self: False)
+            monkeypatch.setattr(fast_paths, "use_cpu_ops", lambda model: False)
         llm = LLM(model_dir, seed=0, dtype=dtype, max_num_batched_tokens=48)
-        assert (llm.worker.runner.model.cpu_ops is not None) == fused
+        assert (fast_paths.cpu_ops(llm.worker.runner.model) is not None) == fused
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         llm.close()
         return [r.prompt_logprobs[1:] for r in results]

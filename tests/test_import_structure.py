@@ -176,3 +176,11 @@ def test_the_worker_sub_packages_form_no_loop() -> None:
             folders.setdefault(sub(module), set()).update(
                 t for t in map(sub, targets) if t is not None and t != sub(module))
     assert _circles(folders) == []
+
+
+def test_the_workers_cpu_kernels_import_neither_attention_nor_models() -> None:
+    """services/worker/cpu/ is the C kernels and their build, used by attention/ and models/: it
+    imports neither, so the folders form no loop."""
+    wrong = [(m, t) for m, ts in GRAPH.items() if m.startswith("services.worker.cpu")
+             for t in ts if t.startswith(("services.worker.attention", "services.worker.models"))]
+    assert wrong == []

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from runners import runner_for
 
 from services.common.proto import myvllm_pb2 as pb
 from services.worker import model_runner
@@ -28,8 +29,8 @@ def _new(rid: str, prompt: list[int], blocks: list[int], computed: int, outputs:
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama_dir: str) -> ModelRunner:
-    r = ModelRunner(tiny_llama_dir, dtype="float32", seed=0, max_num_seqs=8, max_model_len=64,
-                    attention_backend="torch", device="cpu")
+    r = runner_for(tiny_llama_dir, dtype="float32", seed=0, max_num_seqs=8, max_model_len=64,
+                   attention_backend="torch", device="cpu")
     r.init_kv_cache(NUM_BLOCKS, B)
     return r
 

@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, sys.argv[1])
 from isa_levels import levels_here
 from services.worker.attention import cpu_backend
-from services.worker.cpu import cpu_ops, decode_step, gemm
+from services.worker.cpu import cpu_ops, gemm
+from services.worker.models.c_step import decode_step
 builds = [(decode_step.load_library,)]  # the slowest to compile first
 builds += [(build, level) for level in levels_here(gemm.HIGHEST_ISA)
            for build in (decode_step.load_packed_library, gemm.PanelGemm.load)]

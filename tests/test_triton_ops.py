@@ -244,6 +244,8 @@ def test_tiny_model_logits_match_torch_ops(arch: str, dtype: torch.dtype, reques
     The tiny checkpoints where the SmolLM2 one (their tokenizer) is here, else the same configs
     with torch's random init."""
     pytest.importorskip("transformers", reason="the tiny models' configs are transformers configs")
+    from services.worker.models.fast_paths import use_fused_ops
+
     if (ROOT / "models" / "SmolLM2-135M-Instruct" / "model.safetensors").is_file():
         from services.worker.models.loader import load_model
 
@@ -260,7 +262,7 @@ def test_tiny_model_logits_match_torch_ops(arch: str, dtype: torch.dtype, reques
         model = model.to(device=DEVICE, dtype=dtype).eval()
         model.rotary_emb.reset_tables(DEVICE)  # fp32 tables, as load_model makes them
     if DEVICE == "cuda":
-        assert model.use_fused_ops() and isinstance(model.fused_ops, TritonOps)
+        assert use_fused_ops(model) and isinstance(model.fused_ops, TritonOps)
     lens = [5, 3]
     ids = torch.tensor([(37 * i) % 400 + 50 for i in range(sum(lens))], device=DEVICE)
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
@@ -285,13 +287,14 @@ def test_backend_choice() -> None:
     pytest.importorskip("transformers", reason="the tiny model's config is a transformers config")
     from conftest import _tiny_config
 
+    from services.worker.models.fast_paths import cpu_ops, use_fused_ops
     from services.worker.models.layer_ops import FusedCpuOps
     from services.worker.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(_tiny_config("llama"))
-    model.use_fused_ops()
+    use_fused_ops(model)
     assert model.fused_ops is None or isinstance(model.fused_ops, FusedCpuOps)
-    assert model.cpu_ops is model.fused_ops
+    assert cpu_ops(model) is model.fused_ops
 
 
 def test_layer_ops_imports_without_triton() -> None:

@@ -17,9 +17,9 @@ from collections import deque
 import numpy as np
 import torch
 
-from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES, check_model_dir
+from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES, VllmConfig, check_model_dir
 from services.common.message_limits import MAX_POOLED_DIMENSIONS
-from services.common.pooling_config import PoolerConfig, matryoshka_of
+from services.common.pooling_config import matryoshka_of
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.attention.selector import get_attention_backend
@@ -29,6 +29,7 @@ from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch, runs_own_counts
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.compiled import CompiledForward, Forward
+from services.worker.models.fast_paths import c_step_for, use_fast_paths
 from services.worker.models.loader import load_model, resolve_dtype
 from services.worker.parallel import (
     any_engine_unfinished,
@@ -91,38 +92,38 @@ class MemoryBudgetError(Exception):
 class ModelRunner:
     """Owns the weights, the paged KV tensors, the persistent batch and the sampler."""
 
-    def __init__(self, model_dir: str, dtype: str = "auto", seed: int = 0, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, attention_backend: str | None = None,
-                 device: str | None = None, tensor_parallel_rank: int = 0, tensor_parallel_size: int = 1,
-                 distributed_init_method: str = "", compile_model: bool = False, pipeline_parallel_rank: int = 0,
-                 pipeline_parallel_size: int = 1, speculative_config: pb.SpeculativeConfig | None = None,
-                 enable_expert_parallel: bool = False, data_parallel_rank: int = 0,
-                 data_parallel_size: int = 1, pooler_config: PoolerConfig | None = None,
-                 cudagraph_mode: str | None = None, enforce_eager: bool = False,
-                 cuda_graph_sizes: list[int] | None = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, *, tensor_parallel_rank: int = 0, pipeline_parallel_rank: int = 0,
+                 data_parallel_rank: int = 0, distributed_init_method: str = "", device: str | None = None) -> None:
+        """The whole configuration, as vLLM's runner takes it, and where this rank sits: its
+        tensor/pipeline/data-parallel ranks, the process group's rendezvous, its device."""
+        self.vllm_config = vllm_config
+        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+        model_dir, compile_model = model_config.model, model_config.compile_model
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        expert_parallel = parallel.enable_expert_parallel
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Data-parallel engines join one process group only as an expert-parallel group.
-        dp_size = data_parallel_size if enable_expert_parallel else 1
+        dp_size = parallel.data_parallel_size if expert_parallel else 1
         dp_rank = data_parallel_rank if dp_size > 1 else 0
-        num_ranks = tensor_parallel_size * pipeline_parallel_size * dp_size  # ranks sharing this host's cores
+        num_ranks = tp_size * pp_size * dp_size  # ranks sharing this host's cores
         if self.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(num_ranks))
             keep_freed_memory()  # activations reused between steps instead of re-faulted
-        torch.manual_seed(seed)
-        self.seed = seed
-        self.dtype = resolve_dtype(dtype, self.device)
+        torch.manual_seed(model_config.seed)
+        self.seed = model_config.seed
+        self.dtype = resolve_dtype(model_config.dtype or "auto", self.device)
         self.model_dir = check_model_dir(model_dir)
-        if compile_model and pipeline_parallel_size > 1:
+        if compile_model and pp_size > 1:
             raise ValueError("compile_model is not supported with pipeline_parallel_size > 1 (each stage's "
                              "forward takes the previous stage's hidden states); leave --compile out")
         if self.device.type == "cuda" and num_ranks > 1 and self.device.index is None:
             # One GPU per rank on a machine with several (NCCL refuses two ranks on one device).
-            global_rank = (dp_rank + pipeline_parallel_rank) * tensor_parallel_size + tensor_parallel_rank
+            global_rank = (dp_rank + pipeline_parallel_rank) * tp_size + tensor_parallel_rank
             self.device = torch.device("cuda", global_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         # Joins the process group (if any) first: the model builds only this rank's shard / stage.
-        init_parallel(tensor_parallel_rank, tensor_parallel_size, distributed_init_method, self.device,
-                      pipeline_parallel_rank, pipeline_parallel_size, enable_expert_parallel, dp_rank, dp_size)
+        init_parallel(tensor_parallel_rank, tp_size, distributed_init_method, self.device,
+                      pipeline_parallel_rank, pp_size, expert_parallel, dp_rank, dp_size)
         self.pp = get_pp()
         self.lockstep = get_dp().size > 1  # a data-parallel expert-parallel group's engine
         # Hidden states sent to the next stage and not yet known to have left (kept alive till then).
@@ -134,18 +135,19 @@ class ModelRunner:
                              "replicas)")
         self.vocab_size = self.config.vocab_size
         model_max = int(self.config.max_position_embeddings)
-        self.max_model_len = min(max_model_len or model_max, model_max)
+        self.max_model_len = min(model_config.max_model_len or model_max, model_max)
         self.eos_token_ids = _eos_token_ids(model_dir, self.config)
-        self.attn_backend = get_attention_backend(attention_backend, self.device)
+        self.attn_backend = get_attention_backend(model_config.attention_backend, self.device)
         # Pure-decode steps on persistent padded buffers, eager or as CUDA graphs (cuda_graphs.py;
         # made by init_kv_cache): "none" | "static" | "full_decode_only".
+        pooler_config = model_config.pooler_config if model_config.runner == "pooling" else None
         self.cudagraph_mode = resolve_cudagraph_mode(
-            cudagraph_mode, enforce_eager=enforce_eager, device=self.device, compile_model=compile_model,
-            pipeline_parallel_size=pipeline_parallel_size, tensor_parallel_size=tensor_parallel_size,
-            attention_backend=self.attn_backend.name, expert_parallel=enable_expert_parallel and num_ranks > 1,
+            model_config.cudagraph_mode, enforce_eager=model_config.enforce_eager, device=self.device,
+            compile_model=compile_model, pipeline_parallel_size=pp_size, tensor_parallel_size=tp_size,
+            attention_backend=self.attn_backend.name, expert_parallel=expert_parallel and num_ranks > 1,
             pooling=pooler_config is not None)
-        self.cudagraph_mode_explicit = bool(cudagraph_mode)
-        self.cuda_graph_sizes = list(cuda_graph_sizes) if cuda_graph_sizes else None
+        self.cudagraph_mode_explicit = bool(model_config.cudagraph_mode)
+        self.cuda_graph_sizes = list(model_config.cuda_graph_sizes) if model_config.cuda_graph_sizes else None
         self.static_decode: StaticDecode | None = None
         # Pooling runner (pooler_config set): every request is pooled after the final norm, none
         # sampled; the per-row pooling state lives with the persistent batch (reset_batch).
@@ -163,27 +165,18 @@ class ModelRunner:
         self._sampling_cache: tuple[tuple, SamplingMetadata] | None = None
         # A step that waits for its grammar bitmask: (its output so far, logits, sampling rows).
         self._pending: tuple[pb.ModelRunnerOutput, torch.Tensor | None, np.ndarray] | None = None
-        if self.device.type == "cpu":
-            # The whole decode step as one C call (services/worker/cpu/decode_step.py): with the
-            # C attention kernels, outside a compiled graph, unless MYVLLM_CPU_DECODE_STEP=0.
-            c_steps = (self.attn_backend.name == "cpu" and not compile_model
-                       and os.environ.get("MYVLLM_CPU_DECODE_STEP", "1") != "0")
-            if c_steps:
-                # Before packing: the small step keeps the row-major weights (at most a tenth of the RAM).
-                self.model.use_cpu_decode_step(_available_ram_bytes() // 10)
-            if self.model.pack_for_cpu() and c_steps:
-                self.model.use_cpu_packed_step()  # on the packed weights: after packing
-        # Outside a compiled graph (inductor fuses these itself) the elementwise ops go through
-        # fused kernels: C on the CPU, Triton on CUDA (models/layer_ops.py).
-        self.model.use_fused_ops()
-        # CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain here.
+        # What runs the layers faster than their torch ops (fused kernels; on CPU the C steps and
+        # packed weights). The small C step's row-major copy of the weights may take at most a
+        # tenth of the RAM.
+        use_fast_paths(self.model, self.attn_backend.name, compile_model, _available_ram_bytes() // 10)
+        # torch.compile, CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain.
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and compile_model:
             self.compiled = CompiledForward(self.model)
         self.forward: Forward = self.compiled or self.model
         # Speculative decoding (None: off): proposes drafts after each step's sampling.
-        self.proposer: SpecProposer | None = make_proposer(speculative_config, self)
-        self.set_max_num_seqs(max_num_seqs)
+        self.proposer: SpecProposer | None = make_proposer(vllm_config.speculative_config, self)
+        self.set_max_num_seqs(vllm_config.scheduler_config.max_num_seqs)
 
     def batch_state_bytes(self, max_num_seqs: int, block_size: int = 1) -> int:
         """Memory that max_num_seqs sizes, whatever the KV cache: the persistent batch (each row's
@@ -346,8 +339,7 @@ class ModelRunner:
                                           bs, dev)
         # The C decode step attends without the backend's plan; a draft model mirrors the
         # target's forward with the same metadata, so it needs the plan either way.
-        c_step_for = getattr(self.model, "c_step_for", None)
-        if c_step_for is None or self.proposer is not None or c_step_for(meta) is None:
+        if self.proposer is not None or c_step_for(self.model, meta) is None:
             meta.backend_data = self.attn_backend.prepare(meta)
         batch.num_computed_tokens[rows] = seq_lens
         input_ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev)

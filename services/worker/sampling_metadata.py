@@ -110,6 +110,28 @@ def index_tensor(idx: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to(device)
 
 
+@dataclass
+class RowParams:
+    """The batch's per-row sampling parameters as arrays (batch index i: params[i])."""
+
+    temperature: np.ndarray  # [B] float32, 1.0 on greedy rows
+    top_k_raw: np.ndarray    # [B] int64 as requested (0 or less: off)
+    top_k: np.ndarray        # [B] int64, at most the vocab size, which means off
+    top_p: np.ndarray        # [B] float32, 1.0 where off
+    min_p: np.ndarray        # [B] float32
+    greedy: np.ndarray       # [B] bool
+
+    @classmethod
+    def of(cls, params: list[pb.SamplingParams], vocab_size: int) -> RowParams:
+        temperature = np.array([p.temperature for p in params], dtype=np.float32)
+        top_k_raw = np.array([p.top_k for p in params], dtype=np.int64)
+        greedy = (temperature < GREEDY_TEMPERATURE) | (top_k_raw == 1)
+        return cls(temperature=np.where(greedy, 1.0, temperature).astype(np.float32), top_k_raw=top_k_raw,
+                   top_k=np.where(top_k_raw > 0, np.minimum(top_k_raw, vocab_size), vocab_size),
+                   top_p=np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in params], dtype=np.float32),
+                   min_p=np.array([p.min_p for p in params], dtype=np.float32), greedy=greedy)
+
+
 def build_sampling_metadata(
     params: list[pb.SamplingParams],
     generators: dict[int, torch.Generator],
@@ -132,38 +154,56 @@ def build_sampling_metadata(
     the sparse penalties; without it every stage stays on dense device tensors.
     """
     device = torch.device(device)
-    n = len(params)
-    temperature = np.array([p.temperature for p in params], dtype=np.float32)
-    top_k_raw = np.array([p.top_k for p in params], dtype=np.int64)
-    top_k = np.where(top_k_raw > 0, np.minimum(top_k_raw, vocab_size), vocab_size)
-    top_p = np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in params], dtype=np.float32)
-    min_p = np.array([p.min_p for p in params], dtype=np.float32)
-    greedy = (temperature < GREEDY_TEMPERATURE) | (top_k_raw == 1)
+    row_params = RowParams.of(params, vocab_size)
+    md = _row_tensors(row_params, params, generators, vocab_size, device, history,
+                      device.type == "cpu" if allow_sync is None else allow_sync)
+    if rows is not None:
+        rows = np.asarray(rows, dtype=np.int64)
+    md.groups = _random_groups(row_params, generators, vocab_size, device, md.allow_sync, max_top_k,
+                               top_p_prefilter)
+    md.logit_bias = _logit_bias(params, vocab_size, device)
+    md.static_bans, md.bad_words = _bad_words(params, vocab_size, rows, history)
+    md.min_tokens = _min_tokens(params, vocab_size, eos_token_ids, rows, history)
+    _add_penalties(md, params, rows, penalty_state, device)
+    return md
+
+
+def _row_tensors(row_params: RowParams, params: list[pb.SamplingParams], generators: dict[int, torch.Generator],
+                 vocab_size: int, device: torch.device, history: TokenHistory | None,
+                 allow_sync: bool) -> SamplingMetadata:
+    """The whole batch's tensors; top_k, top_p and min_p only where a random row uses them."""
+    r = row_params
+    random_rows = ~r.greedy
     logprobs_k = np.array([p.logprobs for p in params], dtype=np.int64)
-    random_rows = ~greedy
-    temp = np.where(greedy, 1.0, temperature).astype(np.float32)
-    md = SamplingMetadata(
-        all_greedy=bool(greedy.all()),
-        any_greedy=bool(greedy.any()),
-        greedy_mask=torch.from_numpy(greedy).to(device),
-        temperature=_col(temp, device),
-        top_k=torch.from_numpy(top_k).to(device) if (top_k[random_rows] < vocab_size).any() else None,
-        top_p=torch.from_numpy(top_p).to(device) if (top_p[random_rows] < 1.0).any() else None,
-        min_p=_col(min_p, device) if (min_p[random_rows] > 0).any() else None,
+    return SamplingMetadata(
+        all_greedy=bool(r.greedy.all()),
+        any_greedy=bool(r.greedy.any()),
+        greedy_mask=torch.from_numpy(r.greedy).to(device),
+        temperature=_col(r.temperature, device),
+        top_k=torch.from_numpy(r.top_k).to(device) if (r.top_k[random_rows] < vocab_size).any() else None,
+        top_p=torch.from_numpy(r.top_p).to(device) if (r.top_p[random_rows] < 1.0).any() else None,
+        min_p=_col(r.min_p, device) if (r.min_p[random_rows] > 0).any() else None,
         generators=generators,
         logprobs_k=logprobs_k if (logprobs_k >= 0).any() else None,
         history=history,
-        allow_sync=device.type == "cpu" if allow_sync is None else allow_sync,
+        allow_sync=allow_sync,
     )
-    if rows is not None:
-        rows = np.asarray(rows, dtype=np.int64)
 
-    # -------------------------------------------------------------- random-row groups
-    cand = random_rows & (top_k_raw > 1) & (top_k <= max_top_k) & (top_k < vocab_size)
+
+def _random_groups(row_params: RowParams, generators: dict[int, torch.Generator], vocab_size: int,
+                   device: torch.device, allow_sync: bool, max_top_k: int, top_p_prefilter: int) -> list[RandomGroup]:
+    """The random rows, grouped by the way they sample: top-k candidates, the top_p prefilter
+    (CPU), or the full distribution (those with a top_p apart: only they pay for the sort)."""
+    r = row_params
+    n = r.greedy.size
+    top_k, top_p, min_p = r.top_k, r.top_p, r.min_p
+    random_rows = ~r.greedy
+    cand = random_rows & (r.top_k_raw > 1) & (top_k <= max_top_k) & (top_k < vocab_size)
     prefilter = (random_rows & ~cand & (top_k >= vocab_size) & (top_p < 1.0) & (min_p <= 0)
-                 & md.allow_sync & (top_p_prefilter > 0))
+                 & allow_sync & (top_p_prefilter > 0))
     full = random_rows & ~cand & ~prefilter
     full_sort = full & (top_p < 1.0)  # only these pay for the sort
+    groups = []
     for kind, mask in (("candidates", cand), ("prefilter", prefilter), ("full", full & ~full_sort),
                        ("full", full_sort)):
         idx = np.flatnonzero(mask)
@@ -171,7 +211,7 @@ def build_sampling_metadata(
             continue
         local = {int(j): generators[int(i)] for j, i in enumerate(idx) if int(i) in generators}
         g = RandomGroup(kind=kind, index=index_tensor(idx, device), whole=idx.size == n,
-                         temperature=_col(temp[idx], device), generators=local)
+                        temperature=_col(r.temperature[idx], device), generators=local)
         if kind == "candidates":
             ks = top_k[idx]
             g.max_k = int(ks.max())
@@ -188,9 +228,13 @@ def build_sampling_metadata(
             g.min_p = _col(min_p[idx], device)
         if (top_p[idx] < 1.0).any():
             g.top_p = _col(top_p[idx], device)
-        md.groups.append(g)
+        groups.append(g)
+    return groups
 
-    # -------------------------------------------------------------- logit_bias
+
+def _logit_bias(params: list[pb.SamplingParams], vocab_size: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(batch index, token, bias) of every non-zero bias on a token of the vocabulary."""
     bias_b, bias_t, bias_v = [], [], []
     for i, p in enumerate(params):
         for tok, val in p.logit_bias.items():
@@ -198,11 +242,16 @@ def build_sampling_metadata(
                 bias_b.append(i)
                 bias_t.append(tok)
                 bias_v.append(val)
-    if bias_b:
-        md.logit_bias = (index_tensor(np.array(bias_b), device), index_tensor(np.array(bias_t), device),
-                         torch.tensor(bias_v, dtype=torch.float32, device=device))
+    if not bias_b:
+        return None
+    return (index_tensor(np.array(bias_b), device), index_tensor(np.array(bias_t), device),
+            torch.tensor(bias_v, dtype=torch.float32, device=device))
 
-    # -------------------------------------------------------------- bad words
+
+def _bad_words(params: list[pb.SamplingParams], vocab_size: int, rows: np.ndarray | None,
+               history: TokenHistory | None) -> tuple[tuple[np.ndarray, np.ndarray] | None, BadWords | None]:
+    """One-token bad words, banned outright as (batch index, token); longer ones, banned when
+    their prefix ends the row's tokens so far (their prefixes right-aligned)."""
     ban_b, ban_t = [], []
     words: list[tuple[int, list[int]]] = []
     for i, p in enumerate(params):
@@ -215,21 +264,24 @@ def build_sampling_metadata(
                 ban_t.append(ids[0])
             else:
                 words.append((i, ids))
-    if ban_b:
-        md.static_bans = (np.array(ban_b, dtype=np.int64), np.array(ban_t, dtype=np.int64))
-    if words:
-        _need_history(rows, history, "bad_words")
-        width = max(len(ids) for _, ids in words) - 1
-        prefix = np.full((len(words), width), -1, dtype=np.int64)
-        care = np.zeros((len(words), width), dtype=bool)
-        for j, (_, ids) in enumerate(words):
-            prefix[j, width - len(ids) + 1:] = ids[:-1]
-            care[j, width - len(ids) + 1:] = True
-        b = np.array([i for i, _ in words], dtype=np.int64)
-        md.bad_words = BadWords(rows=rows[b], batch_index=b, prefix=prefix, care=care,
+    static_bans = (np.array(ban_b, dtype=np.int64), np.array(ban_t, dtype=np.int64)) if ban_b else None
+    if not words:
+        return static_bans, None
+    _need_history(rows, history, "bad_words")
+    width = max(len(ids) for _, ids in words) - 1
+    prefix = np.full((len(words), width), -1, dtype=np.int64)
+    care = np.zeros((len(words), width), dtype=bool)
+    for j, (_, ids) in enumerate(words):
+        prefix[j, width - len(ids) + 1:] = ids[:-1]
+        care[j, width - len(ids) + 1:] = True
+    b = np.array([i for i, _ in words], dtype=np.int64)
+    return static_bans, BadWords(rows=rows[b], batch_index=b, prefix=prefix, care=care,
                                  last=np.array([ids[-1] for _, ids in words], dtype=np.int64))
 
-    # -------------------------------------------------------------- min_tokens
+
+def _min_tokens(params: list[pb.SamplingParams], vocab_size: int, eos_token_ids: list[int] | tuple[int, ...],
+                rows: np.ndarray | None, history: TokenHistory | None) -> MinTokens | None:
+    """The rows with min_tokens and the stop tokens (EOS unless ignored) each must hold back."""
     mt_idx, mt_min, owner, pair_b, pair_t = [], [], [], [], []
     for i, p in enumerate(params):
         if p.min_tokens <= 0:
@@ -245,26 +297,30 @@ def build_sampling_metadata(
             pair_t.append(t)
         mt_idx.append(i)
         mt_min.append(p.min_tokens)
-    if mt_idx:
-        _need_history(rows, history, "min_tokens")
-        md.min_tokens = MinTokens(rows=rows[np.array(mt_idx)], min_tokens=np.array(mt_min, dtype=np.int64),
-                                   owner=np.array(owner, dtype=np.int64), batch_index=np.array(pair_b, dtype=np.int64),
-                                   token=np.array(pair_t, dtype=np.int64))
+    if not mt_idx:
+        return None
+    _need_history(rows, history, "min_tokens")
+    return MinTokens(rows=rows[np.array(mt_idx)], min_tokens=np.array(mt_min, dtype=np.int64),
+                     owner=np.array(owner, dtype=np.int64), batch_index=np.array(pair_b, dtype=np.int64),
+                     token=np.array(pair_t, dtype=np.int64))
 
-    # -------------------------------------------------------------- penalties
+
+def _add_penalties(md: SamplingMetadata, params: list[pb.SamplingParams], rows: np.ndarray | None,
+                   penalty_state: PenaltyState | None, device: torch.device) -> None:
+    """Repetition, frequency and presence penalties, each only where a row asks for it."""
     rep = np.array([p.repetition_penalty if p.repetition_penalty > 0 else 1.0 for p in params], dtype=np.float32)
     freq = np.array([p.frequency_penalty for p in params], dtype=np.float32)
     pres = np.array([p.presence_penalty for p in params], dtype=np.float32)
-    if (rep != 1.0).any() or (freq != 0).any() or (pres != 0).any():
-        if penalty_state is None or not penalty_state.allocated or rows is None:
-            raise ValueError("penalties need the persistent rows and an initialised PenaltyState")
-        md.penalty_state = penalty_state
-        md.rows, md.rows_t = rows, index_tensor(rows, device)
-        md.count_ones = torch.ones(n, dtype=torch.int32, device=device)
-        md.repetition = _col(rep, device) if (rep != 1.0).any() else None
-        md.frequency = _col(freq, device) if (freq != 0).any() else None
-        md.presence = _col(pres, device) if (pres != 0).any() else None
-    return md
+    if not ((rep != 1.0).any() or (freq != 0).any() or (pres != 0).any()):
+        return
+    if penalty_state is None or not penalty_state.allocated or rows is None:
+        raise ValueError("penalties need the persistent rows and an initialised PenaltyState")
+    md.penalty_state = penalty_state
+    md.rows, md.rows_t = rows, index_tensor(rows, device)
+    md.count_ones = torch.ones(len(params), dtype=torch.int32, device=device)
+    md.repetition = _col(rep, device) if (rep != 1.0).any() else None
+    md.frequency = _col(freq, device) if (freq != 0).any() else None
+    md.presence = _col(pres, device) if (pres != 0).any() else None
 
 
 def _need_history(rows, history, what: str) -> None:

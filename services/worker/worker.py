@@ -10,8 +10,8 @@ import gc
 import logging
 import time
 
+from services.common.config import VllmConfig
 from services.common.kv_transfer_config import KVTransferConfig
-from services.common.pooling_config import PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.cpu.malloc_tuning import release_freed_memory
 from services.worker.kv_connector import KVConnectorWorker, make_connector, model_id
@@ -54,7 +54,6 @@ class Worker:
         """Load the weights, unless the same weights are already loaded (then only the batch
         size changes). The answer carries the configuration as loaded."""
         c = req.config
-        model, parallel = c.model_config, c.parallel_config
         max_num_seqs = c.scheduler_config.max_num_seqs
         self.kv_transfer_config = KVTransferConfig.from_proto(c.kv_transfer_config) \
             if c.HasField("kv_transfer_config") else None
@@ -68,34 +67,23 @@ class Worker:
             self.runner = None
             gc.unfreeze()
             gc.collect()
-        self.runner = ModelRunner(
-            model.model, dtype=model.dtype or "auto", seed=model.seed, max_num_seqs=max_num_seqs,
-            max_model_len=model.max_model_len or None, attention_backend=model.attention_backend or None,
-            device=self.device, tensor_parallel_rank=req.tensor_parallel_rank,
-            tensor_parallel_size=parallel.tensor_parallel_size,
-            distributed_init_method=req.distributed_init_method, compile_model=model.compile_model,
-            pipeline_parallel_rank=req.pipeline_parallel_rank,
-            pipeline_parallel_size=parallel.pipeline_parallel_size,
-            enable_expert_parallel=parallel.enable_expert_parallel,
-            data_parallel_rank=req.data_parallel_rank, data_parallel_size=parallel.data_parallel_size or 1,
-            speculative_config=c.speculative_config if c.HasField("speculative_config") else None,
-            pooler_config=PoolerConfig.from_proto(model.pooler_config) if model.runner == "pooling" else None,
-            cudagraph_mode=model.cudagraph_mode or None, enforce_eager=model.enforce_eager,
-            cuda_graph_sizes=list(model.cuda_graph_sizes) or None)
+        self.runner = ModelRunner(VllmConfig.from_proto(c), tensor_parallel_rank=req.tensor_parallel_rank,
+                                  pipeline_parallel_rank=req.pipeline_parallel_rank,
+                                  data_parallel_rank=req.data_parallel_rank,
+                                  distributed_init_method=req.distributed_init_method, device=self.device)
         r = self.runner
         self._loaded_key = weights_key(req)
-        self.info = pb.ModelInfo(model=model.model, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
+        self.info = pb.ModelInfo(model=r.model_dir, max_model_len=r.max_model_len, vocab_size=r.vocab_size,
                                  eos_token_ids=r.eos_token_ids, dtype=str(r.dtype).removeprefix("torch."),
                                  device=r.device.type, attention_backend=r.attn_backend.name, config=c,
                                  hidden_size=int(r.config.hidden_size), is_matryoshka=r.is_matryoshka,
                                  matryoshka_dimensions=r.matryoshka_dimensions)
-        # What loading built (~360,000 objects for SmolLM2: modules, tokenizer tables) lives as long
-        # as the model: out of the collector's sight, so that a full pass during serving does not
-        # walk it (215 ms with it, 36 ms frozen, on the 2-core EPYC: a step's worth of stall).
-        # vLLM's engine core freezes its start-up heap the same way.
+        # What loading built (hundreds of thousands of objects: modules, tokenizer tables) lives as
+        # long as the model: out of the collector's sight, so that a full pass during serving does
+        # not walk it and stall a step. vLLM's engine core freezes its start-up heap the same way.
         gc.collect()
         gc.freeze()
-        logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s, cudagraph mode %s", model.model,
+        logger.info("loaded %s in %.1fs: dtype %s on %s, attention backend %s, cudagraph mode %s", r.model_dir,
                        time.monotonic() - started, self.info.dtype, self.info.device, self.info.attention_backend,
                        r.cudagraph_mode)
         return self.info

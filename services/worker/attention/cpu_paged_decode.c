@@ -4,7 +4,8 @@
  * Built at first use by cpu_backend.py through cpu/cbuild.py (a fixed x86-64 level, the best
  * this CPU runs up to AVX-512 with bf16 dot products; -O3 -fopenmp on torch's own libgomp
  * threads). The per-request attention itself is in cpu/paged_attend.h, shared with the
- * whole-step decode kernel (cpu/decode_step.c); this file splits a batch into units over threads.
+ * whole-step decode kernel (models/c_step/decode_step.c); this file splits a batch into units
+ * over threads.
  *
  * Why it looks like this:
  * - Decode attention is bound by reading the cache (at 64 requests of ~400 tokens the fp32

@@ -1,8 +1,10 @@
 """Build a C source file into a shared library at first use, cached on disk, and load it.
 
-The CPU kernels (paged attention, the fused elementwise ops, the decode step) are small C files
-compiled with the system C compiler (about a second each) into a cache directory, keyed by the
-source, the compiler and its version, and the flags.
+The CPU kernels (paged attention, the fused elementwise ops, the GEMM, the whole-model step) are
+small C files compiled with the system C compiler (about a second each) into a cache directory,
+keyed by the source and the headers it can include, the compiler and its version, and the flags.
+A kernel may live outside this folder (attention/, models/c_step/): it includes the shared
+headers here through -I, and its own from beside it.
 
 Instruction sets: each kernel is built for a fixed x86-64 *level*, never `-march=native`, so every
 machine of a level runs the same machine code and gets the same results. A kernel says the
@@ -31,7 +33,7 @@ from services.common.config import cpu_flags as read_cpu_flags
 
 # -fopenmp: the kernels' threads are OpenMP's. torch already loaded its libgomp (soname
 # libgomp.so.1), so the dynamic loader binds the kernels to that same runtime and thread pool.
-# (An earlier pthreads version fought torch's spinning workers and lost 20% on two cores.)
+# (A pthreads version fought torch's spinning workers for the cores.)
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # Extra compiler flags for every kernel, after the kernel's own (space-separated; part of the
 # cache key). For checking builds: tests/test_kernels_asan.py sets
@@ -90,11 +92,16 @@ def compiler_version(cc: str) -> str:
 INCLUDE_DIR = Path(__file__).parent  # vec.h, threads.h and the other headers the kernels share
 
 
+def headers_of(source: Path) -> list[Path]:
+    """The headers `source` can include: the shared ones here and those beside it."""
+    return sorted(set(INCLUDE_DIR.glob("*.h")) | set(source.parent.glob("*.h")))
+
+
 def build_key(source: Path, cc: str, flags: list[str], version: str | None = None) -> str:
-    """What a compiled library depends on: the source and the shared headers, the compiler
-    and its version, the flags."""
+    """What a compiled library depends on: the source and the headers it can include, the
+    compiler and its version, the flags."""
     version = compiler_version(cc) if version is None else version
-    key = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
+    key = source.read_bytes() + b"".join(h.read_bytes() for h in headers_of(source))
     key += "\0".join([cc, version, *flags]).encode()
     return hashlib.sha256(key).hexdigest()[:16]
 

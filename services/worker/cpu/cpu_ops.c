@@ -15,7 +15,7 @@
  * before the weight, SiLU before the multiply, each RoPE product and their sum).
  *
  * The per-row arithmetic is in row_ops.h, shared with the whole-step decode kernel
- * (decode_step.c), so both paths round alike.
+ * (models/c_step/decode_step.c), so both paths round alike.
  */
 #include "row_ops.h"
 

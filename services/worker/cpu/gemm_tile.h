@@ -1,6 +1,6 @@
 /* The tile kernel of the packed GEMM (gemm.c's layout and arithmetic, described there), shared by
- * gemm.c (one linear layer per call) and packed_step.c (a whole decode step on the same packed
- * weights), so both compute every output alike. */
+ * gemm.c (one linear layer per call) and models/c_step/packed_step.c (a whole decode step on the
+ * same packed weights), so both compute every output alike. */
 #ifndef MYVLLM_GEMM_TILE_H
 #define MYVLLM_GEMM_TILE_H
 

@@ -1,7 +1,7 @@
 /* Paged decode attention's core, shared by the standalone kernel (attention/cpu_paged_decode.c)
- * and the whole-step decode kernel (decode_step.c): attend one request's query heads of a range
- * of KV heads, reading K/V in place through the block table. See cpu_paged_decode.c for why it
- * is organised this way. Everything here is static: each library gets its own copy. */
+ * and the whole-step decode kernel (models/c_step/decode_step.c): attend one request's query heads
+ * of a range of KV heads, reading K/V in place through the block table. See cpu_paged_decode.c for
+ * why it is organised this way. Everything here is static: each library gets its own copy. */
 #ifndef MYVLLM_PAGED_ATTEND_H
 #define MYVLLM_PAGED_ATTEND_H
 

@@ -1,7 +1,7 @@
 /* The unit of work of the paged prefill attention (attention/cpu_paged_prefill.c explains its
  * design): one prefill chunk's tile of QT query tokens against every key it sees, for the query
  * heads of one KV head. Shared by cpu_paged_prefill.c (the attention of a step's prefill chunks)
- * and cpu/packed_step.c (a whole step in one call). */
+ * and models/c_step/packed_step.c (a whole step in one call). */
 #ifndef MYVLLM_PREFILL_ATTEND_H
 #define MYVLLM_PREFILL_ATTEND_H
 

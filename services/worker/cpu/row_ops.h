@@ -1,7 +1,7 @@
-/* Row-level arithmetic of the fused elementwise ops, shared by cpu_ops.c (one op over many
- * rows) and decode_step.c (the whole decode step in one call), so both round exactly alike.
- * fp32 math; `bf16` rows are converted on load and rounded on store where HF's bf16 ops round.
- * Compile with -ffp-contract=off (no a*b+c fused into one rounding). */
+/* Row-level arithmetic of the fused elementwise ops, shared by cpu_ops.c (one op over many rows)
+ * and models/c_step/decode_step.c (the whole decode step in one call), so both round exactly
+ * alike. fp32 math; `bf16` rows are converted on load and rounded on store where HF's bf16 ops
+ * round. Compile with -ffp-contract=off (no a*b+c fused into one rounding). */
 #ifndef MYVLLM_ROW_OPS_H
 #define MYVLLM_ROW_OPS_H
 

@@ -1,5 +1,6 @@
-/* OpenMP thread helpers shared by the CPU kernels (decode_step.c, attention/cpu_paged_decode.c,
- * attention/cpu_paged_prefill.c), with serial fallbacks for a build without OpenMP. */
+/* OpenMP thread helpers shared by the CPU kernels (models/c_step/decode_step.c,
+ * attention/cpu_paged_decode.c, attention/cpu_paged_prefill.c), with serial fallbacks for a build
+ * without OpenMP. */
 #ifndef MYVLLM_THREADS_H
 #define MYVLLM_THREADS_H
 

@@ -1,7 +1,7 @@
-/* Vector helpers shared by the CPU kernels (cpu_ops.c, decode_step.c, attention/cpu_paged_decode.c): fp32
- * lanes 8 at a time through GCC/clang vector extensions, bf16 conversions, e^x, a transposing
- * lane sum. Included by each; cbuild.py puts this folder on the include path and hashes this
- * file into each library's cache key. */
+/* Vector helpers shared by the CPU kernels (cpu_ops.c, models/c_step/decode_step.c,
+ * attention/cpu_paged_decode.c): fp32 lanes 8 at a time through GCC/clang vector extensions, bf16
+ * conversions, e^x, a transposing lane sum. Included by each; cbuild.py puts this folder on the
+ * include path and hashes this file into each library's cache key. */
 #ifndef MYVLLM_VEC_H
 #define MYVLLM_VEC_H
 

@@ -7,7 +7,7 @@ residual stream); what runs its norms, RoPE and SiLU·mul is a backend chosen pe
   where it can (the residual add and RoPE write into tensors the layer owns);
 - `TritonOps`: one Triton kernel per op (models/triton_ops.py), CUDA fp32/bf16/fp16, in place
   like `FusedCpuOps` (vLLM's fused_add_rms_norm, rotary_embedding and silu_and_mul forms).
-`DecoderForCausalLM.use_fused_ops` picks the backend for the model's device; torch.compile
+`fast_paths.use_fused_ops` picks the backend for the model's device; torch.compile
 always traces `TorchOps`. All three compute the same adds in the same order as HF's layer
 (x + attn(norm(x)), then x + mlp(norm(x))), so the backend changes speed, not which token
 comes out.

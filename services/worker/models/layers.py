@@ -2,16 +2,15 @@
 mixture-of-experts Qwen3-MoE, Mixtral and OLMoE, whose MLP is a `moe.SparseMoeBlock`).
 
 Projections are fused where HF keeps them apart (q/k/v into one `qkv_proj`, gate/up into
-one `gate_up_proj`): one matmul instead of three or two per layer. `load_weights` maps
-HF checkpoint names onto the fused parameters. Under tensor parallelism each rank builds
-and loads only its shard (services/worker/parallel.py says how things split); with one rank
-the arithmetic is exactly the unsharded model's.
+one `gate_up_proj`): one matmul instead of three or two per layer; models/loader.py maps HF
+checkpoint names onto the fused parameters. Under tensor parallelism each rank builds and
+loads only its shard (services/worker/parallel.py says how things split); with one rank the
+arithmetic is exactly the unsharded model's. What runs the layers faster than their torch ops
+(fused kernels, C steps, packed weights) is chosen by models/fast_paths.py.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.attention.base import AttentionLayer, AttentionMetadata, current_metadata
-from services.worker.cpu.cpu_ops import CpuOps
-from services.worker.cpu.decode_step import CpuDecodeStep, PackedStep, load_library, load_packed_library
+from services.worker.attention.base import AttentionLayer, current_metadata
+from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep
+from services.worker.models.fast_paths import c_step_for
 from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps, TritonOps
 from services.worker.models.moe import MoeSpec, SparseMoeBlock
 from services.worker.parallel import (
@@ -35,8 +34,6 @@ from services.worker.parallel import (
     stage_layers,
     vocab_range,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -224,16 +221,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(ops, h), residual
 
 
-# HF checkpoint names → (our fused parameter, which shard of it).
-_FUSED_SHARDS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
 class DecoderForCausalLM(nn.Module):
     """A decoder-only LM over a flat ragged batch of tokens: [T] ids → [T, hidden].
 
@@ -265,7 +252,8 @@ class DecoderForCausalLM(nn.Module):
             "rope_theta", 10000.0)
         self.rotary_emb = RotaryEmbedding(first.head_dim, config.max_position_embeddings, float(rope_theta),
                                           _plain_rope_scaling(config))
-        # The LM head over the tied embedding table, when `pack_for_cpu` gave it a packed copy.
+        # What runs faster than the layers' torch ops, set by models/fast_paths.py. The LM head
+        # over the tied embedding table, when `pack_for_cpu` gave it a packed copy.
         self.tied_head: nn.Module | None = None
         # The fused elementwise ops (C on CPU, Triton on CUDA), when `use_fused_ops` enabled them
         # (else torch's).
@@ -298,7 +286,7 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids) if self.is_first_stage else hidden
         if (self.decode_step is not None or self.packed_step is not None) and not torch.compiler.is_compiling():
             meta = current_metadata()
-            step = self.c_step_for(meta) if meta is not None else None
+            step = c_step_for(self, meta) if meta is not None else None
             if step is not None:
                 return step.forward(x, positions, meta)
         # torch.compile traces the torch ops (it fuses them itself).
@@ -314,84 +302,6 @@ class DecoderForCausalLM(nn.Module):
             return ops.add_rms_norm(h, residual, self.norm)[0]
         return residual + h  # the residual stream, which the next stage continues
 
-    @property
-    def cpu_ops(self) -> FusedCpuOps | None:
-        """The fused C ops, when they are this model's backend."""
-        return self.fused_ops if isinstance(self.fused_ops, FusedCpuOps) else None
-
-    def use_fused_ops(self) -> bool:
-        """Run the elementwise ops through fused kernels (models/layer_ops.py): the C ones on CPU,
-        the Triton ones on CUDA; False where neither applies (torch's ops run)."""
-        if next(self.parameters()).device.type == "cuda":
-            return self.use_triton_ops()
-        return self.use_cpu_ops()
-
-    def use_cpu_ops(self) -> bool:
-        """Run the elementwise ops through the fused C kernels (services/worker/cpu/cpu_ops.c);
-        False where they do not apply (not on CPU, another dtype, no C compiler)."""
-        param = next(self.parameters())
-        ops = CpuOps.load() if CpuOps.supports(param) else None
-        self.fused_ops = FusedCpuOps(ops) if ops is not None else None
-        return self.fused_ops is not None
-
-    def use_triton_ops(self) -> bool:
-        """Run the elementwise ops as Triton kernels (models/triton_ops.py); False where they do
-        not apply (not on CUDA, another dtype, no triton)."""
-        self.fused_ops = TritonOps() if TritonOps.supports(next(self.parameters())) else None
-        return self.fused_ops is not None
-
-    def c_step_for(self, meta: AttentionMetadata) -> CpuDecodeStep | PackedStep | None:
-        """The C step that runs this batch's whole decoder, or None: the eager layers do. The small
-        decode step first: for the few requests it takes it beats the packed one."""
-        return next((step for step in (self.decode_step, self.packed_step)
-                     if step is not None and step.applies(meta)), None)
-
-    def _c_step_applies(self) -> bool:
-        """Whether the C steps implement this model's layers on this rank: CPU, one rank and one
-        stage, plain dense layers (no routed experts, whole-projection q/k norms or clipped
-        q/k/v)."""
-        return (CpuOps.supports(next(self.parameters())) and get_tp().size == 1
-                and self.is_first_stage and self.is_last_stage and self.spec.moe is None
-                and not self.spec.full_qk_norm and not getattr(self.config, "clip_qkv", None))
-
-    def use_cpu_packed_step(self) -> bool:
-        """Run steps the small decode step does not take (more requests, prefill chunks) as one C
-        call on the packed weights (services/worker/cpu/packed_step.c). Call after `pack_for_cpu`;
-        off where the C steps do not apply or a projection is not packed for gemm.c (no AVX-512,
-        another dtype)."""
-        if not self._c_step_applies():
-            return False
-        try:
-            lib = load_packed_library()
-        except (RuntimeError, OSError) as e:
-            logger.warning("cpu packed decode step unavailable (%s); larger decode steps run layer by layer", e)
-            return False
-        if not PackedStep.supports(self, lib):
-            return False
-        self.packed_step = PackedStep(self, lib)
-        return True
-
-    def use_cpu_decode_step(self, max_extra_bytes: int) -> bool:
-        """Run decode steps of a few requests as one C call (services/worker/cpu/decode_step.py).
-        Call before `pack_for_cpu`: the step keeps the row-major weights, which costs their
-        bytes again beside the packed copies, so it is left off when that exceeds
-        `max_extra_bytes`; also off where it does not apply (not CPU, tensor or pipeline
-        parallel, another dtype, no C compiler, a layer it does not implement: routed experts,
-        whole-projection q/k norms, clipped q/k/v)."""
-        if not self._c_step_applies():
-            return False
-        extra = CpuDecodeStep.plain_weight_bytes(self)
-        if extra > max_extra_bytes:
-            logger.info("cpu decode step off: its row-major weights (%.1f GB) exceed the %.1f GB allowed",
-                        extra / 1e9, max_extra_bytes / 1e9)
-            return False
-        try:
-            self.decode_step = CpuDecodeStep(self, load_library())
-        except (RuntimeError, OSError) as e:
-            logger.warning("cpu decode step unavailable (%s); decode steps run layer by layer", e)
-            return False
-        return True
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.decode_step is not None and 0 < hidden.shape[0] <= self.decode_step.max_rows \
                 and not torch.compiler.is_compiling():
@@ -404,131 +314,6 @@ class DecoderForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         # Under tensor parallelism each rank computed its vocabulary shard's columns.
         return all_gather_last_dim(logits)[..., :self.config.vocab_size].float()
-
-    def pack_for_cpu(self) -> bool:
-        """Give every linear layer (and the LM head) oneDNN-prepacked weights (see cpu_linear.py);
-        False where this torch build or dtype has no such path (the layers stay as they are).
-        Tensor-parallel ranks keep plain layers: a packed copy would drop the row-parallel
-        all-reduce (RowParallelLinear's forward)."""
-        from services.worker.models import cpu_linear
-
-        if get_tp().size > 1 or not cpu_linear.available(self._dtype()):
-            return False
-        cpu_linear.pack_linears(self)
-        if self.tie_word_embeddings and self.is_last_stage:
-            self.tied_head = cpu_linear.PackedLinear(self.embed_tokens.weight, None)
-        return True
-
-    def _dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
-
-    def _holds(self, name: str) -> bool:
-        """Whether this pipeline stage holds checkpoint weight `name` (everything, with one stage)."""
-        layer = re.match(r"layers\.(\d+)\.", name)
-        if layer:
-            return int(layer.group(1)) in self.layer_range
-        if name.startswith("embed_tokens."):
-            return self.embed_tokens is not None
-        if name.startswith(("norm.", "lm_head.")):
-            return self.is_last_stage
-        return True
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings) \
-                    or not self._holds(name):
-                continue
-            moe = self._moe_block_of(name)
-            if moe is not None:  # a router or expert tensor: the block puts it in place
-                block, prefix, relative = moe
-                loaded.update(prefix + key for key in block.load(relative, tensor))
-                continue
-            target, shard = name, None
-            for hf_name, (fused, idx) in _FUSED_SHARDS.items():
-                if f".{hf_name}." in name:
-                    target, shard = name.replace(hf_name, fused), idx
-                    break
-            if target not in params:
-                raise KeyError(f"unexpected weight {name!r} in checkpoint")
-            param = params[target]
-            tensor = self._tp_slice(name, tensor)
-            if shard is not None:
-                param = param.narrow(0, *self._shard_range(target, shard))
-            if tensor.shape[0] < param.shape[0]:  # the last vocabulary shard's padding rows
-                param[tensor.shape[0]:].zero_()
-                param = param[:tensor.shape[0]]
-            param.copy_(tensor)
-            loaded.add(f"{target}#{shard}")
-        expected = {f"{n}#{s}" for n in params for s in self._shards_of(n)}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise KeyError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-
-    def _layer_of(self, name: str) -> DecoderLayer:
-        """The layer a checkpoint name belongs to (the stage's first for a name outside the layers)."""
-        layer = re.match(r"layers\.(\d+)\.", name)
-        return self.layers[int(layer.group(1)) if layer else self.layer_range.start]
-
-    def _moe_block_of(self, name: str) -> tuple[SparseMoeBlock, str, str] | None:
-        """(block, our prefix, name relative to the block) for a router or expert tensor."""
-        if self.spec.moe is None:
-            return None
-        match = re.match(r"layers\.(\d+)\.(\w+)\.(.+)", name)
-        if match is None:
-            return None
-        mlp = self.layers[int(match.group(1))].mlp
-        if not isinstance(mlp, SparseMoeBlock) or match.group(2) not in ("mlp", self.spec.moe.checkpoint_module):
-            return None
-        return mlp, f"layers.{match.group(1)}.mlp.", match.group(3)
-
-    def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor (the whole tensor with one rank)."""
-        tp = get_tp()
-        if tp.size == 1:
-            return tensor
-        layer = self._layer_of(name)
-        attn, mlp = layer.self_attn, layer.mlp
-        d = attn.head_dim
-        if "embed_tokens." in name or "lm_head." in name:
-            start, rows = vocab_range(self.config.vocab_size, tp)
-            return tensor[start:start + rows]
-        if ".q_proj." in name:
-            return tensor.narrow(0, attn.head_start * d, attn.q_size)
-        if ".k_proj." in name or ".v_proj." in name:
-            return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
-        if ".o_proj.weight" in name:
-            return tensor.narrow(1, attn.head_start * d, attn.q_size)
-        if attn.full_qk_norm and ".q_norm." in name:
-            return tensor.narrow(0, attn.head_start * d, attn.q_size)
-        if attn.full_qk_norm and ".k_norm." in name:
-            return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
-        if ".gate_proj." in name or ".up_proj." in name:
-            return tensor.narrow(0, mlp.intermediate_start, mlp.intermediate_size)
-        if ".down_proj.weight" in name:
-            return tensor.narrow(1, mlp.intermediate_start, mlp.intermediate_size)
-        return tensor  # norms and row-parallel biases: every rank holds them whole
-
-    def _shards_of(self, name: str) -> tuple:
-        moe = self._moe_block_of(name)
-        if moe is not None:
-            return moe[0].pieces(moe[2])
-        if "qkv_proj" in name:
-            return (0, 1, 2)
-        if "gate_up_proj" in name:
-            return (0, 1)
-        return (None,)
-
-    def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
-        layer = self._layer_of(name)
-        if "qkv_proj" in name:
-            sizes = [layer.self_attn.q_size, layer.self_attn.kv_size, layer.self_attn.kv_size]
-        else:
-            sizes = [layer.mlp.intermediate_size] * 2
-        return sum(sizes[:shard]), sizes[shard]
 
 
 def _plain_rope_scaling(config) -> dict | None:

@@ -1,10 +1,15 @@
-"""Load an HF model directory (config.json + safetensors, single file or sharded index)."""
+"""Load an HF model directory (config.json + safetensors, single file or sharded index) into
+our architecture: checkpoint names mapped onto the fused parameters (q/k/v into `qkv_proj`,
+gate/up into `gate_up_proj`), each tensor sliced to this rank's shard under tensor parallelism
+(services/worker/parallel.py says how things split) and to this rank's stage under pipeline
+parallelism; with one rank every tensor is loaded whole."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -14,7 +19,9 @@ from transformers import AutoConfig
 from services.common.config import resolve_dtype_name
 from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
-from services.worker.parallel import get_ep, get_tp
+from services.worker.models.layers import DecoderForCausalLM, DecoderLayer
+from services.worker.models.moe import SparseMoeBlock
+from services.worker.parallel import get_ep, get_tp, vocab_range
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -65,7 +72,136 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progres
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch](config)
     model = model.to_empty(device=device)
-    model.load_weights(iterate_weights(model_dir, progress))
+    load_weights(model, iterate_weights(model_dir, progress))
     model = model.to(dtype=dtype).eval()
     model.rotary_emb.reset_tables(device)  # meta buffers → real fp32 tables
     return model, config
+
+
+# HF checkpoint names → (our fused parameter, which shard of it).
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@torch.no_grad()
+def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into `model`'s parameters (this rank's shard and stage of them);
+    KeyError for a tensor the model has no place for, or a parameter the checkpoint leaves out."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and model.tie_word_embeddings) \
+                or not _holds(model, name):
+            continue
+        moe = _moe_block_of(model, name)
+        if moe is not None:  # a router or expert tensor: the block puts it in place
+            block, prefix, relative = moe
+            loaded.update(prefix + key for key in block.load(relative, tensor))
+            continue
+        target, shard = name, None
+        for hf_name, (fused, idx) in _FUSED_SHARDS.items():
+            if f".{hf_name}." in name:
+                target, shard = name.replace(hf_name, fused), idx
+                break
+        if target not in params:
+            raise KeyError(f"unexpected weight {name!r} in checkpoint")
+        param = params[target]
+        tensor = _tp_slice(model, name, tensor)
+        if shard is not None:
+            param = param.narrow(0, *_shard_range(model, target, shard))
+        if tensor.shape[0] < param.shape[0]:  # the last vocabulary shard's padding rows
+            param[tensor.shape[0]:].zero_()
+            param = param[:tensor.shape[0]]
+        param.copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+    expected = {f"{n}#{s}" for n in params for s in _shards_of(model, n)}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise KeyError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _holds(model: DecoderForCausalLM, name: str) -> bool:
+    """Whether this pipeline stage holds checkpoint weight `name` (everything, with one stage)."""
+    layer = re.match(r"layers\.(\d+)\.", name)
+    if layer:
+        return int(layer.group(1)) in model.layer_range
+    if name.startswith("embed_tokens."):
+        return model.embed_tokens is not None
+    if name.startswith(("norm.", "lm_head.")):
+        return model.is_last_stage
+    return True
+
+
+def _layer_of(model: DecoderForCausalLM, name: str) -> DecoderLayer:
+    """The layer a checkpoint name belongs to (the stage's first for a name outside the layers)."""
+    layer = re.match(r"layers\.(\d+)\.", name)
+    return model.layers[int(layer.group(1)) if layer else model.layer_range.start]
+
+
+def _moe_block_of(model: DecoderForCausalLM, name: str) -> tuple[SparseMoeBlock, str, str] | None:
+    """(block, our prefix, name relative to the block) for a router or expert tensor."""
+    if model.spec.moe is None:
+        return None
+    match = re.match(r"layers\.(\d+)\.(\w+)\.(.+)", name)
+    if match is None:
+        return None
+    mlp = model.layers[int(match.group(1))].mlp
+    if not isinstance(mlp, SparseMoeBlock) or match.group(2) not in ("mlp", model.spec.moe.checkpoint_module):
+        return None
+    return mlp, f"layers.{match.group(1)}.mlp.", match.group(3)
+
+
+def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor (the whole tensor with one rank)."""
+    tp = get_tp()
+    if tp.size == 1:
+        return tensor
+    layer = _layer_of(model, name)
+    attn, mlp = layer.self_attn, layer.mlp
+    d = attn.head_dim
+    if "embed_tokens." in name or "lm_head." in name:
+        start, rows = vocab_range(model.config.vocab_size, tp)
+        return tensor[start:start + rows]
+    if ".q_proj." in name:
+        return tensor.narrow(0, attn.head_start * d, attn.q_size)
+    if ".k_proj." in name or ".v_proj." in name:
+        return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
+    if ".o_proj.weight" in name:
+        return tensor.narrow(1, attn.head_start * d, attn.q_size)
+    if attn.full_qk_norm and ".q_norm." in name:
+        return tensor.narrow(0, attn.head_start * d, attn.q_size)
+    if attn.full_qk_norm and ".k_norm." in name:
+        return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
+    if ".gate_proj." in name or ".up_proj." in name:
+        return tensor.narrow(0, mlp.intermediate_start, mlp.intermediate_size)
+    if ".down_proj.weight" in name:
+        return tensor.narrow(1, mlp.intermediate_start, mlp.intermediate_size)
+    return tensor  # norms and row-parallel biases: every rank holds them whole
+
+
+def _shards_of(model: DecoderForCausalLM, name: str) -> tuple:
+    """The pieces parameter `name` is loaded in: q/k/v, gate/up, an expert block's, or itself whole."""
+    moe = _moe_block_of(model, name)
+    if moe is not None:
+        return moe[0].pieces(moe[2])
+    if "qkv_proj" in name:
+        return (0, 1, 2)
+    if "gate_up_proj" in name:
+        return (0, 1)
+    return (None,)
+
+
+def _shard_range(model: DecoderForCausalLM, name: str, shard: int) -> tuple[int, int]:
+    """(first row, rows) of piece `shard` in fused parameter `name`."""
+    layer = _layer_of(model, name)
+    if "qkv_proj" in name:
+        sizes = [layer.self_attn.q_size, layer.self_attn.kv_size, layer.self_attn.kv_size]
+    else:
+        sizes = [layer.mlp.intermediate_size] * 2
+    return sum(sizes[:shard]), sizes[shard]

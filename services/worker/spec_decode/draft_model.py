@@ -40,10 +40,11 @@ import logging
 import numpy as np
 import torch
 
-from services.common.proto import myvllm_pb2 as pb
+from services.common.spec_config import SpeculativeConfig
 from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.exponential import exponential_
 from services.worker.kv_memory import zeroed_kv_cache
+from services.worker.models.fast_paths import pack_for_cpu
 from services.worker.models.loader import load_model
 from services.worker.parallel import broadcast_from_first, get_tp
 from services.worker.sampling_metadata import build_sampling_metadata
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer(SpecProposer):
-    def __init__(self, config: pb.SpeculativeConfig, runner: TargetRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: TargetRunner) -> None:
         super().__init__(config, runner)
         self.k = config.num_speculative_tokens
         try:  # this rank's shard, like the target's (see the module docstring)
@@ -64,7 +65,7 @@ class DraftModelProposer(SpecProposer):
             raise ValueError(f"speculative_config.model {config.model} has vocab size {draft_config.vocab_size}, "
                              f"the target {runner.vocab_size}: a draft model must share the target's tokenizer")
         if runner.device.type == "cpu":
-            self.model.pack_for_cpu()
+            pack_for_cpu(self.model)
         # Row -> [n, vocab] distributions its last proposal drew from (random rows only).
         self.probs: dict[int, torch.Tensor] = {}
         # The random drafts' own stream: the same on every TP rank (see the module docstring),

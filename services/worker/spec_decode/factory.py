@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from services.common.proto import myvllm_pb2 as pb
+from services.common.spec_config import SpeculativeConfig
 from services.worker.spec_decode.draft_model import DraftModelProposer
 from services.worker.spec_decode.proposer import NgramSpecProposer, SpecProposer, TargetRunner
 
 
-def make_proposer(config: pb.SpeculativeConfig | None, runner: TargetRunner) -> SpecProposer | None:
+def make_proposer(config: SpeculativeConfig | None, runner: TargetRunner) -> SpecProposer | None:
     if config is None or not config.method:
         return None
     if config.method == "ngram":

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
-from services.common.spec_config import may_speculate
+from services.common.spec_config import SpeculativeConfig, may_speculate
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.input_batch import InputBatch
 from services.worker.sampler import Sampler
@@ -37,7 +37,7 @@ class TargetRunner(Protocol):
 class SpecProposer:
     """Base: which rows get drafts, and how they travel in the step's output."""
 
-    def __init__(self, config: pb.SpeculativeConfig, runner: TargetRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: TargetRunner) -> None:
         self.config = config
         self.runner = runner
 
@@ -76,7 +76,7 @@ class SpecProposer:
 
 
 class NgramSpecProposer(SpecProposer):
-    def __init__(self, config: pb.SpeculativeConfig, runner: TargetRunner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: TargetRunner) -> None:
         super().__init__(config, runner)
         self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 

@@ -2,18 +2,18 @@
 `packed_step.c` for more.
 
 At batch 1 a decode step reads every weight once and does little else, so its speed is the
-speed of streaming the weights; the eager forward spent ~30% on top of that in ~270 op
-dispatches and OpenMP regions per step. `CpuDecodeStep` runs the decoder (and, through
-`lm_head`, the LM head) of a step whose requests each bring one new token, at most
-`max_rows` of them, as one OpenMP region. Beyond that the projections stop being bound by
-reading the weights and blocked GEMMs win: `PackedDecodeStep` runs the decoder of those larger
-decode batches, again as one region, on the weights gemm.c packed for the linear layers (the
-eager forward's Python dispatch and per-op OpenMP regions were ~45% of a 16- or 48-request
-step). Prefills, mixed steps and draft tokens keep the eager path.
+speed of streaming the weights; the eager forward adds a few hundred op dispatches and OpenMP
+regions per step on top of that. `CpuDecodeStep` runs the decoder (and, through `lm_head`, the
+LM head) of a step whose requests each bring one new token, at most `max_rows` of them, as one
+OpenMP region. Beyond that the projections stop being bound by reading the weights and blocked
+GEMMs win: `PackedStep` runs the decoder of the other steps (larger decode batches, prefill
+chunks, draft tokens), again as one region, on the weights gemm.c packed for the linear layers
+(around those GEMMs the eager forward's Python dispatch and per-op OpenMP regions are a large
+share of the step).
 
 The C code reads the checkpoint's row-major weights, while the eager path runs on oneDNN's
 prepacked copies (`cpu_linear.py`): the step keeps the row-major tensors too, which doubles
-the projections' memory. `DecoderForCausalLM.use_cpu_decode_step` therefore turns it on only
+the projections' memory. `fast_paths.use_cpu_decode_step` therefore turns it on only
 when that copy is small next to the available RAM, and `MYVLLM_CPU_DECODE_STEP=0` turns it off.
 """
 
@@ -157,10 +157,9 @@ class CpuDecodeStep(_CStep):
             weights.append([t.detach().contiguous() if (t := slots[name]) is not None else None
                             for name in LAYER_SLOTS])
         super().__init__(model, weights)
-        # Up to these many rows the step beats the eager forward (SmolLM2, 2 threads, AVX-512
-        # EPYC, forward + LM head): fp32 1.47x at 1 row, 1.45x at 4, 1.05x at 8; bf16 2.2x at 1,
-        # 1.3x at 4, even at 8, where AVX2 FMAs on widened bf16 catch up with oneDNN's bf16
-        # dot products (the projections stop being bound by the weights' bytes).
+        # Up to these many rows the step beats the eager forward (forward + LM head); beyond
+        # them the projections stop being bound by the weights' bytes. Fewer for bf16: the step
+        # widens bf16 to fp32 for its AVX2 FMAs, where oneDNN has bf16 dot products.
         self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
         self.head_weight = (model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight).detach()
 

@@ -4,12 +4,12 @@
  *
  * Built at first use by decode_step.py (cpu/cbuild.py: a fixed x86-64 level, -fopenmp on torch's
  * own libgomp threads, -ffp-contract=off so the elementwise arithmetic rounds exactly as
- * cpu_ops.c's does: both use row_ops.h).
+ * cpu/cpu_ops.c's does: both use cpu/row_ops.h).
  *
  * Why: a batch-1 decode step is bound by reading the weights once (SmolLM2-135M in fp32: 540 MB
  * per token). Eagerly the step is ~120 oneDNN GEMV calls plus ~150 other ops and ctypes calls,
  * each a Python dispatch and an OpenMP region whose threads wake, split a small matrix and meet
- * at a barrier; that overhead was ~30% of the batch-1 step. Here one OpenMP region runs the
+ * at a barrier; that overhead is a large share of the batch-1 step. Here one OpenMP region runs the
  * whole step: each projection is split by output rows over the threads (each streams its own
  * contiguous part of the weight), and the threads meet at a barrier only where the next stage
  * needs every row of the previous one.
@@ -48,8 +48,8 @@ static inline void store_out(void *y, int64_t i, float v, const int bf16) {
 
 /* y[m, r] = x[m] . W[r] (+ bias[r]) for output rows [r0, r1): x fp32 [M, K]; W [N, K] and y
  * [M, N] in the model's dtype. One weight row at a time, so each thread reads its share of W as
- * a single sequential stream (four rows side by side streamed ~15% slower: the hardware
- * prefetcher follows one stream best), each element multiplied into all M rows of x (read
+ * a single sequential stream (four rows side by side stream slower: the hardware prefetcher
+ * follows one stream best), each element multiplied into all M rows of x (read
  * from L1). S independent accumulators per x row over alternating 8-element chunks of K keep
  * enough FMAs in flight when M is small. */
 static inline __attribute__((always_inline)) void gemv_impl(const float *restrict x, const void *restrict W,

@@ -4,16 +4,16 @@
  * and the final norm; the LM head stays the packed linear layer it is. Decode batches of a few
  * requests go to decode_step.c instead (row-major weights, bound by reading them).
  *
- * Built at first use by decode_step.py (cpu/cbuild.py, up to the avx512_bf16 level as gemm.c is,
- * -ffp-contract=off so the elementwise arithmetic rounds exactly as cpu_ops.c's does: both use
- * row_ops.h; the projections are gemm_tile.h's, the attention paged_attend.h's and
- * prefill_attend.h's).
+ * Built at first use by decode_step.py (cpu/cbuild.py, up to the avx512_bf16 level as cpu/gemm.c
+ * is, -ffp-contract=off so the elementwise arithmetic rounds exactly as cpu/cpu_ops.c's does: both
+ * use cpu/row_ops.h; the projections are cpu/gemm_tile.h's, the attention cpu/paged_attend.h's and
+ * cpu/prefill_attend.h's).
  *
  * Why: from 16 rows up a step is GEMM-bound, and the GEMMs run near the machine's peak, but the
  * eager forward around them (~10 ops a layer, each a Python dispatch and an OpenMP region of its
- * own while the other threads spin at its barrier, the KV write an index_copy_) took ~45% of a
- * decode step of 16 or 48 requests on two cores (SmolLM2). Here one OpenMP region runs the step:
- * each projection is split over the threads as gemm() splits it, the row-wise ops by rows,
+ * own while the other threads spin at its barrier, the KV write an index_copy_) takes a large
+ * share of a decode step of many requests. Here one OpenMP region runs the step: each
+ * projection is split over the threads as gemm() splits it, the row-wise ops by rows,
  * attention by (request, KV head) for decodes and (chunk, KV head, query tile) for prefills;
  * threads meet at a barrier only where the next stage needs every row of the previous one.
  */
