@@ -50,7 +50,7 @@ cc:
 		echo "installing gcc (apt-get)"; \
 		$(SUDO) apt-get update && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y gcc; }
 
-# tests/test_playground.py drives the gateway's page in headless Chromium through its WebDriver.
+# tests/e2e/test_playground.py drives the gateway's page in headless Chromium through its WebDriver.
 chromium:
 	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || { \
 		echo "installing chromium and chromium-driver (apt-get)"; \

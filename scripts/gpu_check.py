@@ -3,7 +3,7 @@
 Stages (python scripts/gpu_check.py STAGE [options]); exit 0 pass, 1 fail, 77 skipped:
 
   probe       what this python has: torch/CUDA, triton, and every package the engine needs.
-  kernels     tests/test_triton_kernels.py, test_fused_moe_triton.py and test_triton_ops.py on CUDA (under
+  kernels     tests/unit/worker/test_triton_kernels.py, test_fused_moe_triton.py and test_triton_ops.py on CUDA (under
               TRITON_INTERPRET=1 on the CPU without CUDA), through pytest, or (attention only) the
               module's own runner.
   greedy      (1) model level, needing only torch + triton + numpy: our model classes (random

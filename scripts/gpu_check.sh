@@ -2,7 +2,7 @@
 # `make gpu-check`: the checks for an NVIDIA GPU machine that has torch and triton but maybe no
 # network and nothing else. Needs nothing beyond this repository: no pip installs.
 #
-#   (a) kernels     tests/test_triton_kernels.py, test_fused_moe_triton.py and test_triton_ops.py compiled on
+#   (a) kernels     tests/unit/worker/test_triton_kernels.py, test_fused_moe_triton.py and test_triton_ops.py compiled on
 #                   CUDA (TRITON_INTERPRET unset)
 #   (b) greedy      paged model + Triton attention vs a dense pure-torch reference (always), and the
 #                   engine vs HF transformers (where the engine and transformers import)

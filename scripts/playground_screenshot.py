@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/playground_screenshot.py [--model DIR] [--out docs/playground.png]
 
-Runs the same stack as tests/test_playground.py (a real gateway in front of the fake scheduler,
+Runs the same stack as tests/e2e/test_playground.py (a real gateway in front of the fake scheduler,
 which replays a scripted reply token by token; the model directory is only read for its
 tokenizer), drives headless Chromium (Debian's `chromium` + `chromium-driver`) through a few
 streamed requests so the status view's plot has a shape, and saves the window.

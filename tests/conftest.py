@@ -5,11 +5,11 @@
   fp32 checkpoints (2 layers, hidden 64, GQA 4q/2kv heads, head_dim 16) with the SmolLM2 tokenizer beside them.
 - ``redis_server``: a throwaway redis-server on a free loopback port; yields ``redis://127.0.0.1:PORT``.
   ``start_redis(port, password)`` starts one that wants a password.
-- ``free_port()``: a plain helper (``from conftest import free_port``).
+- Plain helpers live in tests/support (``from support.processes import free_port``).
 - ``cpu_hogs``: one ``yes > /dev/null`` per core, for a fault test to start (``cpu_hogs.start()``)
   once its mesh is up; always stopped when the test ends.
 
-The suite watches its own processes (tests/suite_processes.py): it reports its peak memory at
+The suite watches its own processes (tests/support/suite_processes.py): it reports its peak memory at
 the end and fails past MYVLLM_TEST_MEMORY_BUDGET_GB (default 8); it fails if any process it
 started outlives the run (naming it, then killing it); and SIGTERM of pytest stops every
 process of the run before pytest exits.
@@ -20,8 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -29,7 +27,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import suite_processes
+from support import suite_processes
+from support.processes import CpuHogs, free_port, start_redis, stop_process
 
 # Never reach for a model hub from the test suite.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,7 +78,7 @@ def _suite_signal_handlers() -> Iterator[None]:
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:
     _memory.current_test = nodeid
-    mesh = sys.modules.get("mesh")  # (tests/mesh.py, once a test has imported it)
+    mesh = sys.modules.get("mesh")  # (tests/support/mesh.py, once a test has imported it)
     if mesh is not None:
         mesh.STARTED.clear()
 
@@ -160,14 +159,6 @@ TOKENIZER_FILES = (
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe")
 FINAL_NORM_SCALE = 8.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # --------------------------------------------------------------------------- real model
 
@@ -297,54 +288,6 @@ def tiny_qwen3_dir(tiny_model_dir: Callable[[str], str]) -> str:
 # --------------------------------------------------------------------------- redis
 
 
-def start_redis(port: int, password: str | None = None) -> subprocess.Popen:
-    """A throwaway redis-server on 127.0.0.1:`port`, answering PING when this returns; with
-    `password`, it wants it (`requirepass`, given on stdin as `myvllm serve` does)."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail(
-            "redis-server not found on PATH: run `make setup` (it apt-get installs redis-server)", pytrace=False
-        )
-    import redis
-
-    proc = subprocess.Popen(
-        [exe, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--daemonize", "no"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    suite_processes.register(proc.pid)  # its environment reads empty: found by pid, not by the run's tag
-    proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")
-    proc.stdin.close()
-    url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}"
-    deadline = time.monotonic() + 15
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"redis-server exited early with code {proc.returncode} (port {port})", pytrace=False)
-        try:
-            client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-            if client.ping():
-                client.close()
-                return proc
-        except redis.exceptions.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"redis-server on port {port} did not answer PING within 15 s", pytrace=False)
-        time.sleep(0.05)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 5 s."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
-
-
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
     port = free_port()
@@ -353,25 +296,6 @@ def redis_server() -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}"
     finally:
         stop_process(proc)
-
-
-class CpuHogs:
-    """One busy process per core (`yes > /dev/null`): a fault test's timing as on a loaded
-    machine (a test run beside it), where restarts, model loads and migrations all take longer."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self) -> None:
-        if not self.procs:
-            self.procs = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(os.cpu_count() or 1)]
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-        for proc in self.procs:
-            proc.wait()
-        self.procs = []
 
 
 @pytest.fixture

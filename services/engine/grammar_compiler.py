@@ -3,7 +3,7 @@
 xgrammar has no way to stop a compile once it started, and some constraints take far longer
 than any real one: a regex with nested bounded repetition, `([a-z0-9 ]{1,200},){1,200}`,
 compiles for seconds of one core, and the cost grows with the bounds (figures in
-tests/test_grammar_compile_timeout.py). The compile does release the GIL (measured: the
+tests/e2e/test_grammar_compile_timeout.py). The compile does release the GIL (measured: the
 scheduler's event loop keeps running beside it), so a thread would not freeze the scheduler;
 but a thread cannot be interrupted: one past its limit would keep a core busy until xgrammar
 finishes on its own, and a few such schemas would hold every thread of a bounded pool.

@@ -13,7 +13,7 @@ words, bind hosts, ports and the hosts the others dial:
   pod `<set>-<ordinal>.<headless service>`, the gateway and redis by their Service names).
 
 Every flag comes from the same rules whatever the placement, so a container's command is exactly
-what serve runs for that process with its addresses and ports swapped (tests/test_deploy_k8s.py
+what serve runs for that process with its addresses and ports swapped (tests/e2e/test_deploy_k8s.py
 checks that), and a serve flag added here reaches compose and Kubernetes too.
 """
 
@@ -288,7 +288,7 @@ GATEWAY_PORT, SCHEDULER_PORT, WORKER_PORT, REDIS_PORT, GROUP_PORT = 8000, 50051,
 class ComposePlacement:
     """A compose network: each service is dialled by its name. Ports stay distinct across services
     (replica r's scheduler at 50051 + 100 r, its rank k at 50052 + 100 r + k), so that the file's
-    commands also run side by side as local processes (tests/test_compose.py)."""
+    commands also run side by side as local processes (tests/e2e/test_compose.py)."""
 
     command: tuple[str, ...] = ("myvllm",)
     redis_executable: str = "redis-server"

@@ -1,4 +1,4 @@
-"""Run by tests/test_suite_cleanup.py as a pytest run of its own (not collected by the suite: its
+"""Run by tests/e2e/test_suite_cleanup.py as a pytest run of its own (not collected by the suite: its
 name does not start with test_): first does what in-process tests of the suite do to signal
 handlers, then starts real processes the way the suite's tests do, says READY, and waits to be
 sent SIGTERM halfway through."""
@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-from conftest import free_port, start_redis
-from mesh import Mesh
+from support.mesh import Mesh
+from support.processes import free_port, start_redis
 
 from services.entrypoints import cli
 

@@ -36,7 +36,7 @@ from services.common.config import cpu_flags as read_cpu_flags
 # (A pthreads version fought torch's spinning workers for the cores.)
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # Extra compiler flags for every kernel, after the kernel's own (space-separated; part of the
-# cache key). For checking builds: tests/test_kernels_asan.py sets
+# cache key). For checking builds: tests/unit/worker/test_kernels_asan.py sets
 # "-fsanitize=address -fno-omit-frame-pointer" and runs the kernel tests with libasan preloaded.
 EXTRA_CFLAGS_ENV = "MYVLLM_KERNEL_CFLAGS"
 

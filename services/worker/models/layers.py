@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # One fused op; in fp32 it is bitwise HF's arithmetic (tests/test_layers.py).
+            # One fused op; in fp32 it is bitwise HF's arithmetic (tests/unit/worker/test_layers.py).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Same arithmetic as HF: normalise in fp32, cast back, then scale.
         dtype = x.dtype

@@ -22,7 +22,7 @@ In fp32 those roundings are no-ops.
 
 Lives beside `layer_ops.py` and `fused_moe_triton.py` (the model's ops, not the worker's); this
 module imports triton, so `layer_ops` imports it only when a `TritonOps` is made. Without CUDA
-the kernels run under TRITON_INTERPRET=1 on CPU tensors (tests/test_triton_ops.py).
+the kernels run under TRITON_INTERPRET=1 on CPU tensors (tests/unit/worker/test_triton_ops.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""What the tests share: process helpers, meshes, fakes, references (importable as `support.X`)."""

@@ -1,0 +1,207 @@
+"""The whole-step decode kernels (services/worker/models/c_step/decode_step.c for a few requests,
+packed_step.c for more) against the eager forward."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from support.isa_levels import levels_here
+from support.runners import runner_for
+
+from services.worker.attention.base import AttentionMetadata, forward_context
+from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm, keeps_onednn_for_bf16
+from services.worker.model_runner import ModelRunner
+from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_packed_library
+from services.worker.models.fast_paths import c_step_for
+
+# Only a machine without a C compiler may skip: a build failure where one exists is a failure.
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
+
+BLOCK = 16
+NUM_BLOCKS = 12 * 40 + 1  # room for 40 requests of up to 12 blocks
+
+
+def _packed_step_or_skip(runner: ModelRunner) -> PackedStep:
+    """The runner's packed step; a CPU without AVX-512 has no packed GEMM for it to run on, and one
+    with AMX keeps oneDNN (its AMX tiles) for bf16 layers, so it has no bf16 packed step."""
+    step = runner.model.packed_step
+    gemm = PanelGemm.load()
+    if step is None and gemm is None:
+        pytest.skip("no AVX-512: the linear layers keep oneDNN and there is no packed step")
+    if step is None and runner.dtype not in gemm.dtypes:
+        assert runner.dtype == torch.bfloat16 and keeps_onednn_for_bf16()  # the only other reason
+        pytest.skip("AMX: bf16 linear layers keep oneDNN and there is no bf16 packed step")
+    assert isinstance(step, PackedStep)
+    return step
+
+
+def _meta(runner: ModelRunner, ctx: np.ndarray, num_new: np.ndarray) -> AttentionMetadata:
+    """Request i owns blocks 1 + 12i .. 12i + 12 and brings num_new[i] tokens after ctx[i]."""
+    tables = np.arange(1, 1 + 12 * len(ctx), dtype=np.int32).reshape(len(ctx), 12)
+    rows = np.repeat(np.arange(len(ctx)), num_new)
+    pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, num_new, strict=True)])
+    slots = tables[rows, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
+    qsl = np.concatenate([[0], np.cumsum(num_new)])
+    meta = AttentionMetadata.from_host(slots, qsl, ctx + num_new, ctx, tables, BLOCK, "cpu")
+    meta.backend_data = runner.attn_backend.prepare(meta)
+    return meta
+
+
+def _forward(runner: ModelRunner, ids: torch.Tensor, ctx: np.ndarray, num_new: np.ndarray, logits: bool = True):
+    """The final hidden states and (`logits`) every token's logits; without, only the K/V
+    cache filled (the setup prefills: their thousands of tokens' logits, 49,152 wide, would
+    be the bulk of the test's work, under AddressSanitizer most of all)."""
+    meta = _meta(runner, ctx, num_new)
+    pos = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, num_new, strict=True)]))
+    with torch.inference_mode(), forward_context(runner.attn_backend, meta):
+        hidden = runner.model(ids, pos)
+        return hidden, runner.model.compute_logits(hidden) if logits else None
+
+
+def _decodes(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` requests of 5 .. 184 cached tokens (ragged blocks), one new token each."""
+    return np.array([5 + (23 * i) % 180 for i in range(rows)]), np.ones(rows, np.int64)
+
+
+# Steps of prefill chunks, alone and among decodes: (cached tokens, new tokens) per request.
+MIXED = [
+    (np.array([0, 20, 40]), np.array([37, 16, 5])),  # first and later chunks; one shorter than a tile
+    (np.array([30, 7, 100, 64, 5, 0, 50, 9, 120, 3]), np.array([1, 1, 1, 1, 1, 1, 1, 1, 33, 70])),
+    (np.array([0]), np.array([150])),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["small", "packed-decode", "packed-mixed"])
+def test_c_steps_match_the_eager_forward(tiny_model_dir, arch: str, dtype: str, kind: str) -> None:
+    """After eager prefills of different lengths, one step through the C step and through the
+    eager layers: the same final hidden states, logits and cached K/V (llama: tied head; qwen2:
+    q/k/v biases, untied head; qwen3: q/k norms). `small`: the row-major decode step at each row
+    count up to its most (decode_step.c has a copy of its projections for each); `packed-decode`:
+    the packed step on decodes of one row more than that up to 40 rows; `packed-mixed`: on prefill
+    chunks, alone and among decodes."""
+    runner = runner_for(tiny_model_dir(arch), dtype=dtype, seed=0)
+    runner.init_kv_cache(NUM_BLOCKS, BLOCK)
+    small = runner.model.decode_step
+    assert isinstance(small, CpuDecodeStep)
+    if kind == "small":
+        step, cases = small, [_decodes(rows) for rows in range(1, small.max_rows + 1)]
+    else:
+        step = _packed_step_or_skip(runner)
+        cases = [_decodes(rows) for rows in (small.max_rows + 1, 13, 40)] if kind == "packed-decode" else MIXED
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.config.vocab_size
+    calls: list[int] = []
+    original = step.forward
+    step.forward = lambda *a: calls.append(1) or original(*a)
+    steps = runner.model.decode_step, runner.model.packed_step
+    for ctx, num_new in cases:
+        # the cached tokens (a placeholder token where there are none: the step overwrites it)
+        setup = np.maximum(ctx, 1)
+        _forward(runner, torch.randint(0, vocab, (int(setup.sum()),), generator=gen), np.zeros(len(ctx), np.int64),
+                 setup, logits=False)
+        ids = torch.randint(0, vocab, (int(num_new.sum()),), generator=gen)
+        before = len(calls)
+        got_hidden, got_logits = _forward(runner, ids, ctx, num_new)
+        assert len(calls) == before + 1
+        caches = [layer.kv_cache.clone() for layer in runner.model.attention_layers()]
+        runner.model.decode_step = runner.model.packed_step = None
+        want_hidden, want_logits = _forward(runner, ids, ctx, num_new)
+        runner.model.decode_step, runner.model.packed_step = steps
+        # Both sides sum in fp32 in their own order (this kernel's lanes, oneDNN's blocking, which
+        # differs between AVX2, AVX-512 and AMX machines): bounds relative to each tensor's scale,
+        # ~10x what was observed (fp32: 5.5e-5 of hidden values up to 30).
+        if dtype == "float32":
+            for got, want in ((got_hidden, want_hidden), (got_logits, want_logits)):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * float(want.abs().max()))
+        else:  # bf16: a different summation order may flip roundings, a few bf16 steps at most
+            # (one flip in 40 rows' attention moved a logit of ~30 by two of its 0.125 steps)
+            for got, want in ((got_hidden, want_hidden), (got_logits, want_logits)):
+                scale = float(want.float().abs().max())
+                torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.02 * scale)
+        # The same greedy token wherever the top two logits are further apart than the two
+        # sides' largest difference could move them (bf16 steps can swap near-ties).
+        top2 = want_logits.topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 4 * float((got_logits - want_logits).abs().max())
+        assert torch.equal(got_logits.argmax(-1)[decided], want_logits.argmax(-1)[decided])
+        for got_cache, layer in zip(caches, runner.model.attention_layers(), strict=True):
+            # The eager pass rewrote the same slots: each layer's K/V of the new tokens agree.
+            want_cache = layer.kv_cache.float()
+            tol = (1e-4, 2e-5) if dtype == "float32" else (0.05, 0.02)
+            torch.testing.assert_close(got_cache.float(), want_cache, rtol=tol[0],
+                                       atol=tol[1] * float(want_cache.abs().max()))
+
+
+def test_each_step_takes_its_batches(tiny_model_dir) -> None:
+    """The small step takes decodes of at most its rows; the packed step every other step up to
+    its token budget; the eager layers the rest."""
+    runner = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0)
+    runner.init_kv_cache(NUM_BLOCKS, BLOCK)
+    model = runner.model
+    small, packed = model.decode_step, _packed_step_or_skip(runner)
+
+    def chosen(ctx: np.ndarray, num_new: np.ndarray):
+        return c_step_for(model, _meta(runner, ctx, num_new))
+
+    assert chosen(np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)) is small
+    assert chosen(np.full(small.max_rows + 1, 3), np.ones(small.max_rows + 1, np.int64)) is packed
+    assert chosen(np.full(40, 3), np.ones(40, np.int64)) is packed
+    assert chosen(np.array([3, 0]), np.array([1, 4])) is packed  # a prefill among them
+    assert chosen(np.array([3]), np.array([2])) is packed  # two new tokens (drafts)
+    # at and beyond its token budget (only the sizes matter to the choice)
+    assert c_step_for(model, SimpleNamespace(num_tokens=packed.max_tokens, max_query_len=64)) is packed
+    assert c_step_for(model, SimpleNamespace(num_tokens=packed.max_tokens + 1, max_query_len=64)) is None
+
+
+def test_the_step_is_off_where_its_weight_copy_would_not_fit(tiny_model_dir, monkeypatch) -> None:
+    # 2 MB: room for one sequence's batch state, not for the step's copy of the weights (1/10 of it).
+    monkeypatch.setattr("services.worker.model_runner._available_ram_bytes", lambda: 2 << 20)
+    runner = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0, max_num_seqs=1)
+    assert runner.model.decode_step is None
+    monkeypatch.undo()
+    monkeypatch.setenv("MYVLLM_CPU_DECODE_STEP", "0")
+    off = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0).model
+    assert off.decode_step is None and off.packed_step is None
+    monkeypatch.delenv("MYVLLM_CPU_DECODE_STEP")
+    assert runner_for(tiny_model_dir("llama"), dtype="float32", seed=0).model.decode_step is not None
+
+
+def test_greedy_tokens_are_the_same_with_the_step_on_and_off(smollm2_dir, monkeypatch) -> None:
+    """SmolLM2 in fp32 through the offline LLM: 12 decoding requests that finish one after another,
+    so steps of 12 down to 1 rows run both C steps; greedy output is token-identical to the eager
+    forward's."""
+    from services.common.sampling_params import SamplingParams
+    from services.offline import LLM
+
+    prompts = [f"{topic} is" for topic in ("The capital of France", "Water", "Python", "A prime number", "The moon",
+                                           "Music", "Coffee", "A river", "Chess", "Gravity", "Bread", "A library")]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+
+    def run(on: bool) -> list[list[int]]:
+        monkeypatch.setenv("MYVLLM_CPU_DECODE_STEP", "1" if on else "0")
+        llm = LLM(smollm2_dir, dtype="float32", seed=0)
+        model = llm.worker.runner.model
+        assert (model.decode_step is not None) == on
+        assert (model.packed_step is not None) == (on and PanelGemm.load() is not None)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.close()
+        return out
+
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("level", levels_here(HIGHEST_ISA))
+def test_the_packed_step_builds_for_the_dtypes_the_gemm_runs(level: str | None) -> None:
+    """Built at every level this CPU runs: it offers a dtype exactly where gemm.c's build of the
+    same level does (the projections it runs are gemm.c's tiles), none without AVX-512."""
+    from services.worker.cpu import cbuild, gemm
+
+    step_lib = load_packed_library(level)
+    gemm_lib = cbuild.build(gemm._SOURCE, highest=HIGHEST_ISA, level=level)
+    for bf16 in (0, 1):
+        assert step_lib.packed_step_available(bf16) == gemm_lib.gemm_available(bf16)

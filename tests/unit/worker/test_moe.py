@@ -1,0 +1,238 @@
+"""Mixture-of-experts models: routing, the fused experts' torch path (the Triton kernel is in
+test_fused_moe_triton.py), loading both checkpoint layouts, and greedy token ids equal to HF
+transformers for tiny random Qwen3-MoE (one dense layer among the MoE ones, renormalised
+top-k), Mixtral (fp32 routing weights, `block_sparse_moe` names) and OLMoE (whole-projection
+q/k norms, clipped q/k/v, top-k not renormalised): one rank under chunked prefill and
+preemption, and two tensor-parallel ranks, with each expert's columns split or, with
+`enable_expert_parallel`, the experts themselves (each rank runs its own on every token); and
+two data-parallel engines as one expert-parallel group (tokens dispatched to their experts'
+ranks by all-to-all, lockstep steps, dummy steps), with TP inside, and through a dead rank.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from support.hf_reference import hf_greedy
+
+from services.common.sampling_params import SamplingParams
+from services.offline.llm import LLM
+from services.worker.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, route
+from services.worker.parallel import ExpertParallel, expert_range
+
+MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe"]
+MAX_NEW_TOKENS = 24
+BLOCK_SIZE = 16
+
+
+def _per_token_reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The definition, one token and one slot at a time (fine for a test's few tokens)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            if 0 <= e < w13.shape[0]:
+                gate, up = (w13[e] @ x[t]).chunk(2)
+                out[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def test_grouped_experts_equal_the_per_token_definition() -> None:
+    """Ids outside [0, E) (experts held by another rank) add nothing; experts without tokens are skipped."""
+    g = torch.Generator().manual_seed(0)
+    num_tokens, top_k, experts, hidden, width = 37, 3, 6, 24, 10
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * width, hidden, generator=g) / 5
+    w2 = torch.randn(experts, hidden, width, generator=g) / 5
+    ids = torch.stack([torch.randperm(experts + 2, generator=g)[:top_k] - 1 for _ in range(num_tokens)])
+    ids[ids == 4] = 5  # expert 4 gets no token
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    got = grouped_experts(x, w13, w2, weights, ids)
+    assert (ids == -1).any() and (ids == experts).any()
+    torch.testing.assert_close(got, _per_token_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_route_softmax_top_k_and_renormalisation() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 0.5, 1.0, 0.0]])
+    probs = torch.softmax(logits, -1)
+    weights, ids = route(logits, 2, renormalize=False, weights_dtype=torch.float32)
+    assert ids.tolist() == [[3, 2], [0, 2]]
+    torch.testing.assert_close(weights[0], probs[0, [3, 2]])
+    weights, _ = route(logits.bfloat16(), 2, renormalize=True, weights_dtype=torch.bfloat16)
+    assert weights.dtype == torch.bfloat16
+    torch.testing.assert_close(weights.float().sum(-1), torch.ones(2), atol=1e-2, rtol=0)
+
+
+def test_a_block_loads_per_expert_and_stacked_checkpoints_alike() -> None:
+    """HF's saved layout (experts.<e>.gate_proj/up_proj/down_proj) and transformers' in-memory
+    stacked one (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) fill the same weights."""
+    config = SimpleNamespace(hidden_size=8, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=4,
+                             norm_topk_prob=True, hidden_act="silu")
+    g = torch.Generator().manual_seed(1)
+    gate, up, down = (torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, 8, generator=g),
+                      torch.randn(3, 8, 4, generator=g))
+    per_expert, stacked = SparseMoeBlock(config, MoeSpec()), SparseMoeBlock(config, MoeSpec())
+    keys = set()
+    with torch.no_grad():
+        for e in range(3):
+            keys.update(per_expert.load(f"experts.{e}.gate_proj.weight", gate[e]))
+            keys.update(per_expert.load(f"experts.{e}.up_proj.weight", up[e]))
+            keys.update(per_expert.load(f"experts.{e}.down_proj.weight", down[e]))
+        stacked_keys = set(stacked.load("experts.gate_up_proj", torch.cat((gate, up), dim=1)))
+        stacked_keys |= set(stacked.load("experts.down_proj", down))
+        with pytest.raises(KeyError, match="experts.3.gate_proj"):
+            per_expert.load("experts.3.gate_proj.weight", gate[0])
+    assert keys == stacked_keys == {f"experts.w13#{p}" for p in per_expert.pieces("experts.w13")} | {
+        f"experts.w2#{p}" for p in per_expert.pieces("experts.w2")}
+    assert torch.equal(per_expert.experts.w13, stacked.experts.w13)
+    assert torch.equal(per_expert.experts.w2, stacked.experts.w2)
+    assert torch.equal(per_expert.experts.w13[1, :4], gate[1]) and torch.equal(per_expert.experts.w13[1, 4:], up[1])
+
+
+def test_experts_split_contiguously_the_first_ranks_taking_the_remainder() -> None:
+    assert [expert_range(8, ExpertParallel(r, 2)) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [expert_range(10, ExpertParallel(r, 4)) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    with pytest.raises(ValueError, match="at least as many experts"):
+        expert_range(2, ExpertParallel(0, 4))
+
+
+def test_an_expert_parallel_rank_holds_loads_and_runs_only_its_experts(monkeypatch) -> None:
+    from services.worker import parallel
+
+    monkeypatch.setattr(parallel, "_ep_state", ExpertParallel(1, 2))  # the second of two ranks
+    config = SimpleNamespace(hidden_size=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4,
+                             norm_topk_prob=False, hidden_act="silu")
+    block = SparseMoeBlock(config, MoeSpec())
+    assert (block.expert_start, block.num_local_experts, block.experts.w13.shape[0]) == (2, 2, 2)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        assert block.load("experts.0.gate_proj.weight", torch.randn(4, 8, generator=g)) == []  # rank 0's
+        weight = torch.randn(4, 8, generator=g)
+        assert block.load("experts.3.up_proj.weight", weight) == ["experts.w13#3.1"]
+        assert torch.equal(block.experts.w13[1, 4:], weight)
+        block.load("gate.weight", torch.randn(4, 8, generator=g))
+        block.experts.w13.normal_(generator=g)
+        block.experts.w2.normal_(generator=g)
+    x = torch.randn(5, 8, generator=g)
+    weights, ids = route(block.gate(x), 2, False, torch.float32)
+    local = ids.clone()
+    local[ids < 2] = -1  # rank 0's experts add nothing here
+    want = grouped_experts(x, torch.cat((torch.zeros_like(block.experts.w13), block.experts.w13)),
+                           torch.cat((torch.zeros_like(block.experts.w2), block.experts.w2)), weights, ids)
+    torch.testing.assert_close(block(None, x), want)
+    assert (local >= 2).any() and (local == -1).any()
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 7, 40, 150, 17, 300, 64, 96)]
+
+
+def _greedy(model_dir: str, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], dict]:
+    llm = LLM(model_dir, dtype="float32", seed=0, block_size=BLOCK_SIZE, **engine_args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], llm.stats()
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tiny_model_dir) -> dict[str, tuple[str, list[list[int]]]]:
+    """arch -> (checkpoint dir, HF's greedy continuations of `_prompts()`), computed once."""
+    return {arch: (tiny_model_dir(arch), hf_greedy(tiny_model_dir(arch), _prompts(), MAX_NEW_TOKENS))
+            for arch in MOE_ARCHS}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_greedy_equals_hf_under_chunked_prefill_and_preemption(moe_reference, arch: str) -> None:
+    model_dir, want = moe_reference[arch]
+    prompts = _prompts()
+    # Every request fits alone, not all together: the later ones are preempted as they grow.
+    need = sum(-(-(len(p) + MAX_NEW_TOKENS) // BLOCK_SIZE) for p in prompts)
+    got, stats = _greedy(model_dir, prompts, max_num_batched_tokens=32, num_gpu_blocks_override=need * 2 // 3)
+    assert got == want
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["columns", "experts"])
+def test_moe_tensor_parallel_greedy_equals_hf(moe_reference, arch: str, expert_parallel: bool) -> None:
+    model_dir, want = moe_reference[arch]
+    got, stats = _greedy(model_dir, _prompts(), tensor_parallel_size=2, max_num_batched_tokens=64,
+                         enable_expert_parallel=expert_parallel)
+    assert got == want
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_data_parallel_expert_parallel_greedy_equals_hf(moe_reference, arch: str) -> None:
+    """Two engines as one expert-parallel group (each holds half of the experts; its tokens go to
+    the other's experts and back), under chunked prefill and preemption: HF's tokens, every
+    block of both engines free afterwards. The last request leaves one engine idle while the
+    other still works: the idle one runs dummy steps."""
+    model_dir, want = moe_reference[arch]
+    prompts = _prompts()
+    need = sum(-(-(len(p) + MAX_NEW_TOKENS) // BLOCK_SIZE) for p in prompts)
+    llm = LLM(model_dir, dtype="float32", seed=0, block_size=BLOCK_SIZE, data_parallel_size=2,
+              enable_expert_parallel=True, max_num_batched_tokens=32, num_gpu_blocks_override=need // 2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        stats = llm.stats()  # (summed over the engines)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+        assert stats["num_preemptions"] > 0 and stats["num_dummy_steps"] > 0, stats
+        assert [e.num_steps > 0 for e in llm.engines] == [True, True]
+        # One more request: engine 0 takes it, engine 1 only runs dummy steps.
+        dummies = llm.engines[1].num_dummy_steps
+        out = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == want[1]
+        assert llm.engines[1].num_dummy_steps - dummies >= MAX_NEW_TOKENS
+    finally:
+        llm.close()
+
+
+def test_moe_data_parallel_group_survives_a_dead_rank(tiny_model_dir) -> None:
+    """Engine 1's rank dies mid-call: engine 0's rank, waiting in an exchange with it, fails too
+    (gloo notices the closed connection), the call raises EngineFault, and the whole group is set
+    up again: the next call gives the same tokens, every block free."""
+    import os
+    import signal
+    import threading
+
+    from services.offline.llm import EngineFault
+
+    llm = LLM(tiny_model_dir("qwen3_moe"), dtype="float32", seed=0, data_parallel_size=2, enable_expert_parallel=True,
+              kv_cache_memory_bytes=32 << 20)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        child = llm._groups[1].children[0].proc
+        killer = threading.Timer(1.0, os.kill, (child.pid, signal.SIGKILL))
+        killer.start()
+        long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+        with pytest.raises(EngineFault, match="engine step failed"):
+            llm.generate(prompts, long, use_tqdm=False)
+        killer.join()
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    finally:
+        llm.close()
+
+
+def test_moe_data_parallel_with_tensor_parallel_inside_greedy_equals_hf(moe_reference) -> None:
+    """Two engines of two TP ranks each, all four ranks one expert-parallel group (each TP rank of
+    an engine sends a half of its tokens' pairs, the halves are gathered back): HF's tokens."""
+    model_dir, want = moe_reference["qwen3_moe"]
+    got, stats = _greedy(model_dir, _prompts(), data_parallel_size=2, tensor_parallel_size=2,
+                         enable_expert_parallel=True, max_num_batched_tokens=64)
+    assert got == want
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
