@@ -5,8 +5,8 @@ import os
 # libgomp (torch's OpenMP runtime on Linux) reads this once, when torch loads it. Its default
 # spins up to 300,000 times at every barrier before sleeping; when the cores are shared with
 # other processes, a spinning thread keeps the core its descheduled partner needs, and a step
-# measured 20x slower (8 requests on the 2-core dev box under a load of ~8: 181 s against 8-10 s
-# with short or no spinning, BENCHMARKS.md). 10,000 spins (tens of microseconds) still bridge
-# the gap between back-to-back parallel regions of one step. An explicit setting wins.
+# on a loaded machine ran an order of magnitude slower than with short or no spinning. 10,000
+# spins (tens of microseconds) still bridge the gap between back-to-back parallel regions of one
+# step. An explicit setting wins.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -152,8 +152,8 @@ class ModelConfig:
 
     model: str | None = field(default=None, metadata=flag(
         help="HF model directory (default: the converted SmolLM2-135M-Instruct)"))
-    # "auto", as in vLLM: bf16 on a CPU with bf16 instructions (avx512_bf16 / AMX; measured 1.4x
-    # our fp32 on an avx512_bf16 EPYC, BENCHMARKS.md), fp32 on other CPUs, bf16 on CUDA.
+    # "auto", as in vLLM: bf16 on a CPU with bf16 instructions (avx512_bf16 / AMX: faster than our
+    # fp32 there, BENCHMARKS.md), fp32 on other CPUs, bf16 on CUDA.
     dtype: str = field(default="auto", metadata=flag(
         choices=("float32", "bfloat16", "float16", "auto"),
         help="default auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, float32 on other "

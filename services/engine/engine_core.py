@@ -26,19 +26,13 @@ class EngineCore:
         self.model_info = model_info
         self.max_model_len = model_info.max_model_len
         self.eos_token_ids = frozenset(model_info.eos_token_ids)
-        sched, cache = config.scheduler_config, config.cache_config
+        sched = config.scheduler_config
         self.structured_output = StructuredOutputManager(
             config.model_config.model, model_info.vocab_size, model_info.eos_token_ids, sched.max_num_seqs,
             compile_timeout_s=config.structured_outputs_config.compile_timeout_s,
             request_timeout_s=config.structured_outputs_config.request_timeout_s)
-        self.scheduler = Scheduler(
-            num_blocks=num_blocks, block_size=cache.block_size, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=self.max_model_len,
-            enable_prefix_caching=cache.enable_prefix_caching, policy=sched.scheduling_policy,
-            async_scheduling=sched.async_scheduling,
-            pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
-            structured_output=self.structured_output, speculative_config=config.speculative_config,
-            kv_transfer_config=config.kv_transfer_config, kv_producer_address=kv_producer_address)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, self.structured_output,
+                                   kv_producer_address)
         self.num_steps = 0
         self.num_dummy_steps = 0  # lockstep steps with nothing scheduled (services/engine/step_loop.py)
 
@@ -102,7 +96,7 @@ class EngineCore:
                                  "--kv-transfer-config kv_role kv_consumer or kv_both")
         if params.do_remote_prefill:
             try:
-                self.scheduler.kv_connector.check_source(params)
+                self.scheduler.kv.connector.check_source(params)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
         return params if params.do_remote_decode or params.do_remote_prefill else None
@@ -170,7 +164,8 @@ class EngineCore:
                         grammar_compile_seconds=self.structured_output.compile_seconds,
                         grammar_cache_hits=self.structured_output.cache_hits,
                         grammar_compile_timeouts=self.structured_output.num_compile_timeouts,
-                        grammar_row_waits=self.scheduler.num_row_waits, num_dummy_steps=self.num_dummy_steps, **s)
+                        grammar_row_waits=self.scheduler.grammar.num_row_waits,
+                        num_dummy_steps=self.num_dummy_steps, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

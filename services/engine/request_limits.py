@@ -22,6 +22,7 @@ from services.common.message_limits import (
 from services.common.param_errors import SamplingParamsError
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
+from services.engine.request import Request
 
 
 class InvalidRequest(ValueError):
@@ -86,3 +87,19 @@ def validate_generate_request(req: pb.GenerateRequest, vocab_size: int, max_mode
                              f"max_model_len {max_model_len}: nothing left to generate")
     _check_token_ids("prompt", req.prompt_token_ids, vocab_size)
     _check_sampling(req.sampling, vocab_size)
+
+
+def check_request_fits(request: Request, max_model_len: int, capacity: int, lookahead_slots: int) -> None:
+    """The prompt fits the context, and the request could finish with the whole KV pool
+    (`capacity` tokens) to itself: otherwise it would preempt itself forever. ValueError with the
+    numbers."""
+    # (An embedding request generates nothing: its prompt may fill the context.)
+    if request.num_tokens > max_model_len or (request.num_tokens == max_model_len and not request.is_pooling):
+        raise ValueError(f"prompt has {request.num_tokens} tokens; max_model_len is {max_model_len}")
+    # (max_tokens counts a migrated request's resumed outputs too: they are not extra.)
+    # (A draft model's lookahead slots count: the scheduler allocates them with every step.)
+    needed = min(request.num_prompt_tokens + request.max_tokens + lookahead_slots, max_model_len)
+    if needed > capacity:
+        raise ValueError(
+            f"request needs KV cache for up to {needed} tokens ({request.num_prompt_tokens} prompt + "
+            f"{request.max_tokens} max_tokens) but the cache holds only {capacity}")

@@ -261,13 +261,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def _learn_kv_producer(self, req: pb.GenerateRequest) -> None:
         """`req` names a producer worker this consumer does not know (yet): read the registry again
         (add_request then refuses it if it is still unknown there)."""
-        connector = self.core.scheduler.kv_connector if self.core is not None else None
+        connector = self.core.scheduler.kv.connector if self.core is not None else None
         if self.kv_producers is None or connector is None or not req.HasField("kv_transfer_params") \
                 or connector.knows_source(req.kv_transfer_params):
             return
         addresses = await self.kv_producers.refresh()
-        if self.core is not None and self.core.scheduler.kv_connector is not None:
-            self.core.scheduler.kv_connector.registry_producers = addresses
+        if self.core is not None and self.core.scheduler.kv.connector is not None:
+            self.core.scheduler.kv.connector.registry_producers = addresses
 
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.core is None:

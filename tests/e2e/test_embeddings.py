@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from openai import BadRequestError, OpenAI
 from support.mesh import Mesh
+from support.schedulers import scheduler_for
 
 from services.client.grpc_client import Client
 from services.common.auth import TOKEN_ENV
@@ -25,7 +26,6 @@ from services.common.config import VllmConfig
 from services.common.pooling_config import PoolerConfig, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request
-from services.engine.scheduler import Scheduler
 from services.worker.input_batch import InputBatch
 from services.worker.pooler import Pooler, embedding_bytes, embedding_from_bytes, finish_embedding
 from services.worker.step_validation import InvalidStep, PoolingLimits, validate_step
@@ -307,7 +307,7 @@ def _pooling_request(rid: str, n: int) -> Request:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_pooling_request_finishes_after_its_prefill_and_frees_its_blocks(async_scheduling: bool) -> None:
-    s = Scheduler(num_blocks=32, block_size=16, max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=128,
+    s = scheduler_for(num_blocks=32, block_size=16, max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=128,
                   enable_prefix_caching=False, async_scheduling=async_scheduling)
     s.add_request(_pooling_request("long", 128))  # may fill the whole context: nothing is generated
     s.add_request(_pooling_request("short", 10))

@@ -14,13 +14,13 @@ import time
 
 import pytest
 from support.hf_reference import hf_greedy
+from support.schedulers import scheduler_for
 from test_tensor_parallel import MAX_NEW_TOKENS, _prompts
 
 from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.engine.request import Request
-from services.engine.scheduler import Scheduler
 from services.offline.llm import LLM
 from services.worker.parallel import PipelineParallel, stage_layers
 
@@ -51,7 +51,7 @@ def test_the_scheduler_hands_sampled_tokens_back_and_keeps_in_flight_decodes_out
     """With pipeline parallelism the first stage never sees what the last one sampled: a cached
     request carries the tokens its step computes. A request whose decode is still in flight is
     not scheduled again, so the next step in flight holds other requests."""
-    s = Scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+    s = scheduler_for(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
                   pipeline_parallel=True)
     s.add_request(_request("a", [1, 2, 3]))
     first = s.schedule()
@@ -64,7 +64,7 @@ def test_the_scheduler_hands_sampled_tokens_back_and_keeps_in_flight_decodes_out
     third = s.schedule()
     assert [(c.request_id, list(c.new_token_ids), c.num_computed_tokens) for c in third.cached_requests] == \
         [("a", [77], 3)]
-    plain = Scheduler(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    plain = scheduler_for(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     plain.add_request(_request("a", [1, 2, 3]))
     so = plain.schedule()
     plain.update_from_output(so, pb.ModelRunnerOutput(request_ids=["a"], sampled_token_ids=[77]))

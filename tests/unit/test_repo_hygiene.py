@@ -38,6 +38,10 @@ def test_no_file_outside_the_repository_is_cited() -> None:
 _COMMENT = {".py": re.compile(r"#.*$|^\s*[\"']{3}.*|^[^\"']*$"), ".c": re.compile(r"/\*.*|^\s*\*.*|//.*"),
             ".h": re.compile(r"/\*.*|^\s*\*.*|//.*")}
 _DIARY = re.compile(r"\bround \d+\b|\b20\d\d-[01]\d-[0-3]\d\b", re.IGNORECASE)
+# A one-off measurement: a throughput figure, or the machine it was taken on. The figures live in
+# BENCHMARKS.md with the command and CPU that produced them; a comment says why, and points there.
+_MEASUREMENT = re.compile(r"\d ?(GB/s|GFLOP/?s|GFLOPS|tok/s)\b|dev box|\b\d-core (dev|test) (box|machine)"
+                          r"|loaded \d-core|\bon (an?|the|this) (loaded )?(AMD |Intel )?(EPYC|Xeon)\b", re.IGNORECASE)
 
 
 def test_code_comments_carry_no_diary_lines() -> None:
@@ -48,9 +52,10 @@ def test_code_comments_carry_no_diary_lines() -> None:
             continue
         for n, line in enumerate(_text(path).splitlines(), 1):
             part = comment.search(line)
-            if part and _DIARY.search(part.group(0)):
+            if part and (_DIARY.search(part.group(0)) or _MEASUREMENT.search(part.group(0))):
                 hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()[:100]}")
-    assert hits == [], "comments that date themselves (say why, not when; history lives in git):\n" + "\n".join(hits)
+    assert hits == [], ("comments that date themselves or quote a one-off measurement (say why, not when or how "
+                        "fast once; history lives in git, figures in BENCHMARKS.md):\n" + "\n".join(hits))
 
 
 def _defined_names() -> tuple[set[str], set[str]]:

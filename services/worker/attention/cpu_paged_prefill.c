@@ -7,16 +7,15 @@
  * values 16 lanes wide, bf16 scores by vdpbf16ps, the online softmax 16 keys and 16 rows at a
  * time) run about twice as fast as the AVX2 build where the CPU has them (BENCHMARKS.md).
  *
- * Why: torch's SDPA ran these shapes (prompts of 32-512 tokens, 64-wide heads) at 50-90 GFLOPS on
- * two cores, about a fifth of the attention's time per step spent on overhead. Here a unit of
+ * Why: torch's SDPA spends a large share of its time on overhead at these shapes (prompts of
+ * 32-512 tokens, 64-wide heads; BENCHMARKS.md). Here a unit of
  * work is (prefill, KV head, tile of QT query tokens): the tile's G * QT query rows (every query
  * head of the KV head) are scored against KT = 32 cached tokens at a time as a small matrix
  * product (keys transposed into L1 8 x 8 at a time in registers, each query value broadcast
  * across 16 keys: 8 independent accumulators), and the keys' values are accumulated with each
  * output row held in registers. 32 keys per step rather than 16 halve the online softmax's
  * per-row bookkeeping (max, rescale of the output rows); 64 wasted more on masked keys than it
- * saved (6 x 272 tokens, fp32: 16 keys 127, 32 keys 128-132, 64 keys 116 GFLOPS; at 8 x 128 tokens
- * 114 / 115 / 98).
+ * saved, at every prompt mix tried.
  * Units go to threads dynamically (later tiles see more keys).
  */
 #include <stdlib.h>

@@ -134,7 +134,7 @@ class TorchAttentionBackend:
             # Earlier chunks / prefix-cache hits live only in the cache: read the whole sequence.
             k = k_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.seq_len]
             v = v_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.seq_len]
-        # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math path (~30x slower).
+        # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math path (an order of magnitude slower).
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=p.mask, is_causal=p.mask is None, scale=scale,

@@ -116,8 +116,8 @@ static inline __attribute__((always_inline)) void attend_impl(const Args *a, int
 
 /* Software prefetch of the cache rows two 8-token groups ahead of the group being
  * consumed. Without it the loop is bound by memory latency (the out-of-order window holds ~1.5 KB
- * of loads at this arithmetic density): ~12 GB/s per core against ~35 GB/s for a plain streaming
- * read on the same machine. The lines of that group are prefetched a slice per query head
+ * of loads at this arithmetic density), at about a third of what a plain streaming read of the
+ * same rows reaches. The lines of that group are prefetched a slice per query head
  * (prefetch_part), spread over the group's work: issued in one burst, the prefetches queued behind
  * each other in the line-fill buffers (the burst itself was a tenth of the kernel's samples).
  * Spread out and two groups ahead, the loop reads about as fast as a plain streaming read of the
@@ -443,8 +443,8 @@ static inline void interleave_chunk(float *x) {
 }
 
 /* attend_impl for head sizes that are multiples of 64, reorganised so that neither pass is
- * bound by arithmetic latency (the straightforward loops above ran at ~10 GB/s per core, a
- * third of what one core can read):
+ * bound by arithmetic latency (the straightforward loops above read at about a third of what one
+ * core can read):
  * - scores: 8 tokens at a time per query head, one accumulator per token (8 independent FMA
  *   chains instead of one dependent chain per dot product), one transposing reduction per 8
  *   (dots8);

@@ -27,8 +27,8 @@ static inline uint16_t f32_to_bf16(float f) {
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* 8 lanes at a time through GCC/clang vector extensions: GCC does not vectorise the scalar
- * versions above (their bit casts go through memory), and a scalar loop here ran 5x slower
- * than torch's ops. The scalar versions handle rows' tails (sizes not a multiple of 8). */
+ * versions above (their bit casts go through memory), and a scalar loop here ran several times
+ * slower than torch's ops. The scalar versions handle rows' tails (sizes not a multiple of 8). */
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -44,8 +44,8 @@ static inline void store8(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
 
 static inline f32x8 load8_bf16(const uint16_t *p) {
 #ifdef __AVX2__
-    /* GCC's generic widening below compiled to a slower sequence: a bf16 GEMV streamed at 25 GB/s
-     * with it against 66 with these two instructions */
+    /* GCC's generic widening below compiled to a slower sequence: a bf16 GEMV streamed at well
+     * under half the speed it reaches with these two instructions */
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
 #else

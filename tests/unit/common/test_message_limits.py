@@ -9,8 +9,10 @@ import json
 import grpc
 import pytest
 from support.processes import free_port
+from support.schedulers import scheduler_for
 from test_config_agreement import scheduler_config, with_worker, worker_config
 
+from services.common.config import MAX_NUM_BATCHED_TOKENS_LIMIT
 from services.common.message_limits import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
@@ -97,8 +99,10 @@ def test_the_largest_step_answer_fits_what_a_scheduler_reads_from_its_worker() -
 
 
 def _scheduler(max_model_len: int = 64, max_num_seqs: int = 64) -> Scheduler:
-    return Scheduler(num_blocks=max_num_seqs * 8, block_size=16, max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=max_num_seqs * max_model_len, max_model_len=max_model_len)
+    # (The step budget a test fills is in bytes; the token budget stays within what a config allows.)
+    return scheduler_for(num_blocks=max_num_seqs * 8, block_size=16, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=min(max_num_seqs * max_model_len, MAX_NUM_BATCHED_TOKENS_LIMIT),
+                         max_model_len=max_model_len)
 
 
 def test_the_scheduler_spreads_new_requests_too_big_for_one_step_over_several() -> None:

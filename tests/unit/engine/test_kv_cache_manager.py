@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from support.schedulers import scheduler_for
 
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.kv_cache_manager import NONE_HASH, KVCacheManager, extend_block_hashes, hash_block_tokens
 from services.engine.request import Request
-from services.engine.scheduler import Scheduler
 
 B = 4  # block size
 
@@ -424,7 +424,7 @@ def test_usage() -> None:
 
 def test_scheduler_counts_lookups_once_per_schedule() -> None:
     """A waiting request retried over several steps is counted when it is scheduled, once."""
-    sched = Scheduler(num_blocks=8, block_size=B, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    sched = scheduler_for(num_blocks=8, block_size=B, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     toks = _tokens(3 * B + 1)
     sched.add_request(_req("a", toks, max_tokens=4))
     so = sched.schedule()

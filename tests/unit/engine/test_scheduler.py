@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+from support.schedulers import scheduler_for
 
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request, RequestStatus
@@ -37,7 +38,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 100, *, priority: 
 
 def make_scheduler(num_blocks: int = 200, budget: int = 1000, max_num_seqs: int = 64, max_model_len: int = 512,
                    policy: str = "fcfs", block_size: int = BS) -> Scheduler:
-    return Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+    return scheduler_for(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=budget, max_model_len=max_model_len, policy=policy)
 
 
@@ -715,7 +716,7 @@ def test_random_workload_invariants(policy: str, seed: int, async_scheduling: bo
     block_size = rng.choice([2, 4, 8])
     num_blocks = rng.randint(80, 120) // block_size + 1
     capacity = (num_blocks - 1) * block_size
-    sched = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=rng.choice([3, 8]),
+    sched = scheduler_for(num_blocks=num_blocks, block_size=block_size, max_num_seqs=rng.choice([3, 8]),
                       max_num_batched_tokens=rng.choice([6, 16, 64]), max_model_len=72, policy=policy,
                       async_scheduling=async_scheduling)
     worker = FakeWorker(sched)

@@ -6,6 +6,8 @@ transfer still writes or reads."""
 
 from __future__ import annotations
 
+from support.schedulers import scheduler_for
+
 from services.common.block_hash import block_hashes
 from services.common.kv_transfer_config import KVTransferConfig
 from services.common.proto import myvllm_pb2 as pb
@@ -18,7 +20,7 @@ EOS = 2
 
 
 def make_scheduler(role: str, num_blocks: int = 64, budget: int = 1000) -> Scheduler:
-    return Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=16, max_num_batched_tokens=budget,
+    return scheduler_for(num_blocks=num_blocks, block_size=BS, max_num_seqs=16, max_num_batched_tokens=budget,
                      max_model_len=256, kv_transfer_config=KVTransferConfig(
                          kv_connector="SharedMemoryConnector", kv_role=role))
 
@@ -56,7 +58,7 @@ def test_consumer_waits_for_remote_kv_holding_blocks_then_computes_the_rest() ->
     s.add_request(request("c", tokens, params))
     so = s.schedule()
     assert list(so.num_scheduled_tokens) == [] and not so.new_requests
-    r = s.waiting_for_remote["c"]
+    r = s.kv.waiting_for_remote["c"]
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not s.waiting and not s.running
     block_ids = s.kv_cache_manager.block_ids("c")
     assert len(block_ids) == 3 and free_blocks(s) == total - 3
@@ -78,7 +80,7 @@ def test_consumer_waits_for_remote_kv_holding_blocks_then_computes_the_rest() ->
     assert list(new.block_ids)[:3] == block_ids
     assert not so3.HasField("kv_connector_metadata")  # nothing pending any more
     s.update_from_output(so3, sampled(so3))
-    assert s.kv_connector.num_loads == 1 and s.kv_connector.num_loaded_tokens == 12
+    assert s.kv.connector.num_loads == 1 and s.kv.connector.num_loaded_tokens == 12
 
 
 def test_a_failed_load_computes_the_prompt_here_and_never_loads_again() -> None:
@@ -93,7 +95,7 @@ def test_a_failed_load_computes_the_prompt_here_and_never_loads_again() -> None:
     so = s.schedule()
     assert list(so.num_scheduled_tokens) == [14] and so.new_requests[0].num_computed_tokens == 0
     assert not so.kv_connector_metadata.loads
-    assert s.kv_connector.num_load_failures == 1
+    assert s.kv.connector.num_load_failures == 1
 
 
 def test_local_prefix_hits_load_only_the_rest() -> None:
@@ -106,7 +108,7 @@ def test_local_prefix_hits_load_only_the_rest() -> None:
     so = s.schedule()
     (load,) = so.kv_connector_metadata.loads
     assert load.first_block == 2 and len(load.block_ids) == 1
-    assert s.waiting_for_remote["c"].num_computed_tokens == 8
+    assert s.kv.waiting_for_remote["c"].num_computed_tokens == 8
 
 
 def test_params_that_do_not_match_the_prompt_are_discarded_unread() -> None:
@@ -132,11 +134,11 @@ def test_an_abort_while_loading_frees_the_blocks_only_when_the_load_ends() -> No
     s.add_request(request("c", tokens, remote_params(tokens)))
     so = s.schedule()
     assert [r.request_id for r in s.abort_requests(["c"])] == ["c"]
-    assert "c" not in s.waiting_for_remote and free_blocks(s) == total - 3  # the worker still writes them
+    assert "c" not in s.kv.waiting_for_remote and free_blocks(s) == total - 3  # the worker still writes them
     assert s.has_unfinished_requests()
     so = s.schedule()
     s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, finished_recving=["c"]))
-    assert free_blocks(s) == total and not s.finishing and not s.has_unfinished_requests()
+    assert free_blocks(s) == total and not s.kv.finishing and not s.has_unfinished_requests()
 
 
 def test_producer_saves_the_prompt_blocks_and_frees_them_when_saved() -> None:
@@ -153,7 +155,7 @@ def test_producer_saves_the_prompt_blocks_and_frees_them_when_saved() -> None:
     assert list(save.block_hashes) == block_hashes(tokens, BS)[:2]
     # Its final output waits for the save: the consumer it names must find a whole segment.
     assert s.update_from_output(so, sampled(so)) == []
-    assert "p" in s.finishing and free_blocks(s) < total and s.has_unfinished_requests()
+    assert "p" in s.kv.finishing and free_blocks(s) < total and s.has_unfinished_requests()
     so = s.schedule()
     assert s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id)) == []  # not yet saved
     so = s.schedule()
@@ -162,7 +164,7 @@ def test_producer_saves_the_prompt_blocks_and_frees_them_when_saved() -> None:
     assert out.kv_transfer_params == pb.KVTransferParams(
         do_remote_prefill=True, remote_handle=save.handle, remote_num_tokens=8,
         remote_block_hash=block_hashes(tokens, BS)[1])
-    assert free_blocks(s) == total and not s.finishing and not s.has_unfinished_requests()
+    assert free_blocks(s) == total and not s.kv.finishing and not s.has_unfinished_requests()
 
 
 def test_a_producer_request_aborted_while_its_output_waits_for_the_save_discards_the_segment() -> None:
@@ -189,7 +191,7 @@ def test_producer_prompt_shorter_than_a_block_saves_nothing() -> None:
     assert not so.HasField("kv_connector_metadata")
     (out,) = s.update_from_output(so, sampled(so))
     assert out.kv_transfer_params == pb.KVTransferParams(do_remote_prefill=True)
-    assert not s.finishing and not s.has_unfinished_requests()
+    assert not s.kv.finishing and not s.has_unfinished_requests()
 
 
 def test_an_aborted_producer_request_keeps_its_blocks_until_saved_then_its_segment_is_discarded() -> None:
@@ -199,7 +201,7 @@ def test_an_aborted_producer_request_keeps_its_blocks_until_saved_then_its_segme
     so = s.schedule()
     (save,) = so.kv_connector_metadata.saves
     s.abort_requests(["p"])
-    assert "p" in s.finishing and free_blocks(s) < total
+    assert "p" in s.kv.finishing and free_blocks(s) < total
     s.update_from_output(so, sampled(so))  # (its token is dropped: aborted)
     so = s.schedule()
     s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, finished_sending=["p"]))
@@ -222,11 +224,11 @@ def test_a_worker_failure_forgets_every_transfer_and_frees_every_block() -> None
     (held,) = s.take_held_outputs()  # "p" ended, waiting for a save the dead worker never reports
     assert held.request_id == "p" and held.kv_transfer_params.remote_handle
     s.forget_worker_state()
-    assert free_blocks(s) == total and not s.finishing and not s.has_unfinished_requests()
+    assert free_blocks(s) == total and not s.kv.finishing and not s.has_unfinished_requests()
 
 
 def test_loads_in_flight_are_bounded_by_max_num_seqs_and_the_pool() -> None:
-    s = Scheduler(num_blocks=64, block_size=BS, max_num_seqs=2, max_num_batched_tokens=1000, max_model_len=256,
+    s = scheduler_for(num_blocks=64, block_size=BS, max_num_seqs=2, max_num_batched_tokens=1000, max_model_len=256,
                   kv_transfer_config=KVTransferConfig(kv_connector="SharedMemoryConnector", kv_role="kv_consumer"))
     for i in range(3):
         tokens = prompt(14, start=1000 * (i + 1))
@@ -265,7 +267,7 @@ def test_a_request_asking_for_prompt_logprobs_computes_its_prompt_and_discards_t
 def test_a_request_whose_save_is_in_flight_is_never_preempted() -> None:
     """Async scheduling keeps a max_tokens=1 producer request running for the next step, where it is
     the newest and so the first victim: its blocks must stay held (the worker still reads them)."""
-    s = Scheduler(num_blocks=6, block_size=BS, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=256,
+    s = scheduler_for(num_blocks=6, block_size=BS, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=256,
                   async_scheduling=True, kv_transfer_config=KVTransferConfig(
                       kv_connector="SharedMemoryConnector", kv_role="kv_producer"))
     s.add_request(request("d", prompt(8, start=5000), None, max_tokens=10))  # 2 blocks, then a 3rd
@@ -282,13 +284,13 @@ def test_a_request_whose_save_is_in_flight_is_never_preempted() -> None:
     # Nobody else to preempt: "d" waits for the save, holding its blocks (not preempting itself).
     assert d.num_preemptions == 0 and d.status == RequestStatus.RUNNING and not so2.cached_requests
     s.update_from_output(so1, sampled(so1))
-    assert "p" in s.finishing  # ended; its blocks wait for the save
+    assert "p" in s.kv.finishing  # ended; its blocks wait for the save
     s.update_from_output(so2, pb.ModelRunnerOutput(step_id=so2.step_id))
     so3 = s.schedule()
     assert not so3.cached_requests and s.kv_cache_manager.block_ids("p") == p_blocks  # still saving
     (out,) = s.update_from_output(so3, pb.ModelRunnerOutput(step_id=so3.step_id, finished_sending=["p"]))
     assert out.request_id == "p" and out.kv_transfer_params.remote_handle == save.handle
-    assert not s.finishing and free_blocks(s) == 3
+    assert not s.kv.finishing and free_blocks(s) == 3
     so4 = s.schedule()  # "d" goes on, in a block "p" gave back
     (cached,) = so4.cached_requests
     assert cached.request_id == "d" and list(so4.num_scheduled_tokens) == [1] and d.num_preemptions == 0
@@ -298,7 +300,7 @@ def test_blocks_being_saved_stay_held_under_preemption_pressure_with_async_sched
     """A fake worker two steps deep reports each save a few steps after it was sent; decoding
     requests grow into a tiny pool alongside producer prefills. At every step, every block of a
     save in flight is held (never freed, so never another request's), and everything completes."""
-    s = Scheduler(num_blocks=10, block_size=BS, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
+    s = scheduler_for(num_blocks=10, block_size=BS, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
                   async_scheduling=True, kv_transfer_config=KVTransferConfig(
                       kv_connector="SharedMemoryConnector", kv_role="kv_both"))
     pool = s.kv_cache_manager.block_pool
@@ -333,4 +335,4 @@ def test_blocks_being_saved_stay_held_under_preemption_pressure_with_async_sched
     assert preempted_while_saving == 0 and s.num_preemptions > 0  # there was pressure
     assert sorted(finished) == sorted(f"{k}{i}" for k in "dp" for i in range(4))
     assert all(finished[f"p{i}"].kv_transfer_params.remote_handle for i in range(4))
-    assert free_blocks(s) == pool.num_blocks - 1 and not s.finishing
+    assert free_blocks(s) == pool.num_blocks - 1 and not s.kv.finishing

@@ -16,6 +16,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from support.schedulers import scheduler_for
 
 from services.common.proto import myvllm_pb2 as pb
 from services.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams, build_grammar
@@ -204,8 +205,8 @@ def test_unpacked_bitmask_masks_like_xgrammar() -> None:
 def test_request_waits_for_its_grammar_without_holding_up_the_batch(smollm2_dir: str) -> None:
     manager = StructuredOutputManager(smollm2_dir, vocab_size=49152, eos_token_ids=[2], max_num_seqs=8)
     try:
-        sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
-                          structured_output=manager)
+        sched = scheduler_for(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                              max_model_len=256, structured_output=manager)
         release = threading.Event()
         for _ in range(COMPILE_WORKERS):  # every compile thread is busy: the grammar stays pending
             manager._executor.submit(release.wait)
@@ -239,7 +240,7 @@ def test_request_waits_for_its_grammar_without_holding_up_the_batch(smollm2_dir:
 
 def _scheduler(smollm2_dir: str) -> tuple[StructuredOutputManager, Scheduler]:
     manager = StructuredOutputManager(smollm2_dir, vocab_size=49152, eos_token_ids=[2], max_num_seqs=8)
-    return manager, Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+    return manager, scheduler_for(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
                               max_model_len=256, structured_output=manager)
 
 
@@ -285,7 +286,7 @@ def test_constrained_requests_survive_preemption(smollm2_dir: str, llm: LLM) -> 
     small = LLM(smollm2_dir, dtype="float32", seed=0, num_gpu_blocks_override=14, block_size=16, max_num_seqs=8)
     # Every row waited for, so every constrained request is in every step (a loaded machine would
     # fill some rows after the 5 ms a step waits, and those requests would sit steps out).
-    small.engine.scheduler.step_fill_wait_s = 60.0
+    small.engine.scheduler.grammar.step_fill_wait_s = 60.0
     try:
         outputs = _chat(small, contents, params)
         assert small.stats()["num_preemptions"] > 0
@@ -323,12 +324,12 @@ def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_di
         return followup
 
     overlapped.engine.scheduler.grammar_followup = counted
-    overlapped.engine.scheduler.step_fill_wait_s = 60.0  # both constrained rows in every step, loaded or not
+    overlapped.engine.scheduler.grammar.step_fill_wait_s = 60.0  # both constrained rows in every step, loaded or not
     try:
         assert overlapped.config.scheduler_config.async_scheduling
         assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == expected
         assert len(followups) > 10 and max(followups) == 2  # both constrained rows, step after step
-        assert not overlapped.engine.scheduler.deferred_bitmasks
+        assert not overlapped.engine.scheduler.grammar.deferred_bitmasks
     finally:
         overlapped.close()
 
@@ -336,7 +337,7 @@ def test_async_scheduling_gives_the_same_constrained_and_free_outputs(smollm2_di
 def test_deferred_bitmask_follows_the_tokens_in_flight(smollm2_dir: str, llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     manager = StructuredOutputManager(smollm2_dir, vocab_size=49152, eos_token_ids=[2], max_num_seqs=8)
-    sched = Scheduler(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+    sched = scheduler_for(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                       structured_output=manager, async_scheduling=True)
     request = Request("c", [1, 2, 3], pb.SamplingParams(max_tokens=20), frozenset({2}), max_tokens=20)
     request.grammar = manager.grammar_for(pb.StructuredOutputs(choice=pb.StringList(values=["alpha beta"])))
@@ -354,7 +355,7 @@ def test_deferred_bitmask_follows_the_tokens_in_flight(smollm2_dir: str, llm: LL
     assert followup.grammar_bitmask_only and followup.step_id == second.step_id
     allowed = _allowed(followup)
     assert allowed[beta] and int(allowed.sum()) < 10  # after "alpha": only " beta" (and its prefixes)
-    assert sched.grammar_followup(second) is None and not sched.deferred_bitmasks
+    assert sched.grammar_followup(second) is None and not sched.grammar.deferred_bitmasks
     manager.close()
 
 

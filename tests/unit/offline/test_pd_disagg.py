@@ -66,7 +66,7 @@ def token_ids(outs) -> list[list[int]]:
 def all_blocks_free(llm: LLM) -> bool:
     s = llm.engine.scheduler
     pool = s.kv_cache_manager.block_pool
-    return pool.num_free_blocks == pool.num_blocks - 1 and not s.finishing and not s.waiting_for_remote
+    return pool.num_free_blocks == pool.num_blocks - 1 and not s.kv.finishing and not s.kv.waiting_for_remote
 
 
 def segments(shm_dir: str) -> list[str]:
@@ -84,7 +84,7 @@ def test_disaggregated_greedy_matches_colocated_and_frees_everything(engines, sh
         assert p["remote_num_tokens"] == (n - 1) // BLOCK * BLOCK  # whole blocks, never the last token
     assert len(segments(shm_dir)) == len(PROMPTS)
     assert all_blocks_free(producer)  # saved: the producer's blocks went back
-    conn = consumer.engine.scheduler.kv_connector
+    conn = consumer.engine.scheduler.kv.connector
     loads_before = conn.num_loads
     outs = decode(consumer, PROMPTS, params)
     assert token_ids(outs) == expected
@@ -99,7 +99,7 @@ def test_consumer_prefix_cache_serves_the_prompt_again_without_a_transfer(engine
     expected = token_ids(colocated.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                             use_tqdm=False))
     params = prefill(producer, prompt)
-    conn = consumer.engine.scheduler.kv_connector
+    conn = consumer.engine.scheduler.kv.connector
     loads = conn.num_loads
     assert token_ids(decode(consumer, prompt, params)) == expected
     assert conn.num_loads == loads + 1
@@ -136,7 +136,7 @@ def test_a_bad_segment_means_a_local_prefill_with_the_same_output(engines, shm_d
         other = prefill(producer, ["Something else entirely, a prompt of its own that shares nothing at all here"])
         os.unlink(path)
         os.rename(os.path.join(shm_dir, other[0]["remote_handle"]), path)
-    conn = consumer.engine.scheduler.kv_connector
+    conn = consumer.engine.scheduler.kv.connector
     failures, loads = conn.num_load_failures, conn.num_loads
     assert token_ids(decode(consumer, prompt, params)) == expected
     assert conn.num_load_failures == failures + 1 and conn.num_loads == loads
@@ -151,7 +151,7 @@ def test_params_for_another_prompt_are_not_loaded(engines, shm_dir):
     prompt = ["Another prompt entirely, which the consumer is asked to decode with those params"]
     expected = token_ids(colocated.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                             use_tqdm=False))
-    conn = consumer.engine.scheduler.kv_connector
+    conn = consumer.engine.scheduler.kv.connector
     loads, failures = conn.num_loads, conn.num_load_failures
     assert token_ids(decode(consumer, prompt, params)) == expected
     assert (conn.num_loads, conn.num_load_failures) == (loads, failures)
@@ -205,7 +205,7 @@ def test_kv_both_with_async_scheduling_mixes_loads_with_running_requests(tiny_ll
             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, extra_args={"kv_transfer_params": p})
             for p in params]
         assert token_ids(b.generate(PROMPTS, mixed, use_tqdm=False)) == expected
-        assert b.engine.scheduler.kv_connector.num_loads == 2
+        assert b.engine.scheduler.kv.connector.num_loads == 2
         assert segments(shm) == [] and all_blocks_free(a) and all_blocks_free(b)
 
 
@@ -238,7 +238,7 @@ def test_a_consumer_without_prefix_caching_loads_too(tiny_llama_dir, engines):
              **ENGINE) as consumer:
         params = prefill(producer, PROMPTS[:2])
         assert token_ids(decode(consumer, PROMPTS[:2], params)) == expected
-        assert consumer.engine.scheduler.kv_connector.num_loads == 2
+        assert consumer.engine.scheduler.kv.connector.num_loads == 2
         assert segments(shm) == [] and all_blocks_free(consumer)
 
 
@@ -275,7 +275,7 @@ def test_a_producer_under_preemption_pressure_never_lets_a_save_read_reused_bloc
         params = [o.kv_transfer_params for o in outs[2:]]
         assert all(p["remote_handle"] for p in params)
         got = decode(consumer, prefills, params)
-        assert consumer.engine.scheduler.kv_connector.num_loads == len(prefills)
+        assert consumer.engine.scheduler.kv.connector.num_loads == len(prefills)
         expected = colocated.generate(prefills, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
         assert token_ids(got) == token_ids(expected)
         assert segments(shm) == [] and all_blocks_free(producer) and all_blocks_free(consumer)

@@ -6,6 +6,7 @@ the scheduler's bookkeeping of an in-flight step's drafts is checked step by ste
 from __future__ import annotations
 
 import pytest
+from support.schedulers import scheduler_for
 from test_hf_equality import _engine_args, _prompts
 from test_spec_decode import MAX_NEW_TOKENS, _generate, _spec_config
 
@@ -13,7 +14,6 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams
 from services.common.spec_config import SpeculativeConfig
 from services.engine.request import Request
-from services.engine.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_the_scheduler_bounds_an_in_flight_steps_drafts_and_corrects_them_from_i
     scheduler's counts come back to the truth."""
     k, block_size = 3, 4
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k})
-    sched = Scheduler(num_blocks=64, block_size=block_size, max_num_seqs=4, max_num_batched_tokens=64,
+    sched = scheduler_for(num_blocks=64, block_size=block_size, max_num_seqs=4, max_num_batched_tokens=64,
                       max_model_len=128, async_scheduling=True, speculative_config=spec)
     request = Request("r", [5, 6, 7, 8, 9], pb.SamplingParams(temperature=0.0, max_tokens=50),
                       eos_token_ids=frozenset(), max_tokens=50)
@@ -84,9 +84,9 @@ def test_the_scheduler_bounds_an_in_flight_steps_drafts_and_corrects_them_from_i
     assert request.output_token_ids == [10, 11, 30]
     assert request.num_computed_tokens == 5 + 2 + (1 + k)  # the truth so far + step 2 in flight
     assert request.num_output_placeholders == 1 + k and request.num_drafts_in_flight == k
-    assert sched.spec_stats.num_draft_tokens == 2 and sched.spec_stats.num_accepted_tokens == 1
+    assert sched.spec.stats.num_draft_tokens == 2 and sched.spec.stats.num_accepted_tokens == 1
     # Step 2's worker had no drafts at all: one token, and the scheduler is exact again.
     sched.update_from_output(step2, pb.ModelRunnerOutput(request_ids=["r"], sampled_token_ids=[31]))
     assert request.num_computed_tokens == request.num_tokens - 1
     assert request.num_output_placeholders == 0 and request.num_drafts_in_flight == 0
-    assert sched.spec_stats.num_draft_tokens == 2  # (no drafts verified: no round counted)
+    assert sched.spec.stats.num_draft_tokens == 2  # (no drafts verified: no round counted)

@@ -9,13 +9,13 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from support.schedulers import scheduler_for
 from support.spec_stats import goodness_of_fit
 
 from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig, may_speculate
 from services.engine.request import Request
-from services.engine.scheduler import Scheduler
 from services.worker.spec_decode.ngram_proposer import NgramProposer, longest_suffix_match
 from services.worker.spec_decode.rejection_sampler import rejection_sample
 
@@ -181,7 +181,7 @@ def _runner_output(so: pb.SchedulerOutput, tokens: dict[str, list[int]], drafts:
 
 def test_scheduler_schedules_drafts_and_rolls_rejected_back() -> None:
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
-    sched = Scheduler(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+    sched = scheduler_for(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                       speculative_config=spec)
     req = _request("a", 6)
     sched.add_request(req)
@@ -209,7 +209,7 @@ def test_scheduler_schedules_drafts_and_rolls_rejected_back() -> None:
 
 def test_drafts_stop_at_max_tokens_and_a_stop_token_ends_the_list() -> None:
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
-    sched = Scheduler(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+    sched = scheduler_for(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                       speculative_config=spec)
     req = _request("a", 5, max_tokens=3)
     sched.add_request(req)
@@ -224,7 +224,7 @@ def test_drafts_stop_at_max_tokens_and_a_stop_token_ends_the_list() -> None:
 
 def test_disable_by_batch_size_drops_drafts() -> None:
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 2})
-    sched = Scheduler(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+    sched = scheduler_for(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                       speculative_config=spec)
     for rid in "ab":
         sched.add_request(_request(rid, 5))
