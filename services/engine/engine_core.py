@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from services.common.config import VllmConfig
 from services.common.kv_transfer_params import check_params
+from services.common.metric_buckets import ITERATION_TOKENS_BUCKETS, BucketCounts
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request
@@ -35,6 +36,7 @@ class EngineCore:
                                    kv_producer_address)
         self.num_steps = 0
         self.num_dummy_steps = 0  # lockstep steps with nothing scheduled (services/engine/step_loop.py)
+        self.iteration_tokens = BucketCounts(ITERATION_TOKENS_BUCKETS)  # tokens per step
 
     def add_request(self, req: pb.GenerateRequest) -> None:
         """Queue a request; raises ValueError (InvalidRequest for a bad request) with a clear
@@ -130,7 +132,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def schedule(self) -> pb.SchedulerOutput:
-        return self.scheduler.schedule()
+        out = self.scheduler.schedule()
+        if out.num_scheduled_tokens:
+            self.iteration_tokens.observe(sum(out.num_scheduled_tokens))
+        return out
 
     def grammar_followup(self, so: pb.SchedulerOutput) -> pb.SchedulerOutput | None:
         """The bitmask message a step in flight waits for, once the step before it is processed."""
@@ -165,7 +170,11 @@ class EngineCore:
                         grammar_cache_hits=self.structured_output.cache_hits,
                         grammar_compile_timeouts=self.structured_output.num_compile_timeouts,
                         grammar_row_waits=self.scheduler.grammar.num_row_waits,
-                        num_dummy_steps=self.num_dummy_steps, **s)
+                        num_dummy_steps=self.num_dummy_steps,
+                        iteration_tokens_counts=self.iteration_tokens.counts,
+                        iteration_tokens_sum=int(self.iteration_tokens.sum),
+                        spec_decode_enabled=c.speculative_config is not None,
+                        enable_prefix_caching=self.scheduler.kv_cache_manager.enable_prefix_caching, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

@@ -83,6 +83,10 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache at first schedule
         self.num_preemptions = 0
         self.stop_token_id = -1
+        # When it was first scheduled and got its first output token (monotonic; vLLM's request
+        # queue / prefill / decode / inference times are measured from these and arrival_time).
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         # Chained hashes of this request's full blocks, extended as tokens arrive.
         self.block_hashes: list[bytes] = []
         # Prompt logprobs (positions 1..n-1), gathered from the steps that compute the prompt
@@ -134,8 +138,18 @@ class Request:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def timings(self) -> pb.RequestTimings:
+        """Where the request's time went so far, its last token now (for its final output)."""
+        now = time.monotonic()
+        scheduled = self.scheduled_time if self.scheduled_time is not None else now
+        first_token = self.first_token_time if self.first_token_time is not None else now
+        return pb.RequestTimings(queued_s=scheduled - self.arrival_time, prefill_s=first_token - scheduled,
+                                 decode_s=now - first_token, inference_s=now - scheduled)
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower priority value first, then earlier arrival."""

@@ -14,6 +14,7 @@ decoding: spec_decode.py), `kv` (prefill/decode disaggregation: sched_kv_transfe
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 
 from services.common import message_limits
@@ -320,6 +321,8 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         self.running.append(request)
 
     def _finishes_in_flight(self, request: Request) -> bool:
@@ -402,6 +405,7 @@ class Scheduler:
         until its save is reported)."""
         out.finish_reason = status.finish_reason
         out.stop_token_id = request.stop_token_id
+        out.timings.CopyFrom(request.timings())
         self.running.remove(request)
         params = self._finish(request, status)
         if params is None:

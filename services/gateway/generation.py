@@ -23,7 +23,7 @@ from services.common.grpc_utils import cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import SamplingParams, sampling_for_choice
 from services.gateway.disaggregation import remote_prefill, wants_remote_prefill
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.migration import MigrationPolicy, ResumableRequest, resumable_outputs
 from services.gateway.router import Replica, ReplicaRouter
 from services.gateway.routing import RoutePrompt
@@ -77,8 +77,8 @@ class _Run:
     predicted_cached_tokens: int  # of route_prompt on `replica`, by its KV events at routing time
 
 
-async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[ChoiceDelta | _Done]) -> None:
-    timer = run.metrics.timer(run.arrival_time)
+async def _run_choice(run: _Run, choice: ChoiceRequest, timer: RequestTimer,
+                      deltas: asyncio.Queue[ChoiceDelta | _Done]) -> None:
     outputs = resumable_outputs(run.router, choice.engine, run.replica, run.migration,
                                 on_migration=run.metrics.on_migration)
     # Prediction vs. outcome of cache-aware routing, for the engine requests of the routed prompt.
@@ -96,7 +96,7 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
             async for output in outputs:
                 choice.prompt_started.set()
                 if output.num_prompt_tokens:
-                    timer.on_prompt(output.num_prompt_tokens)
+                    timer.on_prompt(output.num_prompt_tokens, output.num_cached_tokens)
                 if output.new_token_ids:
                     timer.on_tokens(len(output.new_token_ids))
                 if check_prediction and output.num_prompt_tokens:
@@ -106,7 +106,9 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, deltas: asyncio.Queue[Ch
                 delta = choice.processor.process(output)
                 deltas.put_nowait(delta)
                 if delta.finish_reason:
-                    timer.on_finish(delta.finish_reason)
+                    sampling = choice.engine.sampling
+                    timer.on_finish(delta.finish_reason, output.timings if output.HasField("timings") else None,
+                                    sampling.max_tokens if sampling.HasField("max_tokens") else None)
                     break
     except Exception as e:
         deltas.put_nowait(_Done(e))
@@ -152,9 +154,21 @@ class DisconnectWatcher:
             self._task = None
 
 
+def _by_prompt(choices: list[ChoiceRequest], timers: list[RequestTimer]) -> list[list[RequestTimer]]:
+    """The timers of each prompt's n choices (vLLM counts n and the longest output per prompt)."""
+    groups: dict[int, list[RequestTimer]] = {}
+    for choice, timer in zip(choices, timers, strict=True):
+        groups.setdefault(id(choice.engine.prompt_token_ids), []).append(timer)
+    return list(groups.values())
+
+
 async def _merge_choices(run: _Run, choices: list[ChoiceRequest]) -> AsyncGenerator[ChoiceDelta, None]:
     queue: asyncio.Queue[ChoiceDelta | _Done] = asyncio.Queue()
-    tasks = [asyncio.create_task(_run_choice(run, c, queue)) for c in choices]
+    timers = [run.metrics.timer(run.arrival_time) for _ in choices]
+    prompts = _by_prompt(choices, timers)
+    for group in prompts:
+        run.metrics.on_prompt_choices(len(group))
+    tasks = [asyncio.create_task(_run_choice(run, c, t, queue)) for c, t in zip(choices, timers, strict=True)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -165,6 +179,8 @@ async def _merge_choices(run: _Run, choices: list[ChoiceRequest]) -> AsyncGenera
                 remaining -= 1
             else:
                 yield item
+        for group in prompts:
+            run.metrics.on_prompt_done(max(timer.num_generated for timer in group))
     finally:
         # Cancelling a choice task aborts its engine request (no-op for finished ones).
         for task in tasks:

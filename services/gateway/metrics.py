@@ -12,7 +12,6 @@ gateway; queue and cache numbers come from the scheduler's `Stats` at scrape tim
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections import defaultdict
@@ -22,6 +21,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from services.common.metric_buckets import ITERATION_TOKENS_BUCKETS, BucketCounts
 from services.common.proto import myvllm_pb2 as pb
 
 # Bucket bounds as in vLLM's metrics, so dashboards carry over.
@@ -31,6 +31,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's request_latency_buckets serve its queue / prefill / decode / inference times too.
+REQUEST_PHASE_BUCKETS = E2E_BUCKETS
+PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+N_PARAM_BUCKETS = (1, 2, 5, 10, 20)
 # vLLM's `finished_reason` values (vllm.v1.engine.FinishReason): each is served, from 0.
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 VLLM_ENGINE = "0"
@@ -50,23 +54,28 @@ def one_two_five_buckets(max_value: int) -> tuple[float, ...]:
         scale *= 10
 
 
-class Histogram:
-    """A cumulative-bucket histogram; `observe` is O(log buckets)."""
+class Histogram(BucketCounts):
+    """A histogram served with cumulative buckets; `observe` is O(log buckets)."""
 
     def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        super().__init__(buckets)
         self.name = name  # without the `myvllm:` / `vllm:` prefix
         self.help_text = help_text
-        self.bounds = buckets
-        self._counts = [0] * (len(buckets) + 1)  # last slot: above every bound (+Inf)
-        self.sum = 0.0  # (the count is the +Inf bucket's: the exposition derives `_count` from it)
+        # (The count is the +Inf bucket's: the exposition derives `_count` from it.)
 
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    @classmethod
+    def of_counts(cls, name: str, help_text: str, buckets: tuple[float, ...], counts: Iterable[int],
+                  total: float) -> Histogram:
+        """A histogram counted elsewhere (an engine's, shipped in its Stats)."""
+        histogram = cls(name, help_text, buckets)
+        counts = list(counts)
+        if len(counts) == len(histogram.counts):
+            histogram.counts, histogram.sum = counts, float(total)
+        return histogram
 
     def cumulative_buckets(self) -> list[tuple[str, int]]:
         cumulative, out = 0, []
-        for bound, count in zip((*self.bounds, math.inf), self._counts, strict=True):
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
             cumulative += count
             out.append((floatToGoString(bound), cumulative))
         return out
@@ -103,6 +112,14 @@ class _Scrape:
                 family.add_metric([*labels.values(), *([extra] if label else [])], value)
             self.families.append(family)
 
+    def add_info(self, name: str, help_text: str, info: Mapping[str, str]) -> None:
+        """vLLM's info gauge: 1, the information in its labels (under vLLM's name, and ours)."""
+        for prefix in ("myvllm:", "vllm:"):
+            labels = {**self.names[prefix], **info}
+            family = GaugeMetricFamily(prefix + name, help_text, labels=list(labels))
+            family.add_metric(list(labels.values()), 1)
+            self.families.append(family)
+
     def add_histogram(self, histogram: Histogram, vllm: bool = False) -> None:
         for prefix in ("myvllm:", "vllm:") if vllm else ("myvllm:",):
             labels = self.names[prefix]
@@ -128,9 +145,30 @@ class GatewayMetrics:
         self.request_time_per_output_token = Histogram(
             "request_time_per_output_token_seconds", "Per request: time from its first token to its end over the "
             "tokens after the first.", ITL_BUCKETS)
+        # Where each engine request's time went, on the engine's clock (its final output's timings).
+        self.request_queue_time = Histogram(
+            "request_queue_time_seconds", "Time spent in the WAITING phase (arrival to first scheduled).",
+            REQUEST_PHASE_BUCKETS)
+        self.request_prefill_time = Histogram(
+            "request_prefill_time_seconds", "Time spent in the PREFILL phase (first scheduled to first token).",
+            REQUEST_PHASE_BUCKETS)
+        self.request_decode_time = Histogram(
+            "request_decode_time_seconds", "Time spent in the DECODE phase (first token to last).",
+            REQUEST_PHASE_BUCKETS)
+        self.request_inference_time = Histogram(
+            "request_inference_time_seconds", "Time spent in the RUNNING phase (first scheduled to last token).",
+            REQUEST_PHASE_BUCKETS)
+        self.time_per_prefill_token = Histogram(
+            "time_per_prefill_token_request_seconds", "Per request: prefill time over its prompt tokens.",
+            PREFILL_TOKEN_BUCKETS)
+        self.request_params_n = Histogram("request_params_n", "The n request parameter (choices per prompt).",
+                                          N_PARAM_BUCKETS)
         # Per-request token counts, bucketed up to the context limit (once the gateway knows it).
         self.request_prompt_tokens: Histogram | None = None
         self.request_generation_tokens: Histogram | None = None
+        self.request_params_max_tokens: Histogram | None = None
+        self.request_max_num_generation_tokens: Histogram | None = None
+        self.prompt_tokens_cached = 0  # prompt tokens served by the prefix cache
         self.request_success: dict[str, int] = defaultdict(int)  # by finish reason
         self.prompt_tokens = 0  # of engine requests that got their first output
         self.generation_tokens = 0
@@ -151,6 +189,18 @@ class GatewayMetrics:
                                                    buckets)
             self.request_generation_tokens = Histogram("request_generation_tokens", "Tokens generated per finished "
                                                        "request.", buckets)
+            self.request_params_max_tokens = Histogram("request_params_max_tokens", "The max_tokens request "
+                                                       "parameter, where given.", buckets)
+            self.request_max_num_generation_tokens = Histogram(
+                "request_max_num_generation_tokens", "Per prompt: the most tokens any of its n choices generated.",
+                buckets)
+
+    def on_prompt_choices(self, n: int) -> None:
+        self.request_params_n.observe(n)
+
+    def on_prompt_done(self, max_generated: int) -> None:
+        if self.request_max_num_generation_tokens is not None:
+            self.request_max_num_generation_tokens.observe(max_generated)
 
     def on_migration(self) -> None:
         self.request_migrations += 1
@@ -189,16 +239,15 @@ class GatewayMetrics:
                    "--structured-outputs-compile-timeout.", stats.grammar_compile_timeouts)
         scrape.add("counter", "grammar_row_waits", "Steps a constrained request sat out because its allowed-token "
                    "row was not filled yet.", stats.grammar_row_waits)
-        scrape.add("counter", "spec_decode_num_drafts", "Verification rounds (a request's drafts checked in one "
-                   "step).", stats.spec_decode_num_drafts, vllm=True)
-        scrape.add("counter", "spec_decode_num_draft_tokens", "Draft tokens verified.",
-                   stats.spec_decode_num_draft_tokens, vllm=True)
-        scrape.add("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                   stats.spec_decode_num_accepted_tokens, vllm=True)
-        scrape.add_labelled("counter", "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
-                            "position in the draft (0 = first).", "position",
-                            ((str(j), count) for j, count in enumerate(stats.spec_decode_accepted_per_pos)),
-                            vllm=True)
+        if stats.spec_decode_enabled:  # (vLLM serves them only with a speculative config)
+            GatewayMetrics._spec_decode(scrape, stats)
+        scrape.add_histogram(Histogram.of_counts(
+            "iteration_tokens_total", "Tokens per engine step.", ITERATION_TOKENS_BUCKETS,
+            stats.iteration_tokens_counts, stats.iteration_tokens_sum), vllm=True)
+        scrape.add_info("cache_config_info", "The engine's cache configuration.", {
+            "block_size": str(stats.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(stats.enable_prefix_caching),
+            "num_gpu_blocks": str(stats.num_total_blocks + 1)})
         scrape.add("counter", "dp_dummy_steps", "Steps an engine of a data-parallel expert-parallel group ran with "
                    "nothing scheduled, so the group's MoE exchanges matched.", stats.num_dummy_steps)
         scrape.add("gauge", "dp_wave", "The data-parallel expert-parallel group's current wave (0 without such a "
@@ -225,6 +274,19 @@ class GatewayMetrics:
                             "(save) and reading (load) KV segments.", "direction",
                             (("save", stats.kv_transfer_save_seconds), ("load", stats.kv_transfer_load_seconds)))
 
+    @staticmethod
+    def _spec_decode(scrape: _Scrape, stats: pb.Stats) -> None:
+        scrape.add("counter", "spec_decode_num_drafts", "Verification rounds (a request's drafts checked in one "
+                   "step).", stats.spec_decode_num_drafts, vllm=True)
+        scrape.add("counter", "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                   stats.spec_decode_num_draft_tokens, vllm=True)
+        scrape.add("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                   stats.spec_decode_num_accepted_tokens, vllm=True)
+        scrape.add_labelled("counter", "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                            "position in the draft (0 = first).", "position",
+                            ((str(j), count) for j, count in enumerate(stats.spec_decode_accepted_per_pos)),
+                            vllm=True)
+
     def render(self, stats: pb.Stats | None, routed: Mapping[str, int] | None = None,
                routable: Mapping[str, int] | None = None) -> str:
         """The exposition text; scheduler gauges and counters only if `stats` came back;
@@ -243,6 +305,8 @@ class GatewayMetrics:
         scrape.add("counter", "prompt_tokens", "Prompt tokens of the engine requests that started.",
                    self.prompt_tokens, vllm=True)
         scrape.add("counter", "generation_tokens", "Tokens generated.", self.generation_tokens, vllm=True)
+        scrape.add("counter", "prompt_tokens_cached", "Prompt tokens served by the prefix cache (of the engine "
+                   "requests that started).", self.prompt_tokens_cached, vllm=True)
         scrape.add("counter", "request_migrations", "Requests re-submitted to a replica after theirs failed "
                    "(request migration).", self.request_migrations)
         scrape.add("counter", "routing_predicted_cached_tokens", "Prompt tokens the router expected the chosen "
@@ -265,7 +329,10 @@ class GatewayMetrics:
                                 sorted(routed.items()))
         for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
                           self.request_time_per_output_token, self.request_prompt_tokens,
-                          self.request_generation_tokens):
+                          self.request_generation_tokens, self.request_queue_time, self.request_prefill_time,
+                          self.request_decode_time, self.request_inference_time, self.time_per_prefill_token,
+                          self.request_params_n, self.request_params_max_tokens,
+                          self.request_max_num_generation_tokens):
             if histogram is not None:
                 scrape.add_histogram(histogram, vllm=True)
         return scrape.text()
@@ -282,11 +349,17 @@ class RequestTimer:
         self._num_prompt_tokens: int | None = None
         self._num_generated = 0
 
-    def on_prompt(self, num_prompt_tokens: int) -> None:
-        """The engine reported the request's prompt length (counted once, also if it migrates)."""
+    @property
+    def num_generated(self) -> int:
+        return self._num_generated
+
+    def on_prompt(self, num_prompt_tokens: int, num_cached_tokens: int = 0) -> None:
+        """The engine reported the request's prompt length and its tokens served by the prefix
+        cache (counted once, also if it migrates)."""
         if self._num_prompt_tokens is None:
             self._num_prompt_tokens = num_prompt_tokens
             self._metrics.prompt_tokens += num_prompt_tokens
+            self._metrics.prompt_tokens_cached += num_cached_tokens
 
     def on_tokens(self, num_tokens: int = 1) -> None:
         """A step's tokens arrived (several with speculative decoding: the wait is shared among
@@ -304,8 +377,20 @@ class RequestTimer:
                 self._metrics.inter_token_latency.observe((now - self._last_token_time) / num_tokens)
         self._last_token_time = now
 
-    def on_finish(self, finish_reason: str) -> None:
+    def on_finish(self, finish_reason: str, timings: pb.RequestTimings | None = None,
+                  max_tokens: int | None = None) -> None:
+        """The request ended; `timings`: the engine's account of where its time went (its final
+        output's); `max_tokens`: the parameter, where the client gave it."""
         metrics, now = self._metrics, time.monotonic()
+        if timings is not None:
+            metrics.request_queue_time.observe(timings.queued_s)
+            metrics.request_prefill_time.observe(timings.prefill_s)
+            metrics.request_decode_time.observe(timings.decode_s)
+            metrics.request_inference_time.observe(timings.inference_s)
+            if self._num_prompt_tokens:
+                metrics.time_per_prefill_token.observe(timings.prefill_s / self._num_prompt_tokens)
+        if max_tokens is not None and metrics.request_params_max_tokens is not None:
+            metrics.request_params_max_tokens.observe(max_tokens)
         metrics.e2e_request_latency.observe(now - self._arrival_time)
         metrics.request_success[finish_reason] += 1
         if self._num_generated > 1:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.client.grpc_client import AsyncClient, SchedulerUnavailable
@@ -382,6 +382,7 @@ class ReplicaRouter:
             total.dp_engines_running |= s.dp_engines_running
             total.dp_wave_messages_stale += s.dp_wave_messages_stale
             total.dp_wave_messages_replayed += s.dp_wave_messages_replayed
+            _add_spec_and_iteration_stats(total, s)
         if total.num_total_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_total_blocks
         return total
@@ -406,3 +407,21 @@ class ReplicaRouter:
             await self._drop(address)
         if self._redis is not None:
             await self._redis.aclose()
+
+
+def _add_spec_and_iteration_stats(total: pb.Stats, s: pb.Stats) -> None:
+    """Speculative decoding's counters and the tokens-per-step histogram, summed over replicas."""
+    total.spec_decode_enabled |= s.spec_decode_enabled
+    total.enable_prefix_caching |= s.enable_prefix_caching
+    total.spec_decode_num_drafts += s.spec_decode_num_drafts
+    total.spec_decode_num_draft_tokens += s.spec_decode_num_draft_tokens
+    total.spec_decode_num_accepted_tokens += s.spec_decode_num_accepted_tokens
+    total.spec_decode_accepted_per_pos[:] = _sum_lists(total.spec_decode_accepted_per_pos,
+                                                       s.spec_decode_accepted_per_pos)
+    total.iteration_tokens_counts[:] = _sum_lists(total.iteration_tokens_counts, s.iteration_tokens_counts)
+    total.iteration_tokens_sum += s.iteration_tokens_sum
+
+
+def _sum_lists(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]

@@ -34,6 +34,9 @@ class _Running:
     num_generated: int = 0
 
 
+FAKE_TIMINGS = pb.RequestTimings(queued_s=0.25, prefill_s=0.5, decode_s=1.5, inference_s=2.0)
+
+
 @dataclass
 class FakeScheduler(pb_grpc.SchedulerServicer):
     """Scripted scheduler. Public attributes are safe to read from other threads."""
@@ -143,6 +146,8 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
             output.finish_reason = "length"
         elif len(request.prompt_token_ids) + running.num_generated >= self.max_model_len:
             output.finish_reason = "length"
+        if output.finish_reason:  # (the engine's account of the request's time, as a real one sends)
+            output.timings.CopyFrom(FAKE_TIMINGS)
         return output
 
     async def Health(self, request, context):  # noqa: N802
@@ -155,7 +160,9 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
         return pb.Stats(
             num_free_blocks=75, num_total_blocks=100, prefix_cache_queries=40, prefix_cache_hits=10,
             num_preemptions=3, num_waiting=1, num_running=2, kv_cache_usage=0.25,
-            max_model_len=self.max_model_len, model=self.model, block_size=16, num_steps=7)
+            max_model_len=self.max_model_len, model=self.model, block_size=16, num_steps=7,
+            iteration_tokens_counts=[0, 2, 1] + [0] * 11, iteration_tokens_sum=30, spec_decode_enabled=True,
+            enable_prefix_caching=True)
 
 
 async def start_fake_scheduler(servicer: FakeScheduler, port: int = 0) -> tuple[grpc.aio.Server, str]:

@@ -423,7 +423,12 @@ VLLM_FAMILIES = {
     "vllm:spec_decode_num_draft_tokens": "counter", "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
     "vllm:request_time_per_output_token_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
-    "vllm:request_generation_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram", "vllm:time_per_prefill_token_request_seconds": "histogram",
+    "vllm:iteration_tokens_total": "histogram", "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram", "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:prompt_tokens_cached": "counter", "vllm:cache_config_info": "gauge",
 }
 
 
@@ -473,6 +478,26 @@ def test_metrics(stack: Stack, client: openai.OpenAI) -> None:
     assert value("myvllm:e2e_request_latency_seconds_bucket", le="+Inf") == \
         value("myvllm:e2e_request_latency_seconds_count") >= 1
     assert types["myvllm:time_to_first_token_seconds"] == "histogram"
+    # the engine's account of the request's phases (its final output's timings), once per request
+    for name, seconds in (("request_queue_time", 0.25), ("request_prefill_time", 0.5),
+                          ("request_decode_time", 1.5), ("request_inference_time", 2.0)):
+        assert value(f"myvllm:{name}_seconds_sum") - value(f"myvllm:{name}_seconds_sum", before) == seconds
+        assert value(f"myvllm:{name}_seconds_count") - value(f"myvllm:{name}_seconds_count", before) == 1
+    assert value("myvllm:time_per_prefill_token_request_seconds_sum") - \
+        value("myvllm:time_per_prefill_token_request_seconds_sum", before) == pytest.approx(
+            0.5 / response.usage.prompt_tokens)
+    # the request's parameters: n = 1, max_tokens = 3; its longest choice: 3 tokens
+    assert value("myvllm:request_params_n_bucket", le="1.0") - value("myvllm:request_params_n_bucket", before,
+                                                                      le="1.0") == 1
+    assert value("myvllm:request_params_max_tokens_sum") - value("myvllm:request_params_max_tokens_sum", before) == 3
+    assert value("myvllm:request_max_num_generation_tokens_sum") - \
+        value("myvllm:request_max_num_generation_tokens_sum", before) == 3
+    # the engine's tokens per step (its Stats' bucket counts: 2 steps of <= 8, 1 of <= 16)
+    assert value("myvllm:iteration_tokens_total_bucket", le="8.0") == 2
+    assert value("myvllm:iteration_tokens_total_bucket", le="16.0") == 3
+    assert value("myvllm:iteration_tokens_total_count") == 3 and value("myvllm:iteration_tokens_total_sum") == 30
+    assert value("vllm:cache_config_info", engine="0", block_size="16", cache_dtype="auto",
+                 enable_prefix_caching="True", num_gpu_blocks="101") == 1
 
     # vLLM's names: each family with vLLM's type, labels model_name and engine, the same values.
     for family, kind in VLLM_FAMILIES.items():

@@ -45,6 +45,10 @@ def test_generate_string(llm: LLM) -> None:
     assert len(comp.token_ids) == 5
     assert comp.finish_reason == "length"
     assert comp.text == llm.get_tokenizer().decode(comp.token_ids, skip_special_tokens=True)
+    # every step counted in the engine's tokens-per-step histogram (vllm:iteration_tokens_total)
+    stats = llm.engine.stats()
+    assert sum(stats.iteration_tokens_counts) == stats.num_steps >= 5
+    assert stats.iteration_tokens_sum >= len(out.prompt_token_ids) + 4
     assert comp.text.strip()
     _check_all_free(llm)
 
