@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,6 +39,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Where `serve` tells SDK clients how to reach it (services/common/serve_connection.py): private
+# to this run, so that another run's `serve` on the same machine is never the one a test finds.
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="myvllm-test-run-")
 # Before any test starts a process: every child of this run carries the tag.
 suite_processes.mark_this_run()
 MEMORY_BUDGET_BYTES = int(float(os.environ.get("MYVLLM_TEST_MEMORY_BUDGET_GB", "8")) * (1 << 30))

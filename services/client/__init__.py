@@ -3,9 +3,9 @@ own route to the engines). Light on purpose: it loads neither torch nor the engi
 
 from __future__ import annotations
 
-from services.client.grpc_client import AsyncClient, Client, RequestRejected, SchedulerUnavailable
+from services.client.grpc_client import AsyncClient, Client, RequestRejected, SchedulerAuthError, SchedulerUnavailable
 from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
 
-__all__ = ["AsyncClient", "Client", "RequestRejected", "SchedulerUnavailable", "SamplingParams",
+__all__ = ["AsyncClient", "Client", "RequestRejected", "SchedulerAuthError", "SchedulerUnavailable", "SamplingParams",
            "StructuredOutputsParams"]

@@ -25,6 +25,7 @@ from services.common.grpc_utils import CHANNEL_OPTIONS, cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.common.sampling_params import SamplingParams
+from services.common.serve_connection import find_serve
 
 __all__ = ["AsyncClient", "Client", "RequestRejected", "SchedulerUnavailable"]
 
@@ -44,6 +45,20 @@ _ABORT_IDS_PER_MESSAGE = 512
 
 class SchedulerUnavailable(ConnectionError):
     """The scheduler cannot be reached, or the Generate stream broke mid-request."""
+
+
+class SchedulerAuthError(SchedulerUnavailable):
+    """The scheduler refused this client's internal token (none, or not the mesh's)."""
+
+
+def _resolve(address: str | None, token: str | None, http_port: int | None) -> tuple[str, str | None]:
+    """The scheduler to talk to and the token to present: an explicit address (token: the given
+    one, else $MYVLLM_INTERNAL_TOKEN), or the running `myvllm serve` on this machine
+    (services/common/serve_connection.py), whose token it wrote for its user."""
+    if address is not None:
+        return address, token_from_env(token)
+    serve = find_serve(http_port)
+    return serve.schedulers[0], token or serve.token
 
 
 class RequestRejected(RuntimeError):
@@ -150,13 +165,16 @@ class AsyncClient:
     Must be used from a single event loop.
     """
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> None:
-        """`timeout` bounds connecting and each unary RPC, so a dead scheduler is
-        reported within that many seconds instead of hanging. `token` is the mesh's internal
-        token (default: $MYVLLM_INTERNAL_TOKEN), sent with every call."""
-        self.address = address
+    def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None,
+                 http_port: int | None = None) -> None:
+        """`address`: the scheduler's host:port (None: the `myvllm serve` running on this machine,
+        the one on `http_port` if several). `timeout` bounds connecting and each unary RPC, so a
+        dead scheduler is reported within that many seconds instead of hanging. `token` is the
+        mesh's internal token (default: $MYVLLM_INTERNAL_TOKEN, or the found serve's), sent with
+        every call. FileNotFoundError: no address and no serve found."""
+        self.address, token = _resolve(address, token, http_port)
         self.timeout = timeout
-        self.metadata = token_metadata(token_from_env(token))
+        self.metadata = token_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerStub | None = None
         self._stream: _GenerateStream | None = None
@@ -196,6 +214,11 @@ class AsyncClient:
             raise SchedulerUnavailable(f"scheduler at {self.address} is unavailable (its call was cancelled "
                                        "when the channel was replaced)") from None
         except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise SchedulerAuthError(
+                    f"scheduler at {self.address} refused this client's internal token ({e.details()}): pass "
+                    "token=..., or set MYVLLM_INTERNAL_TOKEN; for `myvllm serve` on this machine leave the "
+                    "address out and the client reads its token") from None
             if e.code() == grpc.StatusCode.UNAVAILABLE and (self._stream is None or self._stream.closed):
                 # Without this the next call would fail instantly while the channel
                 # sits in reconnect backoff, even if the scheduler is back by then.
@@ -362,13 +385,26 @@ class AsyncClient:
         await self.close()
 
 
+async def _finish_tasks() -> None:
+    """Let the loop's other tasks (gRPC's call bookkeeping) run to their end, as asyncio.run does
+    before it closes a loop."""
+    await asyncio.sleep(0)
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class Client:
     """Blocking client for scripts: an `AsyncClient` on a private event-loop thread.
 
     Usable as a context manager; `generate()` returns a plain iterator.
     """
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None) -> None:
+    def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, token: str | None = None,
+                 http_port: int | None = None) -> None:
+        """As `AsyncClient`: no address = the `myvllm serve` running on this machine."""
+        address, token = _resolve(address, token, http_port)
         self.address = address
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="myvllm-sdk-client", daemon=True)
@@ -426,6 +462,7 @@ class Client:
         if self._closed:
             return
         self._run(self._async_client.close())
+        self._run(_finish_tasks())  # (gRPC's own tasks end here, not destroyed pending with the loop)
         self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

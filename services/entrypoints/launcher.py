@@ -23,12 +23,14 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import VllmConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.common.secret_check import check_service_secrets
+from services.common.serve_connection import ServeConnection
 from services.entrypoints.engine_args import (
     add_kv_transfer_arg,
     add_model_args,
@@ -340,6 +342,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # with the first worker: its imports and tokenizer load overlap the model load instead of
     # following it. It stays last in `services` (stopped first, supervised last).
     gateway = ServiceProcess(gateway_spec.name, list(gateway_spec.argv), env=_service_env(gateway_spec, secret_env))
+    connection_file: Path | None = None
     try:
         print(_topology(args, redis_port), flush=True)
         if expert_parallel_group:  # a scheduler sets its ranks up only once every engine's ranks are up
@@ -367,6 +370,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
+        connection_file = _write_connection(args, scheduler_ports)
         print("Press Ctrl-C to stop.", flush=True)
         units: list[ServiceProcess | ServiceGroup] = services
         if expert_parallel_group:  # its engines' workers and schedulers restart together
@@ -385,10 +389,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         _ignore_stop_signals()
+        if connection_file is not None:
+            connection_file.unlink(missing_ok=True)
         if gateway.proc is not None and gateway not in services:  # start-up failed after it started
             services.append(gateway)
         _drain_gateway(services, args.shutdown_timeout)
         stop_all(services, grace_s=EXIT_GRACE_S)
+
+
+def _write_connection(args: argparse.Namespace, scheduler_ports: list[int]) -> Path | None:
+    """Tell gRPC SDK clients on this machine where the schedulers are and the run's token
+    (services/common/serve_connection.py), and say so in the banner."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "127.0.0.1", "localhost") else args.host
+    connection = ServeConnection([f"{host}:{port}" for port in scheduler_ports], os.environ[TOKEN_ENV], args.port,
+                                 os.getpid())
+    try:
+        path = connection.write()
+    except OSError as e:
+        print(f"  (gRPC SDK: could not write the connection file: {e})", flush=True)
+        return None
+    print(f"  gRPC SDK: services.client.Client() connects to the scheduler at {connection.schedulers[0]} (its "
+          f"address and this run's internal token are in {path}, readable by you alone)", flush=True)
+    return path
 
 
 def _stop_on_sigterm(*_) -> None:

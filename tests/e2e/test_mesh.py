@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -242,3 +246,22 @@ def test_schemathesis_fuzz_of_every_operation_leaves_the_mesh_healthy_and_idle(m
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
     print(f"\nschemathesis: {len(calls)} calls over {len(operations)} operations")
+
+
+def _readme_sdk_example() -> str:
+    """The README's gRPC SDK example, as a newcomer would paste it."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## gRPC SDK"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+
+
+def test_the_readme_sdk_example_runs_against_serve_unchanged(mesh):
+    """`Client()` finds the running serve and its token (the file serve wrote for its user): no
+    address, no token in the environment."""
+    env = {k: v for k, v in os.environ.items() if k != "MYVLLM_INTERNAL_TOKEN"}
+    proc = subprocess.run([sys.executable, "-c", _readme_sdk_example()], cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1].endswith(" length") and "Task was destroyed" not in proc.stderr, proc
+    assert "gRPC SDK: services.client.Client() connects to the scheduler" in "".join(mesh.banner)

@@ -22,7 +22,7 @@ import redis
 from support.mesh import Mesh
 from support.replica import Replica
 
-from services.client.grpc_client import Client, RequestRejected, SchedulerUnavailable
+from services.client.grpc_client import Client, RequestRejected, SchedulerAuthError, SchedulerUnavailable
 from services.common.auth import TOKEN_ENV, TOKEN_METADATA_KEY
 from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
@@ -123,7 +123,7 @@ def test_every_rpc_needs_the_internal_token(replica: Replica, service: str) -> N
 def test_the_sdk_client_sends_its_token_and_a_wrong_one_is_refused(replica: Replica) -> None:
     with Client(replica.address, timeout=5, token="wrong") as client:
         assert not client.health()
-        with pytest.raises(SchedulerUnavailable, match="UNAUTHENTICATED"):
+        with pytest.raises(SchedulerAuthError, match="refused this client's internal token"):  # (saying so)
             _greedy(client)
     with replica.client() as client:
         tokens, _ = _greedy(client)
