@@ -19,8 +19,8 @@ METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # disable_by_batch_size when the config leaves it out: never off, as in vLLM. Verifying k drafts
 # costs each request k more positions; since those attend through the decode kernel (one entry
-# per token) `bench throughput`'s 64 requests gain from n-gram drafts (BENCHMARKS.md), but a
-# workload whose drafts are mostly refused may want a limit.
+# per token) `bench throughput`'s 64 requests gain from n-gram drafts (BENCHMARKS.md, "Speculative
+# decoding"), but a workload whose drafts are mostly refused may want a limit.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 0
 
 

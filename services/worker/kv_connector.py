@@ -19,7 +19,8 @@ Where segments live is the transport:
   consumer waits at most fetch_timeout_s. Chosen over torch.distributed send/recv: replicas come
   and go (a process group's membership is fixed at init, and a member's death breaks the group),
   each transfer is one authenticated stream between two workers that fails alone, and the mesh
-  already speaks gRPC everywhere (BENCHMARKS.md has the measured cost against shared memory).
+  already speaks gRPC everywhere (its cost against shared memory: BENCHMARKS.md, "Prefill/decode
+  disaggregation").
 A producer deletes its own segments that no consumer read within segment_ttl_s, and all of them
 when it closes.
 """

@@ -67,7 +67,7 @@ def test_auto_on_cuda() -> None:
 
 def test_engine_default_is_auto_as_in_vllm() -> None:
     """vLLM's default: bf16 on CPUs with bf16 instructions (where our bf16 step is the faster
-    one, BENCHMARKS.md), fp32 on the others; an explicit dtype still wins."""
+    one, BENCHMARKS.md "dtype"), fp32 on the others; an explicit dtype still wins."""
     import argparse
 
     from services.entrypoints.engine_args import add_model_args
