@@ -295,13 +295,13 @@ def _lower_priority() -> None:
     time out by session first (autogroup, on by default: /proc/sys/kernel/sched_autogroup_enabled),
     a nice value only orders tasks within their own session: the helper, in the scheduler's
     session, would take that whole session's share while the scheduler sleeps, at the worker's
-    expense (measured beside two CPU hogs: the streams' ITL p99 2.1x with a compile running). So
+    expense (beside other CPU-bound processes the streams' tail ITL doubled while a compile ran). So
     it also starts a session of its own and gives that group the same low weight. (Its stdin
     still closes when the scheduler dies, which ends it.) And it runs SCHED_IDLE: the kernel
     preempts an idle-policy task at once when any other task wakes, whatever their groups, while
     a nice task keeps the CPU for the rest of its slice (EEVDF): each step's worker threads woke
-    behind a running compile (quiet machine, ITL p99 with a compile 1.31x and 1.59x of without;
-    SCHED_IDLE: 1.04x, 1.05x)."""
+    behind a running compile and their tail ITL grew by a third or more, where SCHED_IDLE keeps it
+    within a few percent of a run without a compile."""
     try:
         os.nice(COMPILE_NICE)
     except OSError:

@@ -24,8 +24,8 @@ Each request has a budget of wall-clock time for its grammar work,
 the time each of its rows took to fill and each of its tokens to advance the matcher. A compile
 within its CPU limit can still take minutes of wall-clock time when the machine is busy (the
 helper runs at the lowest priority: a regex like `((a{1,1000}){1,1000}){1,1000}b` compiles in
-milliseconds but serializes to ~10 MB, which took 40-90 s of wall-clock time on the loaded
-2-core test machine), and some grammars' rows and advances grow with every token (the same
+milliseconds but serializes to ~10 MB, which can take a minute of wall-clock time at that
+priority on a loaded machine), and some grammars' rows and advances grow with every token (the same
 regex: each 4-byte token roughly doubles them). Past the budget the scheduler ends the request
 with a 400 naming the flag; the work already under way (a compile other requests may share, a
 row being filled) runs to its end, but nothing more is started for the request.

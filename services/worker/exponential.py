@@ -1,9 +1,9 @@
 """Exp(1) noise for sampling by argmax(probs / q) (the exponential race, vLLM's random sampling).
 
-`Tensor.exponential_` draws it with a scalar loop on CPU: 390 ms for a 256 x 49152 batch on
-2 AMD EPYC cores, more than a decode step of the model itself. -log(U) with U ~ uniform[0, 1)
-is the same distribution from torch's vectorised uniform generator and a vectorised log, ~6x
-faster. U = 0 (probability 2^-24 per entry) gives q = +inf: that entry loses the race, as an
+`Tensor.exponential_` draws it with a scalar loop on CPU: for a full batch of rows times a
+vocabulary that costs more than a decode step of the model itself. -log(U) with U ~ uniform[0, 1)
+is the same distribution from torch's vectorised uniform generator and a vectorised log, several
+times faster. U = 0 (probability 2^-24 per entry) gives q = +inf: that entry loses the race, as an
 exponential sample too large to matter would; q is never 0, so probs / q is never NaN.
 """
 

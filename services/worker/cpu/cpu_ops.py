@@ -28,7 +28,7 @@ _SIGNATURES = {
 # SiLU·up has a 16-lane path (row_ops.h) with the same arithmetic per element as its 8-lane loop; the
 # other ops' explicit 8-lane code is the same at either level. So results do not depend on the
 # level. The fused op reads its input once where torch's two ops (F.silu, mul) read it twice, which
-# is why it beats them at every row count (BENCHMARKS.md).
+# is why it beats them at every row count (BENCHMARKS.md, "CPU kernels").
 HIGHEST_ISA = "avx512"
 _loaded: CpuOps | None = None
 _failed = False

@@ -5,9 +5,9 @@
  * no AVX-512, or no AVX512_BF16 for bf16, the library says so and the layers keep oneDNN's GEMMs).
  *
  * Why: in the engine every layer's weights stream from memory at each step (30 layers' weights do
- * not fit in any cache), and oneDNN's prepacked fp32 GEMMs lost a quarter to a half of their speed
- * to that at decode sizes (16-64 rows), while both reach the same peak at large row counts
- * (BENCHMARKS.md has the measurements).
+ * not fit in any cache), and oneDNN's prepacked fp32 GEMMs lose much of their speed to that at
+ * decode sizes (16-64 rows), while both reach the same peak at large row counts (BENCHMARKS.md,
+ * "CPU kernels", has the measurements).
  *
  * Layout: W [N, K] becomes [N / 32][K][32] (bf16: [N / 32][K / 2][32][2], pairs of k side by side
  * as vdpbf16ps takes them): a block of 32 output columns is one contiguous stream of K x 128

@@ -26,7 +26,7 @@ _loaded: dict[str | None, PanelGemm | None] = {}
 
 
 def keeps_onednn_for_bf16(flags: set[str] | None = None) -> bool:
-    """CPUs with AMX (Intel Sapphire Rapids and later): oneDNN's bf16 GEMMs run on the AMX tiles,
+    """CPUs with AMX (`amx_bf16` among the CPU flags): oneDNN's bf16 GEMMs run on the AMX tiles,
     several times vdpbf16ps's rate on prefill-sized batches, so bf16 layers stay on oneDNN there
     (not measured on such a machine: the conservative choice)."""
     return "amx_bf16" in (cpu_flags() if flags is None else flags)

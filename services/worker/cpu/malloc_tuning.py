@@ -5,8 +5,8 @@ torch's CPU allocator is plain malloc/free. glibc serves every block above its m
 the heap's top above the trim threshold; the next step's activations then fault every page in
 again, zero-filled by the kernel. A prefill step of 2,048 tokens allocates ~200 MB of
 activations this way, so page faults (`clear_page`) showed up as a visible share of a profile.
-Raising both thresholds once keeps that memory mapped and reused, an order of magnitude fewer
-faults and a few percent more throughput (BENCHMARKS.md). vLLM's CPU guide gets the same from
+Raising both thresholds once keeps that memory mapped and reused: an order of magnitude fewer
+faults and a little more throughput (BENCHMARKS.md, "CPU kernels"). vLLM's CPU guide gets the same from
 preloading tcmalloc; an in-process `LLM` cannot preload an allocator after the interpreter has started, mallopt can.
 
 The price is that the process keeps its peak of transient memory (at most a few hundred MB of

@@ -3,16 +3,15 @@
 `F.linear` on CPU hands a row-major [out, in] weight to the GEMM on every call, which then
 re-blocks it for its vector kernels each time; for fp32 that path also goes through a generic
 sgemm. Reordering each weight once into oneDNN's blocked layout and calling oneDNN's matmul on
-it measured 2.2-3x faster for fp32 at 16-256 rows and ~1.7x for bf16 at 1 row on this
-project's 2-core AVX-512 EPYC (single thread, SmolLM2's shapes), the same idea as vLLM's CPU
-`onednn_mm`. Works for any number of rows (no shape specialisation, nothing to compile).
+it runs about twice as fast for fp32 at decode and prefill sizes and faster for bf16 too
+(BENCHMARKS.md, "CPU kernels"), the same idea as vLLM's CPU `onednn_mm`. Works for any number of rows (no shape specialisation, nothing to compile).
 
 The reordered copy replaces the layer's weight (the model keeps one copy of the weights);
 the tied LM head gets its own reordered copy beside the embedding table it shares.
 
 On AVX-512 CPUs fp32 weights (and bf16 ones where the CPU has AVX512_BF16 but no AMX) are
-packed for our own GEMM instead (`cpu/gemm.c`: column blocks that stream from memory; 1.3-1.9x
-oneDNN at 16-64 rows with each layer's own weights, level on prefill-sized batches), where the
+packed for our own GEMM instead (`cpu/gemm.c`: column blocks that stream from memory; well ahead
+of oneDNN at decode sizes with each layer's own weights, level on prefill-sized batches), where the
 output size is a multiple of its 32-column blocks.
 """
 
