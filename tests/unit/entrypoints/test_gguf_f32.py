@@ -16,7 +16,7 @@ from services.entrypoints.bench.llamacpp_peer import smollm2_gguf_path
 class _Reader(GGUFReader):
     """GGUFReader over a plain ndarray view of its memory map: the same parse, the same bytes.
     The stock reader slices an np.memmap for each of the tokenizer's ~100,000 strings, and every
-    memmap slice runs numpy's Python-level memmap bookkeeping (3 s a file here, 1 s this way)."""
+    memmap slice runs numpy's Python-level memmap bookkeeping (a few times slower than this way)."""
 
     @property
     def data(self) -> np.ndarray:

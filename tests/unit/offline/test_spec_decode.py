@@ -96,7 +96,7 @@ DIST_PROMPT = [3000 + 11 * i for i in range(10)] + ALPHABET + ALPHABET[::-1] + A
 # Requests per step: verification works on [requests, positions, vocab] fp32 tensors (3 x 49,152
 # floats a request). At 48 requests each stays under glibc's 32 MiB mmap threshold, so the
 # process reuses its memory instead of mapping and zero-filling fresh pages for every tensor
-# (256 requests: ~150 MB tensors, ~20-30 s of page faults per 3,000 draws on 2 cores). The
+# (at 256 requests each tensor is ~150 MB, and faulting it in again for every draw is slow). The
 # draws, their number and the test's statistics do not depend on how they are batched.
 DRAW_BATCH = 48
 

@@ -12,7 +12,7 @@ builds have their own 16-lane and bf16 dot-product code).
 Why a bound and not a fixed tolerance: the kernel and torch both compute q.k in fp32, each
 summing in its own order (8 lanes, 16 lanes, a GEMM's blocking), so with scores of ~100 their
 results differ by ~1e-5 however exact each is. A fixed atol=1e-5 held on AVX-512
-machines and failed on an AVX2-only EPYC by 1.5e-5. Standard forward error analysis
+machines and failed on an AVX2-only one by 1.5e-5. Standard forward error analysis
 (Higham, "Accuracy and Stability of Numerical Algorithms", ch. 3) bounds every fp32 step of
 the kernel for any summation order, with or without FMA (u = 2^-24, g(n) = n*u / (1 - n*u)):
 
