@@ -159,7 +159,7 @@ class ModelConfig:
         help="default auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, float32 on other "
              "CPUs (logged with the reason)"))
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
-    # default: it compiles for minutes at start-up for a 1.15-1.3x step (BENCHMARKS.md).
+    # default: it compiles for minutes at start-up for a modestly faster step (BENCHMARKS.md, CPU kernels).
     compile_model: bool = field(default=False, metadata=flag(
         name="--compile",
         help="CPU: compile the model's forward with torch.compile (inductor; opt-in: the first start compiles for "
