@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from services.common.message_limits import MAX_LOGIT_BIAS_ENTRIES
 from services.common.proto import myvllm_pb2 as pb
 from services.common.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
@@ -98,7 +100,7 @@ def check_allowed_token_ids(allowed: list[int], vocab_size: int) -> None:
                                   f"(size {vocab_size})", param="allowed_token_ids")
 
 
-def restrict_to_allowed(logit_bias: dict, allowed: list[int]) -> dict[int, float]:
+def restrict_to_allowed(logit_bias: Mapping[int | str, float], allowed: list[int]) -> dict[int, float]:
     """The logit bias that restricts sampling to `allowed` (vLLM's allowed_token_ids).
 
     The engine has no token mask a request can set, but it adds logit_bias: every allowed token
