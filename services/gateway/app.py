@@ -46,6 +46,7 @@ from services.gateway.protocol_anthropic import CountTokensRequest, CountTokensR
 from services.gateway.protocol_embeddings import EmbeddingRequest
 from services.gateway.protocol_responses import ResponsesRequest
 from services.gateway.readiness import ReadinessMiddleware
+from services.gateway.request_fields import check_request_fields
 from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
@@ -110,10 +111,12 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_request_fields(body, options.strict_request_fields)
         return await create_chat_completion(_ctx(request), body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_request_fields(body, options.strict_request_fields)
         return await create_completion(_ctx(request), body, request)
 
     # Embeddings: an engine started with --runner pooling (else a 400 naming the flag).

@@ -67,6 +67,11 @@ def unsupported(feature: str, param: str | None = None) -> OpenAIError:
     return invalid_request(f"{feature} is not supported", param=param or feature, code="unsupported_parameter")
 
 
+def unrecognized_fields(names: Sequence[str]) -> OpenAIError:
+    """OpenAI's 400 for request fields it does not know (`names`: their parameter paths)."""
+    return invalid_request(f"Unrecognized request argument supplied: {', '.join(names)}", param=names[0])
+
+
 def unavailable(message: str, code: str) -> OpenAIError:
     """A 503 the client may retry after `RETRY_AFTER_S`; `message` must name no internal detail."""
     return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type="service_unavailable_error", code=code,
@@ -183,7 +188,7 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     unknown = [_param_from_location(e.get("loc", ())) or repr(e.get("loc", ("",))[-1])
                for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:  # OpenAI's answer to a field it does not know
-        return invalid_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0])
+        return unrecognized_fields(unknown)
     if first.get("type") == "json_invalid":
         return invalid_request(f"Invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
     param = _param_from_location(first.get("loc", ()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -250,6 +251,25 @@ async def _prepend(first: ChoiceDelta | None, merged: AsyncGenerator[ChoiceDelta
     finally:
         watcher.stop()
         await merged.aclose()
+
+
+@dataclass(frozen=True)
+class RequestIds:
+    """One HTTP request's ids: the response's `id` and the base of its engine request ids."""
+
+    response: str
+    engine: str
+
+
+def request_ids(prefix: str, client_request_id: str | None) -> RequestIds:
+    """vLLM's "{prefix}-{request_id}" ("chatcmpl", "cmpl"), with a fresh uuid when the client
+    names none. A client's id reaches the engine requests too, with a suffix of its own: the
+    scheduler needs each in-flight id unique, and clients reuse theirs (retries, fixed ids)."""
+    if not client_request_id:
+        generated = f"{prefix}-{uuid.uuid4().hex}"
+        return RequestIds(generated, generated)
+    response = f"{prefix}-{client_request_id}"
+    return RequestIds(response, f"{response}-{uuid.uuid4().hex[:8]}")
 
 
 def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: Tokenizer, priority: int = 0,

@@ -50,6 +50,9 @@ class GatewayOptions:
     chat_template: str | None = None
     # How requests are spread over engine replicas (--routing and its weights).
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # Chat and completions bodies with keys no field declares: a 400 naming them (OpenAI's
+    # answer) instead of vLLM's warning (request_fields.py).
+    strict_request_fields: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1:
@@ -114,6 +117,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="allow tool_choice 'auto' (needs --tool-call-parser)")
     parser.add_argument("--chat-template", default=None,
                         help="chat template file (or template text) to use instead of the model's")
+    parser.add_argument("--strict-request-fields", action="store_true",
+                        help="refuse chat and completions requests with fields this server does not know (a 400 "
+                             "naming them, as OpenAI does) instead of ignoring them with a warning, as vLLM does")
     routing = defaults.routing
     parser.add_argument("--routing", default=routing.policy.value, choices=[p.value for p in RoutingPolicy],
                         help="how requests are spread over engine replicas: by load (4*waiting + running), "
@@ -144,6 +150,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         tokenizer_pool_size=args.tokenizer_pool_size,
         api_key=args.api_key, internal_token=args.internal_token,
         tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template,
+        strict_request_fields=args.strict_request_fields,
         routing=RoutingConfig(args.routing, args.routing_prefill_weight, args.routing_load_weight,
                               args.routing_kv_weight, args.routing_max_imbalance,
                               args.routing_remote_prefill_min_tokens))

@@ -48,6 +48,44 @@ class PromptBound:
             check_context_length(None, num_tokens, self.max_model_len, prompt_name)
 
 
+@dataclass(frozen=True)
+class PromptTruncation:
+    """vLLM's truncate_prompt_tokens: a tokenized prompt keeps at most `num_tokens` tokens, its
+    last ones (truncation_side "left", the default: the start is cut) or its first ("right")."""
+
+    num_tokens: int
+    side: str = "left"
+
+    def apply(self, token_ids: list[int]) -> list[int]:
+        if len(token_ids) <= self.num_tokens:
+            return token_ids
+        return token_ids[-self.num_tokens:] if self.side == "left" else token_ids[:self.num_tokens]
+
+
+def prompt_truncation(truncate_prompt_tokens: int | None, truncation_side: str | None,
+                      max_model_len: int) -> PromptTruncation | None:
+    """The truncation a request asks for (None: none); -1 means max_model_len, as in vLLM."""
+    if truncate_prompt_tokens is None:
+        return None
+    num_tokens = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if num_tokens < 1:
+        raise invalid_request(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}",
+                              param="truncate_prompt_tokens")
+    if num_tokens > max_model_len:
+        raise invalid_request(f"truncate_prompt_tokens value ({num_tokens}) is greater than max_model_len "
+                              f"({max_model_len}). Please, select a smaller truncation size.",
+                              param="truncate_prompt_tokens")
+    return PromptTruncation(num_tokens, truncation_side or "left")
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's content as the chat template gets it (text parts joined by newlines)."""
+    content = message.content
+    if isinstance(content, list):
+        return "\n".join(part.text or "" for part in content)
+    return content or ""
+
+
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     rendered = message.model_dump(exclude_none=True)
     content = message.content
@@ -75,22 +113,25 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
                 chat_template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None, bound: PromptBound | None = None) -> EnginePrompt:
-    """Render `messages` (and the `tools` offered) with the chat template and, unless the text
-    is over `bound`, tokenize the result."""
+                tools: list[dict[str, Any]] | None = None, bound: PromptBound | None = None,
+                documents: list[dict[str, str]] | None = None, add_special_tokens: bool = False,
+                truncation: PromptTruncation | None = None) -> EnginePrompt:
+    """Render `messages` (and the `tools` offered, the `documents`) with the chat template and,
+    unless the text is over `bound`, tokenize the result (`add_special_tokens`: BOS and the like
+    on top of those the template placed), keeping what `truncation` keeps."""
     if add_generation_prompt and continue_final_message:
         raise invalid_request("add_generation_prompt and continue_final_message cannot both be true",
                               param="continue_final_message")
     template_input = [_template_message(i, m) for i, m in enumerate(messages)]
     try:
         text = tokenizer.render_chat(template_input, add_generation_prompt, continue_final_message,
-                                     chat_template_kwargs, tools)
+                                     chat_template_kwargs, tools, documents)
     except Exception as e:  # jinja errors, raise_exception() in templates, missing template
         raise invalid_request(f"Could not apply the chat template: {e}", param="messages") from None
     if bound is not None:
         bound.check_text(text, "messages")
-    # The template already placed BOS and other special tokens.
-    return EnginePrompt(tokenizer.encode(text, add_special_tokens=False), text)
+    token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return EnginePrompt(truncation.apply(token_ids) if truncation is not None else token_ids, text)
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
@@ -113,11 +154,16 @@ def num_prompts(prompt: PromptInput) -> int:
 
 
 def completion_prompts(tokenizer: Tokenizer, prompt: PromptInput, add_special_tokens: bool = True,
-                       bound: PromptBound | None = None) -> list[EnginePrompt]:
-    """One `EnginePrompt` per prompt in a completions request (none tokenized if any is over `bound`)."""
+                       bound: PromptBound | None = None,
+                       truncation: PromptTruncation | None = None) -> list[EnginePrompt]:
+    """One `EnginePrompt` per prompt in a completions request (none tokenized if any is over
+    `bound`), each keeping what `truncation` keeps. A text prompt's echo is its text, as sent
+    (vLLM's); a token-id prompt's is what its kept tokens decode to."""
     items = _prompt_items(prompt)
     if not items:
         raise invalid_request("prompt must not be empty", param="prompt")
+    if truncation is not None:
+        items = [item if isinstance(item, str) else truncation.apply(item) for item in items]
     if bound is not None:
         for item in items:
             if isinstance(item, str):
@@ -127,7 +173,8 @@ def completion_prompts(tokenizer: Tokenizer, prompt: PromptInput, add_special_to
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(EnginePrompt(tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
+            token_ids = tokenizer.encode(item, add_special_tokens=add_special_tokens)
+            prompts.append(EnginePrompt(truncation.apply(token_ids) if truncation is not None else token_ids, item))
         else:
             check_token_ids(item, tokenizer.vocab_size, "prompt")
             prompts.append(EnginePrompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))

@@ -1,11 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Field names and defaults follow OpenAI, plus vLLM's extensions (top_k, min_p,
-repetition_penalty, stop_token_ids, ...). A field no model here declares is a 400 naming it
-("Unrecognized request argument supplied: ...", OpenAI's answer; vLLM logs and ignores it),
-so a setting is never silently dropped: known-but-unimplemented features are declared to be
-refused by name, and the few OpenAI fields that change nothing here (`user`, `store`,
-`metadata`, ...) are declared and ignored.
+repetition_penalty, stop_token_ids, ... and those of protocol_vllm.py). Chat and completions
+bodies take what vLLM's server takes: a key no model declares is ignored and logged, as vLLM
+does (a 400 naming it under --strict-request-fields, OpenAI's answer; request_fields.py), and
+a known-but-unimplemented feature is refused by name, so a setting is never silently dropped
+where it would matter. The few OpenAI fields that change nothing here (`user`, `store`,
+`metadata`, ...) are declared and ignored. The other routes' bodies (tokenize, embeddings)
+refuse undeclared keys.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from services.gateway.protocol_vllm import LenientModel, VllmChatFields, VllmGenerationFields
 
 # Integers that travel in int32 / int64 proto fields: out-of-range values must be a 400
 # naming the field, not an encoding error deep in the gRPC client.
@@ -27,7 +31,7 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(LenientModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # with include_usage: usage so far on every chunk (vLLM)
     include_obfuscation: bool | None = None  # OpenAI's padding of stream events: accepted, none is added
@@ -49,35 +53,28 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-# Features of vLLM's API that this engine does not implement (rejected when set).
-_UNSUPPORTED_FIELDS = (
-    "logits_processors", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-)
-
-
-class FunctionDefinition(OpenAIBaseModel):
+class FunctionDefinition(LenientModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # OpenAI's exact-schema flag: accepted; arguments are not constrained
-    strict: bool | None = None
 
 
-class ChatCompletionToolParam(OpenAIBaseModel):
+class ChatCompletionToolParam(LenientModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(OpenAIBaseModel):
+class NamedFunction(LenientModel):
     name: str
 
 
-class NamedToolChoice(OpenAIBaseModel):
+class NamedToolChoice(LenientModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class GenerationRequest(OpenAIBaseModel):
+class GenerationRequest(VllmGenerationFields):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -116,21 +113,14 @@ class GenerationRequest(OpenAIBaseModel):
     # and vLLM's structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    # Declared only to be rejected (see `unsupported_field`).
-    logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     # vLLM's extension: each prompt token's logprob and top k (`prompt_logprobs` in the response).
     prompt_logprobs: Int32 | None = None
 
     def unsupported_field(self) -> str | None:
         """The first requested feature this server does not implement, if any."""
-        for name in _UNSUPPORTED_FIELDS:
-            if getattr(self, name) not in (None, [], {}):
-                return name
-        return None
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return self.vllm_unsupported_field()
 
     @property
     def include_usage(self) -> bool:
@@ -143,7 +133,7 @@ class GenerationRequest(OpenAIBaseModel):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
-class ChatCompletionRequest(GenerationRequest):
+class ChatCompletionRequest(GenerationRequest, VllmChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
@@ -167,7 +157,7 @@ class ChatCompletionRequest(GenerationRequest):
                 return name
         if self.modalities not in (None, ["text"]):
             return "modalities"
-        return super().unsupported_field()
+        return self.vllm_chat_unsupported_field() or super().unsupported_field()
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -179,15 +169,15 @@ class CompletionRequest(GenerationRequest):
     # the context" (the chat endpoint's default).
     max_tokens: Int32 | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # BOS and the like before each text prompt (vLLM's default)
+    prompt_embeds: Any = None  # vLLM's embeddings-as-prompt: not implemented
 
     def unsupported_field(self) -> str | None:
         if self.suffix:
             return "suffix"
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of"
+        if self.prompt_embeds not in (None, [], ""):
+            return "prompt_embeds"
         return super().unsupported_field()
 
 
@@ -241,6 +231,18 @@ class OmitNoneModel(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+class VllmTokenFieldsModel(BaseModel):
+    """A response with vLLM's on-request fields (`token_ids`, `prompt_token_ids`, `prompt_text`):
+    serialised only when the request asked for them, so other responses keep OpenAI's shape."""
+
+    @model_serializer(mode="wrap")
+    def _requested_only(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in _ON_REQUEST_FIELDS}
+
+
+_ON_REQUEST_FIELDS = frozenset({"token_ids", "prompt_token_ids", "prompt_text"})
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -272,15 +274,16 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(VllmTokenFieldsModel):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or stop token id
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the choice's tokens
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(VllmTokenFieldsModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -288,6 +291,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    prompt_text: str | None = None  # vLLM's return_prompt_text: the chat template's output
 
 
 class DeltaMessage(OmitNoneModel):
@@ -298,21 +303,24 @@ class DeltaMessage(OmitNoneModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(VllmTokenFieldsModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(VllmTokenFieldsModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunks only
+    prompt_text: str | None = None  # return_prompt_text: on the first chunks only
 
 
 class CompletionLogprobs(BaseModel):
@@ -340,13 +348,16 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(VllmTokenFieldsModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's return_token_ids (streamed: prompt_token_ids on a choice's first chunk only).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from services.common.message_limits import MAX_LOGIT_BIAS_ENTRIES
 from services.common.proto import myvllm_pb2 as pb
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.errors import invalid_request
 from services.gateway.protocol import GenerationRequest
@@ -55,6 +58,8 @@ def build_sampling_params(request: GenerationRequest, tokenizer: Tokenizer, max_
         raise invalid_request(f"n must be between 1 and {MAX_N}, got {request.n}", param="n")
     values = {name: default if getattr(request, name) is None else getattr(request, name)
               for name, default in _NULLABLE_DEFAULTS.items()}
+    if request.allowed_token_ids is not None:
+        check_allowed_token_ids(request.allowed_token_ids, tokenizer.vocab_size)
     params = SamplingParams(
         n=request.n,
         seed=request.seed,
@@ -71,7 +76,45 @@ def build_sampling_params(request: GenerationRequest, tokenizer: Tokenizer, max_
         skip_special_tokens=request.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
         structured_outputs=structured_outputs,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
+        # vLLM passes vllm_xargs to the engine here; no extension of this engine reads them.
+        extra_args=dict(request.vllm_xargs) if request.vllm_xargs else None,
         **values,
     )
     params.bad_words_token_ids = tokenizer.bad_words_token_ids(params.bad_words)
+    if request.allowed_token_ids is not None:
+        params.logit_bias = restrict_to_allowed(params.logit_bias, request.allowed_token_ids)
     return params, params.to_proto(tokenizer.vocab_size)
+
+
+def check_allowed_token_ids(allowed: list[int], vocab_size: int) -> None:
+    """vLLM's rules for allowed_token_ids (non-empty, in the vocabulary), plus this engine's
+    bound on logit_bias entries, which carry them."""
+    if not allowed:
+        raise invalid_request("allowed_token_ids must not be empty", param="allowed_token_ids")
+    if len(set(allowed)) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid_request(f"allowed_token_ids has {len(set(allowed))} distinct ids, at most "
+                              f"{MAX_LOGIT_BIAS_ENTRIES}", param="allowed_token_ids")
+    for token_id in allowed:
+        if not 0 <= token_id < vocab_size:
+            raise invalid_request(f"allowed_token_ids has token id {token_id}, out of the vocabulary "
+                                  f"(size {vocab_size})", param="allowed_token_ids")
+
+
+def restrict_to_allowed(logit_bias: Mapping[int | str, float], allowed: list[int]) -> dict[int, float]:
+    """The logit bias that restricts sampling to `allowed` (vLLM's allowed_token_ids).
+
+    The engine has no token mask a request can set, but it adds logit_bias: every allowed token
+    is raised by the same amount, so that the largest bias is the most the engine takes
+    (MAX_ABS_LOGIT_BIAS). Among the allowed tokens their own biases keep their differences (a
+    shift common to all changes no probability among them); any other token falls that far
+    behind, which leaves it a probability too small to be sampled at any usual temperature, and
+    its own bias is dropped (vLLM masks it whatever its bias)."""
+    own: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        try:
+            own[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise invalid_request(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+    allowed_ids = set(allowed)
+    shift = MAX_ABS_LOGIT_BIAS - max(own.get(t, 0.0) for t in allowed_ids)
+    return {t: own.get(t, 0.0) + shift for t in sorted(allowed_ids)}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import Response
 from starlette.requests import Request
@@ -17,9 +17,9 @@ from services.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
-from services.gateway.generation import PromptSampling, fan_out, start_routed
+from services.gateway.generation import PromptSampling, fan_out, request_ids, start_routed
 from services.gateway.logprobs import chat_logprobs, vllm_prompt_logprobs
-from services.gateway.prompts import EnginePrompt, chat_prompt
+from services.gateway.prompts import EnginePrompt, chat_prompt, message_text, prompt_truncation
 from services.gateway.protocol import (
     AssistantMessage,
     ChatChoiceLogprobs,
@@ -56,9 +56,9 @@ async def create_chat_completion(ctx: GatewayContext, request: ChatCompletionReq
                                  http_request: Request | None = None) -> Response:
     arrival_time = time.monotonic()
     chat = await prepare_chat(ctx, request)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    deltas = await start_chat(ctx, request, chat, request_id, http_request, arrival_time)
-    writer = _ChatWriter(ctx, request, request_id, chat.prompt.token_ids, chat.num_top, chat.tools)
+    ids = request_ids("chatcmpl", request.request_id)
+    deltas = await start_chat(ctx, request, chat, ids.engine, http_request, arrival_time)
+    writer = _ChatWriter(ctx, request, ids.response, chat.prompt, chat.num_top, chat.tools)
     if request.stream:
         return sse_response(writer.stream(deltas, chat.params.n))
     return json_response(await writer.collect(deltas, chat.params.n))
@@ -118,11 +118,25 @@ def _check_limits(ctx: GatewayContext, request: ChatCompletionRequest) -> None:
     ctx.limits.check_tools(request.tools)
 
 
+def _template_kwargs(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """chat_template_kwargs plus what vLLM adds from the request: its reasoning_effort (over the
+    kwargs' own), and enable_thinking unless the kwargs set it (off only for effort "none";
+    templates that read neither ignore them)."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = request.reasoning_effort
+        kwargs.setdefault("enable_thinking", request.reasoning_effort != "none")
+    return kwargs or None
+
+
 def _render_prompt(ctx: GatewayContext, request: ChatCompletionRequest, tools: ToolPlan | None,
                    max_model_len: int) -> EnginePrompt:
     return chat_prompt(ctx.tokenizer, request.messages, request.add_generation_prompt,
-                       request.continue_final_message, request.chat_template_kwargs,
-                       tools.tools if tools is not None else None, bound=ctx.prompt_bound(max_model_len))
+                       request.continue_final_message, _template_kwargs(request),
+                       tools.tools if tools is not None else None, bound=ctx.prompt_bound(max_model_len),
+                       documents=request.documents, add_special_tokens=request.add_special_tokens,
+                       truncation=prompt_truncation(request.truncate_prompt_tokens, request.truncation_side,
+                                                    max_model_len))
 
 
 def _prompt_and_sampling(ctx: GatewayContext, request: ChatCompletionRequest, tools: ToolPlan | None,
@@ -162,11 +176,19 @@ def stream_piece(parser: ToolCallParser | None, delta: ChoiceDelta) -> StreamPie
     return piece
 
 
+def _echo_text(request: ChatCompletionRequest) -> str:
+    """vLLM's echo on chat: the last message's content, shown before the reply when the reply
+    continues that message's role (no generation prompt, or an assistant message last)."""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt else last.role
+    return message_text(last) if last.role == role else ""
+
+
 class _ChatWriter:
     """Shapes one chat completion's deltas as OpenAI responses or chunks."""
 
     def __init__(self, ctx: GatewayContext, request: ChatCompletionRequest, request_id: str,
-                 prompt_token_ids: list[int], num_top: int | None, tools: ToolPlan | None = None) -> None:
+                 prompt: EnginePrompt, num_top: int | None, tools: ToolPlan | None = None) -> None:
         self._ctx = ctx
         self._tools = tools
         # One tool-call parser per choice, made on first use (None: no tool calling).
@@ -174,15 +196,19 @@ class _ChatWriter:
         self._request = request
         self._id = request_id
         self._created = int(time.time())
-        self._prompt_token_ids = prompt_token_ids
-        self._num_prompt_tokens = len(prompt_token_ids)
+        self._prompt = prompt
+        self._prompt_token_ids = prompt.token_ids
+        self._num_prompt_tokens = len(prompt.token_ids)
         self._num_top = num_top
         self._num_completion_tokens = 0
+        self._echo = _echo_text(request) if request.echo else ""
+        self._return_token_ids = bool(request.return_token_ids)
 
     def _logprobs(self, delta: ChoiceDelta) -> list[ChatLogprobToken] | None:
         if self._num_top is None:
             return None
-        return chat_logprobs(self._ctx.tokenizer, delta.token_ids, delta.logprobs, self._num_top)
+        return chat_logprobs(self._ctx.tokenizer, delta.token_ids, delta.logprobs, self._num_top,
+                             as_token_ids=bool(self._request.return_tokens_as_token_ids))
 
     def _parser(self, index: int) -> ToolCallParser | None:
         if self._tools is None or self._tools.new_parser is None:
@@ -211,14 +237,24 @@ class _ChatWriter:
         return UsageInfo(prompt_tokens=self._num_prompt_tokens, completion_tokens=self._num_completion_tokens,
                          total_tokens=self._num_prompt_tokens + self._num_completion_tokens)
 
-    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
+               first: bool = False) -> str:
+        """One chunk; the `first` ones (each choice's role) carry the prompt's vLLM fields, if asked for."""
         if usage is None and self._request.continuous_usage:
             usage = self._usage()
-        return sse_event(ChatCompletionChunk(id=self._id, created=self._created, model=self._ctx.served_model_name,
-                                             choices=choices, usage=usage))
+        return sse_event(ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._ctx.served_model_name, choices=choices, usage=usage,
+            prompt_token_ids=self._prompt_token_ids if first and self._return_token_ids else None,
+            prompt_text=self._prompt.text if first and self._request.return_prompt_text else None))
+
+    def _with_echo(self, message: AssistantMessage) -> AssistantMessage:
+        if self._echo:
+            message.content = self._echo + (message.content or "")
+        return message
 
     async def collect(self, deltas: AsyncGenerator[ChoiceDelta, None], n: int) -> ChatCompletionResponse:
         texts: list[list[str]] = [[] for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[ChatLogprobToken]] = [[] for _ in range(n)]
         endings: list[ChoiceDelta | None] = [None] * n
         prompt_logprobs = None
@@ -226,6 +262,7 @@ class _ChatWriter:
             async for delta in deltas:
                 self._num_completion_tokens += len(delta.token_ids)
                 texts[delta.index].append(delta.text)
+                token_ids[delta.index] += delta.token_ids
                 if self._request.prompt_logprobs is not None and prompt_logprobs is None and delta.token_ids:
                     prompt_logprobs = vllm_prompt_logprobs(self._ctx.tokenizer, self._prompt_token_ids,
                                                            delta.prompt_logprobs, self._request.prompt_logprobs)
@@ -235,26 +272,33 @@ class _ChatWriter:
         messages = [self._message(i, "".join(texts[i])) for i in range(n)]
         choices = [ChatCompletionChoice(
             index=i,
-            message=messages[i],
+            message=self._with_echo(messages[i]),
             logprobs=ChatChoiceLogprobs(content=logprobs[i]) if self._num_top is not None else None,
             finish_reason=self._finish_reason(endings[i].finish_reason if endings[i] else None,
                                               bool(messages[i].tool_calls)),
             stop_reason=endings[i].stop_reason if endings[i] else None,
+            token_ids=token_ids[i] if self._return_token_ids else None,
         ) for i in range(n)]
-        return ChatCompletionResponse(id=self._id, created=self._created, model=self._ctx.served_model_name,
-                                      choices=choices, usage=self._usage(), prompt_logprobs=prompt_logprobs)
+        return ChatCompletionResponse(
+            id=self._id, created=self._created, model=self._ctx.served_model_name, choices=choices,
+            usage=self._usage(), prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=self._prompt_token_ids if self._return_token_ids else None,
+            prompt_text=self._prompt.text if self._request.return_prompt_text else None)
 
     async def stream(self, deltas: AsyncGenerator[ChoiceDelta, None], n: int) -> AsyncIterator[str]:
         async with contextlib.aclosing(deltas):
             try:
                 for i in range(n):
                     yield self._chunk([ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content=""))])
+                        index=i, delta=DeltaMessage(role="assistant", content=""))], first=True)
+                for i in range(n if self._echo else 0):
+                    yield self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=self._echo))])
                 async for delta in deltas:
                     self._num_completion_tokens += len(delta.token_ids)
                     logprobs = self._logprobs(delta)
                     piece = self._stream_piece(delta)
-                    if not (piece.content or piece.tool_calls or delta.finish_reason or logprobs):
+                    shows_token_ids = self._return_token_ids and bool(delta.token_ids)
+                    if not (piece.content or piece.tool_calls or delta.finish_reason or logprobs or shows_token_ids):
                         continue  # a partial character or held-back text: nothing to show yet
                     parser = self._parser(delta.index)
                     yield self._chunk([ChatCompletionStreamChoice(
@@ -264,6 +308,7 @@ class _ChatWriter:
                         finish_reason=self._finish_reason(delta.finish_reason,
                                                           parser is not None and parser.num_calls > 0),
                         stop_reason=delta.stop_reason,
+                        token_ids=list(delta.token_ids) if self._return_token_ids else None,
                     )])
                 if self._request.include_usage:
                     yield self._chunk([], usage=self._usage())

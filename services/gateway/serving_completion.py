@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi.responses import Response
@@ -15,9 +14,9 @@ from services.common.sampling_params import MAX_LOGPROBS
 from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.context import GatewayContext
 from services.gateway.errors import as_openai_error, invalid_request, unsupported
-from services.gateway.generation import PromptSampling, fan_out, start_routed
+from services.gateway.generation import PromptSampling, fan_out, request_ids, start_routed
 from services.gateway.logprobs import CompletionLogprobsBuilder, vllm_prompt_logprobs
-from services.gateway.prompts import EnginePrompt, completion_prompts, num_prompts
+from services.gateway.prompts import EnginePrompt, completion_prompts, num_prompts, prompt_truncation
 from services.gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -53,10 +52,10 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
     prompts, sampled = await ctx.in_tokenizer_pool(_prompts_and_sampling, ctx, request, structured_outputs,
                                                    engine_prompt_logprobs, max_model_len)
 
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    choices = fan_out(request_id, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
+    ids = request_ids("cmpl", request.request_id)
+    choices = fan_out(ids.engine, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
     deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
-    writer = _CompletionWriter(ctx, request, request_id, prompts, request.n)
+    writer = _CompletionWriter(ctx, request, ids.response, prompts, request.n)
     if request.stream:
         return sse_response(writer.stream(deltas))
     return json_response(await writer.collect(deltas))
@@ -65,7 +64,9 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
 def _prompts_and_sampling(ctx: GatewayContext, request: CompletionRequest,
                           structured_outputs: StructuredOutputsParams | None, engine_prompt_logprobs: int | None,
                           max_model_len: int) -> tuple[list[EnginePrompt], list[PromptSampling]]:
-    prompts = completion_prompts(ctx.tokenizer, request.prompt, bound=ctx.prompt_bound(max_model_len))
+    truncation = prompt_truncation(request.truncate_prompt_tokens, request.truncation_side, max_model_len)
+    prompts = completion_prompts(ctx.tokenizer, request.prompt, request.add_special_tokens,
+                                 bound=ctx.prompt_bound(max_model_len), truncation=truncation)
     sampled = []
     for prompt in prompts:
         # max_tokens defaults to 16; null lets each prompt use whatever context it leaves.
@@ -92,9 +93,19 @@ class _CompletionWriter:
         self._num_completion_tokens = 0
         self._echo_pending = [request.echo] * self._num_choices
         self._echo_logprobs_pending = [request.echo] * self._num_choices
-        self._logprobs = [CompletionLogprobsBuilder(ctx.tokenizer, request.logprobs)
+        as_token_ids = bool(request.return_tokens_as_token_ids)
+        self._logprobs = [CompletionLogprobsBuilder(ctx.tokenizer, request.logprobs, as_token_ids=as_token_ids)
                           if request.logprobs is not None else None for _ in range(self._num_choices)]
         self._prompt_logprobs: list[PromptLogprobs | None] = [None] * self._num_choices
+        self._return_token_ids = bool(request.return_token_ids)
+        # return_token_ids while streaming: a choice's first chunk carries its prompt's ids.
+        self._prompt_ids_pending = [self._return_token_ids] * self._num_choices
+
+    def _stream_prompt_token_ids(self, index: int) -> list[int] | None:
+        if not self._prompt_ids_pending[index]:
+            return None
+        self._prompt_ids_pending[index] = False
+        return self._prompt_of_choice[index].token_ids
 
     def _text(self, delta: ChoiceDelta) -> str:
         if self._echo_pending[delta.index]:
@@ -132,12 +143,14 @@ class _CompletionWriter:
 
     async def collect(self, deltas: AsyncGenerator[ChoiceDelta, None]) -> CompletionResponse:
         texts: list[list[str]] = [[] for _ in range(self._num_choices)]
+        token_ids: list[list[int]] = [[] for _ in range(self._num_choices)]
         logprobs = [CompletionLogprobs() if b is not None else None for b in self._logprobs]
         endings: list[ChoiceDelta | None] = [None] * self._num_choices
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 self._num_completion_tokens += len(delta.token_ids)
                 texts[delta.index].append(self._text(delta))
+                token_ids[delta.index] += delta.token_ids
                 part, whole = self._delta_logprobs(delta), logprobs[delta.index]
                 if part is not None and whole is not None:
                     whole.extend(part)
@@ -149,6 +162,8 @@ class _CompletionWriter:
             finish_reason=endings[i].finish_reason if endings[i] else None,
             stop_reason=endings[i].stop_reason if endings[i] else None,
             prompt_logprobs=self._prompt_logprobs[i],
+            prompt_token_ids=self._prompt_of_choice[i].token_ids if self._return_token_ids else None,
+            token_ids=token_ids[i] if self._return_token_ids else None,
         ) for i in range(self._num_choices)]
         return self._response(choices, self._usage())
 
@@ -159,11 +174,14 @@ class _CompletionWriter:
                     self._num_completion_tokens += len(delta.token_ids)
                     text = self._text(delta)
                     logprobs = self._delta_logprobs(delta)
-                    if not (text or delta.finish_reason or (logprobs and logprobs.tokens)):
+                    shows_token_ids = self._return_token_ids and bool(delta.token_ids)
+                    if not (text or delta.finish_reason or (logprobs and logprobs.tokens) or shows_token_ids):
                         continue  # a partial character or held-back text: nothing to show yet
                     yield sse_event(self._response([CompletionChoice(
                         index=delta.index, text=text, logprobs=logprobs,
-                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)],
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                        prompt_token_ids=self._stream_prompt_token_ids(delta.index),
+                        token_ids=list(delta.token_ids) if self._return_token_ids else None)],
                         self._usage() if self._request.continuous_usage else None))
                 if self._request.include_usage:
                     yield sse_event(self._response([], self._usage()))

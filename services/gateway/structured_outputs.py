@@ -1,5 +1,6 @@
-"""A request's output constraint from the HTTP fields: OpenAI's `response_format` or vLLM's
-`structured_outputs` (at most one of them; tool calling adds its own, see tools.py).
+"""A request's output constraint from the HTTP fields: OpenAI's `response_format`, vLLM's
+`structured_outputs` or its older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar` (at most one of those three ways; tool calling adds its own, see tools.py).
 
 Each is checked here (shape) and parsed into an xgrammar grammar by `StructuredOutputsParams`
 (content), so an invalid schema, regex or grammar is a 400 naming the field before the
@@ -13,6 +14,7 @@ from typing import Any
 from services.common.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from services.gateway.errors import invalid_request
 from services.gateway.protocol import GenerationRequest
+from services.gateway.protocol_vllm import GUIDED_FIELDS
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -54,8 +56,34 @@ def _from_structured_outputs(fields: dict[str, Any]) -> StructuredOutputsParams:
                                    grammar=fields.get("grammar"), json_object=json_object)
 
 
+def _from_guided_fields(request: GenerationRequest) -> StructuredOutputsParams | None:
+    """vLLM's guided_* fields as the structured_outputs they stand for; a 400 names the guided field."""
+    guided = request.guided_fields()
+    if not guided:
+        return None
+    names = list(guided)
+    if len(names) > 1:
+        raise invalid_request(f"Only one kind of guided decoding may be given, got {', '.join(names)}",
+                              param=names[1])
+    name = names[0]
+    constrains_format = (request.response_format or {}).get("type", "text") != "text"
+    if request.structured_outputs or constrains_format:
+        other = "structured_outputs" if request.structured_outputs else "response_format"
+        raise invalid_request(f"{name} and {other} cannot both constrain the output", param=name)
+    kind = GUIDED_FIELDS[name]
+    try:
+        params = StructuredOutputsParams(**{kind: guided[name]})
+        params.to_proto()  # parses the schema / regex / grammar: a bad one is a 400 now
+        return params
+    except StructuredOutputsError as e:
+        raise invalid_request(str(e).replace(f"structured_outputs.{kind}", name), param=name) from None
+
+
 def request_structured_outputs(request: GenerationRequest) -> StructuredOutputsParams | None:
     """The constraint `request` asks for (None: free output); a 400 naming the field if it is bad."""
+    from_guided = _from_guided_fields(request)
+    if from_guided is not None:
+        return from_guided
     try:
         from_format = _from_response_format(request.response_format) if request.response_format else None
         from_field = _from_structured_outputs(request.structured_outputs) if request.structured_outputs else None

@@ -98,8 +98,10 @@ class Tokenizer:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
-        """The prompt text the chat template makes of `messages` (and the `tools` offered)."""
+        """The prompt text the chat template makes of `messages` (and the `tools` offered, the
+        `documents` for retrieval-augmented generation, both as the template shows them)."""
         overridden = _RESERVED_TEMPLATE_ARGS.intersection(chat_template_kwargs or {})
         if overridden:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(overridden))}")
@@ -109,6 +111,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
+            documents=documents,
             chat_template=self.chat_template,
             **(chat_template_kwargs or {}),
         )

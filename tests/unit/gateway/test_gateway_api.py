@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import openai
 import pytest
 from support.fake_scheduler import FakeScheduler, FakeSchedulerServer, wait_until
 
+from services.gateway.options import GatewayOptions
 from services.gateway.server import BackgroundGateway
 from services.text.tokenizer import Tokenizer
 
@@ -371,6 +373,198 @@ def test_completion_stop_string(stack: Stack, client: openai.OpenAI) -> None:
     assert response.choices[0].text == "Hello 世界 "
     assert response.choices[0].finish_reason == "stop"
     wait_until(lambda: len(stack.fake.aborted) == 1, what="abort after stop string")
+
+
+# ---------------------------------------------------------------------- vLLM's request fields
+
+
+def _post(stack: Stack, path: str, body: dict) -> dict:
+    response = httpx.post(f"{stack.gateway.url}{path}", json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_vllm_fields_that_change_nothing_here_are_accepted(stack: Stack) -> None:
+    """Beam-search knobs at their defaults, render-only flags and hints: a 200, and the engine
+    gets exactly what it gets without them."""
+    plain = {"messages": MESSAGES, "max_tokens": 3}
+    no_ops = {"use_beam_search": False, "length_penalty": 1.3, "mm_processor_kwargs": {}, "media_io_kwargs": {},
+              "session_id": "s", "stream_interval": 4, "return_token_offsets": True, "return_mm_kwargs": False,
+              "routed_experts_prompt_start": 2, "include_reasoning": False, "watermarking": False, "best_of": 1,
+              "thinking_token_budget": -1, "guided_decoding_backend": "xgrammar", "logits_processors": [],
+              "kv_transfer_params": None, "vllm_xargs": {"my_ext": [1, "a"]}}
+    for body in (plain, {**plain, **no_ops}):
+        assert _post(stack, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    assert stack.fake.requests[0].sampling == stack.fake.requests[1].sampling
+    assert stack.fake.requests[0].prompt_token_ids == stack.fake.requests[1].prompt_token_ids
+    completion = {"prompt": "a", "max_tokens": 3, "use_beam_search": False, "length_penalty": 1.0, "best_of": 1}
+    assert _post(stack, "/v1/completions", completion)["choices"][0]["text"]
+
+
+def test_request_id_names_the_response_and_the_engine_requests(stack: Stack, client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=2,
+                                              extra_body={"request_id": "my-req-1"})
+    assert response.id == "chatcmpl-my-req-1"  # vLLM's prefix
+    engine_ids = [r.request_id for r in stack.fake.requests]
+    assert len(set(engine_ids)) == 2 and all(i.startswith("chatcmpl-my-req-1-") for i in engine_ids)
+    completion = client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"request_id": "c7"})
+    assert completion.id == "cmpl-c7" and stack.fake.requests[-1].request_id.startswith("cmpl-c7-")
+
+    async def same_id_twice() -> list[str]:  # a reused id is the client's business: both are served
+        async with openai.AsyncOpenAI(base_url=f"{stack.gateway.url}/v1", api_key="x", max_retries=0) as aclient:
+            replies = await asyncio.gather(*(aclient.chat.completions.create(
+                model=MODEL, messages=MESSAGES, extra_body={"request_id": "dup"}) for _ in range(2)))
+        return [r.choices[0].message.content for r in replies]
+
+    stack.fake.step_delay_s = 0.01
+    assert asyncio.run(same_id_twice()) == [REPLY, REPLY]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(stack: Stack) -> None:
+    prompt_ids = stack.tokenizer.encode("Once upon a time there was")
+    for body, kept in (({"truncate_prompt_tokens": 3}, prompt_ids[-3:]),
+                       ({"truncate_prompt_tokens": 3, "truncation_side": "right"}, prompt_ids[:3]),
+                       ({"truncate_prompt_tokens": -1}, prompt_ids)):  # -1: up to max_model_len
+        for prompt in ("Once upon a time there was", prompt_ids):
+            reply = _post(stack, "/v1/completions", {"prompt": prompt, "max_tokens": 2, **body})
+            assert list(stack.fake.requests[-1].prompt_token_ids) == kept
+            assert reply["usage"]["prompt_tokens"] == len(kept)
+    reply = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "truncate_prompt_tokens": 4})
+    assert list(stack.fake.requests[-1].prompt_token_ids) == stack.chat_prompt_ids()[-4:]
+    assert reply["usage"]["prompt_tokens"] == 4
+    # A long prompt cut to fit leaves room for the completion.
+    _post(stack, "/v1/completions", {"prompt": [7] * (MAX_MODEL_LEN + 50), "truncate_prompt_tokens": 100})
+    assert list(stack.fake.requests[-1].prompt_token_ids) == [7] * 100
+
+
+def test_allowed_token_ids_restrict_sampling(stack: Stack, client: openai.OpenAI) -> None:
+    """The engine's logit bias lifts the allowed tokens by the most it takes (100), every other
+    token falls that far behind; the request's own biases among them keep their differences."""
+    client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"allowed_token_ids": [101, 100]})
+    assert dict(stack.fake.requests[-1].sampling.logit_bias) == {100: 100.0, 101: 100.0}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logit_bias={"100": 5, "7": 50},
+                                   extra_body={"allowed_token_ids": [100, 101]})
+    assert dict(stack.fake.requests[-1].sampling.logit_bias) == {100: 100.0, 101: 95.0}
+
+
+def test_return_token_ids(stack: Stack, client: openai.OpenAI) -> None:
+    reply_ids = stack.reply_ids + [EOS]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == stack.chat_prompt_ids()
+    assert chat.choices[0].model_extra["token_ids"] == reply_ids
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                 extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == stack.chat_prompt_ids()
+    assert all(c.model_extra.get("prompt_token_ids") is None for c in chunks[1:])
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks[1:]), []) == reply_ids
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == REPLY
+    prompt_ids = stack.tokenizer.encode("Once")
+    completion = client.completions.create(model=MODEL, prompt="Once", max_tokens=32,
+                                           extra_body={"return_token_ids": True})
+    choice = completion.choices[0].model_extra
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt_ids, reply_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=32, stream=True,
+                                            extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert all(c.choices[0].model_extra.get("prompt_token_ids") is None for c in chunks[1:])
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == reply_ids
+    # Not asked for: OpenAI's shape, without the fields.
+    plain = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_return_tokens_as_token_ids(stack: Stack, client: openai.OpenAI) -> None:
+    names = [f"token_id:{t}" for t in stack.reply_ids[:3]]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=1,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == names and [e.top_logprobs[0].token for e in content] == names
+    assert bytes(content[0].bytes).decode() == names[0]
+    completion = client.completions.create(model=MODEL, prompt="a", max_tokens=3, logprobs=1,
+                                           extra_body={"return_tokens_as_token_ids": True})
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == names and all(name in top for name, top in zip(names, logprobs.top_logprobs,
+                                                                             strict=True))
+    assert logprobs.text_offset == [0, len(names[0]), len(names[0]) + len(names[1])]  # vLLM counts these
+
+
+def test_chat_echo_prepends_the_last_message(stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM's chat echo: the last message's content comes first when the reply continues its
+    role (here an assistant turn being continued); a user message last is not echoed."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "Sure: "}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    reply = _post(stack, "/v1/chat/completions", body)
+    assert reply["choices"][0]["message"]["content"] == "Sure: " + REPLY
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "echo": True}))
+    assert chunks[1].choices[0].delta.content == "Sure: "
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure: " + REPLY
+    plain = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "echo": True})
+    assert plain["choices"][0]["message"]["content"] == REPLY
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), [
+    ("guided_json", {"type": "object", "properties": {"a": {"type": "integer"}}}, "json"),
+    ("guided_regex", "[a-z]+", "regex"),
+    ("guided_choice", ["yes", "no"], "choice"),
+    ("guided_grammar", 'root ::= "a" | "b"', "grammar"),
+])
+def test_guided_fields_are_structured_outputs(stack: Stack, client: openai.OpenAI, field: str, value: object,
+                                              kind: str) -> None:
+    """vLLM's older guided_* names constrain the output as structured_outputs does."""
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                   extra_body={field: value, "guided_decoding_backend": "auto"})
+    client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"structured_outputs": {kind: value}})
+    via_guided, via_structured = (r.sampling.structured_outputs for r in stack.fake.requests[-2:])
+    assert via_guided.WhichOneof("kind") == kind and via_guided == via_structured
+
+
+def test_reasoning_effort_and_documents_reach_the_chat_template(stack: Stack, smollm2_dir: str) -> None:
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}effort={{ reasoning_effort }} "
+                "thinking={{ enable_thinking }}{% for d in documents or [] %} [{{ d.title }}]{% endfor %}|")
+    with BackgroundGateway(stack.scheduler.address, smollm2_dir,
+                           options=GatewayOptions(chat_template=template)) as gateway:
+        def rendered(body: dict) -> str:
+            response = httpx.post(f"{gateway.url}/v1/chat/completions",
+                                  json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1, **body})
+            assert response.status_code == 200, response.text
+            return stack.tokenizer.decode(list(stack.fake.requests[-1].prompt_token_ids), skip_special_tokens=False)
+
+        documents = [{"title": "Doc A", "text": "x"}, {"title": "Doc B", "text": "y"}]
+        assert "effort=low thinking=True [Doc A] [Doc B]|" in rendered({"reasoning_effort": "low",
+                                                                         "documents": documents})
+        assert "effort=none thinking=False|" in rendered({"reasoning_effort": "none"})
+        # The request's own chat_template_kwargs: reasoning_effort wins over theirs, their enable_thinking stays.
+        assert "effort=high thinking=False" in rendered({"reasoning_effort": "high", "chat_template_kwargs": {
+            "reasoning_effort": "low", "enable_thinking": False}})
+        assert "effort= thinking=|" in rendered({})
+
+
+def test_add_special_tokens_and_return_prompt_text(stack: Stack) -> None:
+    text = stack.tokenizer.render_chat(MESSAGES)
+    reply = _post(stack, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "add_special_tokens": True,
+                                                  "return_prompt_text": True})
+    assert reply["prompt_text"] == text
+    assert list(stack.fake.requests[-1].prompt_token_ids) == stack.tokenizer.encode(text, add_special_tokens=True)
+    _post(stack, "/v1/completions", {"prompt": "Once", "max_tokens": 2, "add_special_tokens": False})
+    assert list(stack.fake.requests[-1].prompt_token_ids) == stack.tokenizer.encode("Once", add_special_tokens=False)
+
+
+def test_unknown_fields_are_ignored_and_logged(stack: Stack, client: openai.OpenAI,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's answer to a key it does not know: the request runs as if it were absent, and a
+    warning names it (a 400 only under --strict-request-fields: test_gateway_errors.py)."""
+    with caplog.at_level(logging.WARNING, logger="services.gateway.request_fields"):
+        response = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, stream=True,
+            stream_options={"include_usage": True, "extra_option": 1},
+            extra_body={"frobnicate": {"x": 1}, "some_future_field": True})
+        assert list(response)[-1].usage.completion_tokens == 2
+        completion = client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"frob": 1})
+        assert completion.choices[0].text
+    assert ("The following fields were present in the request but ignored: "
+            "{'frobnicate', 'some_future_field', 'stream_options.extra_option'}") in caplog.text
+    assert "ignored: {'frob'}" in caplog.text
 
 
 # ---------------------------------------------------------------------- tokenize

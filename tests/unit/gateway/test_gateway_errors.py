@@ -132,6 +132,22 @@ def test_schema_errors_are_400_naming_the_field(url: str, path: str, body: dict,
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"tokenize": True}}, "messages"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/tokenize", {}, "prompt"),
+    # vLLM's fields.
+    ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [1, 99999999]}, "allowed_token_ids"),
+    ("/v1/completions", {**COMPLETION, "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {**COMPLETION, "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
+    ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {**CHAT, "truncation_side": "middle"}, "truncation_side"),
+    ("/v1/chat/completions", {**CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ("/v1/chat/completions", {**CHAT, "request_id": "r" * 201}, "request_id"),
+    ("/v1/chat/completions", {**CHAT, "guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": []}, "guided_choice"),
+    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ("/v1/completions", {**COMPLETION, "guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {**COMPLETION, "guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
+    ("/v1/chat/completions", {**CHAT, "vllm_xargs": {"k": {"nested": 1}}}, "vllm_xargs.k"),
 ])
 def test_bad_values_are_400_naming_the_field(url: str, path: str, body: dict, param: str) -> None:
     assert_error(httpx.post(f"{url}{path}", json=body), 400, param=param)
@@ -144,10 +160,25 @@ def test_bad_values_are_400_naming_the_field(url: str, path: str, body: dict, pa
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {"logits_processors": ["x"]}, "logits_processors"),
-    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
+    # vLLM's fields whose values ask for what this server lacks.
+    ("/v1/chat/completions", {"use_beam_search": True, "n": 2}, "use_beam_search"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {"mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs"),
+    ("/v1/chat/completions", {"media_io_kwargs": {"image": {"x": 1}}}, "media_io_kwargs"),
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {"watermarking": True}, "watermarking"),
+    ("/v1/chat/completions", {"logprob_token_ids": [1, 2], "logprobs": True}, "logprob_token_ids"),
+    ("/v1/chat/completions", {"thinking_token_budget": 10}, "thinking_token_budget"),
+    ("/v1/chat/completions", {"repetition_detection": {"max_pattern_size": 4}}, "repetition_detection"),
+    ("/v1/chat/completions", {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ("/v1/chat/completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ("/v1/chat/completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ("/v1/completions", {"structural_tag": "{}"}, "structural_tag"),
+    ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
 ])
 def test_unsupported_features_are_400(url: str, path: str, extra: dict, feature: str) -> None:
     body = {**(CHAT if "chat" in path else COMPLETION), **extra}
@@ -176,21 +207,38 @@ def test_supported_defaults_of_unsupported_fields_are_fine(url: str) -> None:
     assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
 
 
+@pytest.fixture(scope="module")
+def strict_url(smollm2_dir: str) -> Iterator[str]:
+    """A gateway started with --strict-request-fields."""
+    with FakeSchedulerServer(FakeScheduler(max_model_len=MAX_MODEL_LEN)) as scheduler, \
+            BackgroundGateway(scheduler.address, smollm2_dir,
+                              options=GatewayOptions(strict_request_fields=True)) as gateway:
+        yield gateway.url
+
+
 @pytest.mark.parametrize(("path", "body", "named"), [
     ("/v1/chat/completions", {**CHAT, "temprature": 0.5}, "temprature"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 2, "stream": True,
                               "stream_options": {"include_usage": True, "usage": 1}}, "stream_options.usage"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "args": {}}}]},
      "tools[0].function.args"),
-    ("/v1/completions", {**COMPLETION, "use_beam_search": True, "length_penalty": 1.0},
-     "use_beam_search, length_penalty"),
+    ("/v1/completions", {**COMPLETION, "frobnicate": True, "temprature": 1.0}, "frobnicate, temprature"),
     ("/tokenize", {"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
 ])
-def test_unknown_fields_are_400_naming_them(url: str, path: str, body: dict, named: str) -> None:
-    """A misspelt or unimplemented field is refused by name (OpenAI's answer), not silently dropped."""
+def test_unknown_fields_are_400_naming_them_when_strict(strict_url: str, path: str, body: dict, named: str) -> None:
+    """Under --strict-request-fields a misspelt or unimplemented field is refused by name (OpenAI's
+    answer), not silently dropped (without the flag it is ignored and logged, as vLLM does:
+    test_gateway_api.py)."""
     param = named.split(", ")[0]
-    assert_error(httpx.post(f"{url}{path}", json=body), 400, param=param,
+    assert_error(httpx.post(f"{strict_url}{path}", json=body), 400, param=param,
                  message_has=(f"Unrecognized request argument supplied: {named}",))
+
+
+def test_vllm_fields_are_known_when_strict(strict_url: str) -> None:
+    """vLLM's fields are declared: --strict-request-fields refuses only what neither OpenAI nor vLLM knows."""
+    body = {**CHAT, "max_tokens": 2, "use_beam_search": False, "length_penalty": 1.0, "request_id": "r",
+            "mm_processor_kwargs": {}, "vllm_xargs": {"k": 1}, "return_token_ids": True, "session_id": "s"}
+    assert httpx.post(f"{strict_url}/v1/chat/completions", json=body).status_code == 200
 
 
 # ---------------------------------------------------------------------- context length

@@ -46,6 +46,13 @@ FIELDS = {
         st.text(max_size=6), st.floats(-200, 200), max_size=3),
     "bad_words": st.lists(st.text(max_size=6), max_size=3), "priority": small_ints, "cache_salt": st.text(max_size=6),
     "tools": json_values, "response_format": json_values, "suffix": json_values, "user": json_values,
+    # vLLM's fields.
+    "allowed_token_ids": token_ids, "truncate_prompt_tokens": small_ints,
+    "truncation_side": st.sampled_from(["left", "right"]), "request_id": st.text(max_size=8),
+    "return_token_ids": st.booleans(), "return_tokens_as_token_ids": st.booleans(),
+    "use_beam_search": st.booleans(), "guided_choice": st.lists(st.text(max_size=4), max_size=3),
+    "guided_json": json_values, "reasoning_effort": st.sampled_from(["low", "none", "max"]),
+    "documents": json_values, "vllm_xargs": json_values, "add_special_tokens": st.booleans(),
 }
 # Anything in any field: exercises the first checks.
 wild_bodies = st.fixed_dictionaries({}, optional={name: values | json_values for name, values in FIELDS.items()})
