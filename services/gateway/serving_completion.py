@@ -54,6 +54,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
                                                    engine_prompt_logprobs, max_model_len)
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    ctx.log_request(request_id, sampled)
     choices = fan_out(request_id, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
     deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
     writer = _CompletionWriter(ctx, request, request_id, prompts, request.n)
@@ -72,7 +73,7 @@ def _prompts_and_sampling(ctx: GatewayContext, request: CompletionRequest,
         check_context_length(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
         params, sampling = build_sampling_params(request, ctx.tokenizer, request.max_tokens, request.logprobs,
                                                  prompt_logprobs=engine_prompt_logprobs,
-                                                 structured_outputs=structured_outputs)
+                                                 structured_outputs=structured_outputs, defaults=ctx.request_defaults)
         sampled.append(PromptSampling(prompt.token_ids, params, sampling))
     return prompts, sampled
 
