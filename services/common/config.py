@@ -13,6 +13,7 @@ from typing import Any
 
 from services.common.config_fields import flag, flag_dest, flag_dests, flag_fields, from_proto, to_proto
 from services.common.cudagraph_config import CUDAGRAPH_MODES, check_cudagraph_mode, parse_capture_sizes
+from services.common.flag_values import DTYPE_ALIASES, dtype_name, max_model_len_value
 from services.common.kv_transfer_config import KVTransferConfig
 from services.common.pooling_config import CONVERTS, RUNNERS, PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
@@ -154,10 +155,12 @@ class ModelConfig:
         help="HF model directory (default: the converted SmolLM2-135M-Instruct)"))
     # "auto", as in vLLM: bf16 on a CPU with bf16 instructions (avx512_bf16 / AMX: faster than our
     # fp32 there, BENCHMARKS.md), fp32 on other CPUs, bf16 on CUDA.
+    # vLLM's spellings half and float are read as float16 and float32 (flag_values.DTYPE_ALIASES).
     dtype: str = field(default="auto", metadata=flag(
-        choices=("float32", "bfloat16", "float16", "auto"),
+        choices=("float32", "bfloat16", "float16", "auto"), type=dtype_name,
+        metavar="{auto,bfloat16,float16,half,float32,float}",
         help="default auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, float32 on other "
-             "CPUs (logged with the reason)"))
+             "CPUs (logged with the reason); half = float16, float = float32"))
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a modestly faster step (BENCHMARKS.md, CPU kernels).
     compile_model: bool = field(default=False, metadata=flag(
@@ -167,7 +170,9 @@ class ModelConfig:
     seed: int = field(default=0, metadata=flag(
         help="the engine's random seed (sampling without a per-request seed)", proto_type="int64"))
     max_model_len: int | None = field(default=None, metadata=flag(
-        help="the longest a request (prompt and output) may be (default: the model's max_position_embeddings)"))
+        type=max_model_len_value,
+        help="the longest a request (prompt and output) may be, in tokens; vLLM's spellings: 4096, 4k (4000), "
+             "4K (4096), 1m, 1M; auto or -1: the model's max_position_embeddings (the default)"))
     attention_backend: str | None = field(default=None, metadata=flag(
         choices=("torch", "cpu", "triton"),
         help="default: triton on CUDA, cpu (C decode kernel) on CPU; torch when cpu cannot be built"))
@@ -217,6 +222,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = field(default=None, metadata=flag(
         name="--kv-cache-memory", help="KV cache budget in bytes (default: the worker's own budget)",
         proto_type="int64"))
+    # vLLM's fraction of the GPU's memory this engine may take (weights, activations and KV
+    # cache); what the weights and this process's other allocations leave of it sizes the KV
+    # cache. None keeps the worker's own rule (80% of the memory free once the model is loaded);
+    # a CPU worker sizes its cache by --kv-cache-memory alone and says so.
+    gpu_memory_utilization: float | None = field(default=None, metadata=flag(
+        example=0.5,
+        help="CUDA: the fraction of the GPU's memory (0-1] for this engine, weights and KV cache together; the KV "
+             "cache gets what the weights leave of it (default: 0.8 of the memory free once the model is loaded; "
+             "--kv-cache-memory, if given, wins; on CPU it does not apply, see --kv-cache-memory)"))
 
 
 @dataclass
@@ -361,6 +375,10 @@ class VllmConfig:
         if not so.request_timeout_s > 0:
             raise ValueError("structured_outputs_request_timeout (--structured-outputs-request-timeout) must be "
                              f"positive, got {so.request_timeout_s}")
+        m.dtype = DTYPE_ALIASES.get(m.dtype, m.dtype)  # LLM(dtype="half") as the flag reads it
+        if c.gpu_memory_utilization is not None and not 0 < c.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got "
+                             f"{c.gpu_memory_utilization}")
         if c.block_size < 1:
             raise ValueError(f"block_size must be positive, got {c.block_size}")
         if not 1 <= s.max_num_seqs <= MAX_NUM_SEQS_LIMIT:

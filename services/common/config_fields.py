@@ -145,14 +145,7 @@ def add_flags(p: argparse.ArgumentParser, cls: type, only: Sequence[str] | None 
             shown = f"{default:g}" if isinstance(default, float) else default
             help_text = f"{help_text} (default {shown})" if help_text else f"default {shown}"
         if tp is bool:
-            if default is True:
-                p.add_argument("--no-" + option.removeprefix("--"), *meta["aliases"], dest=dest,
-                               action="store_false", help=help_text)
-                continue
-            p.add_argument(option, *meta["aliases"], dest=dest, action="store_true",
-                           default=None if default is None else False, help=help_text)
-            if default is None:  # automatic unless either is given
-                p.add_argument("--no-" + option.removeprefix("--"), dest=dest, action="store_false")
+            _add_switch(p, option, meta["aliases"], dest, default, help_text)
             continue
         kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help_text}
         if meta["choices"] is not None:
@@ -164,6 +157,25 @@ def add_flags(p: argparse.ArgumentParser, cls: type, only: Sequence[str] | None 
         if reader is not None and meta["action"] is None:
             kwargs["type"] = reader
         p.add_argument(option, *meta["aliases"], **kwargs)
+
+
+def _add_switch(p: argparse.ArgumentParser, option: str, aliases: Sequence[str], dest: str, default: bool | None,
+                help_text: str | None) -> None:
+    """A boolean's two spellings, as vLLM's BooleanOptionalAction gives them: `--name` and
+    `--no-name`. Two actions rather than one, so that the flag given is the one a launcher
+    forwards. A switch that is on by default is described by its `--no-` form (what giving it
+    changes); one off by default by its `--name` form; an automatic one (None) by its `--name` form."""
+    negative = "--no-" + option.removeprefix("--")
+    if default is True:
+        p.add_argument(option, dest=dest, action="store_true", default=True,
+                       help=f"on (the default); {negative} turns it off")
+        p.add_argument(negative, *aliases, dest=dest, action="store_false", help=help_text)
+        return
+    p.add_argument(option, *aliases, dest=dest, action="store_true", default=None if default is None else False,
+                   help=help_text)
+    if default is None:  # automatic unless either is given
+        p.add_argument(negative, dest=dest, action="store_false",
+                       help=f"turn it off (default: automatic, see {option})")
 
 
 def to_proto(obj: Any, message_type: type[Message]) -> Message:

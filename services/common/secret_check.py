@@ -12,13 +12,16 @@ starts; the error names the flag or variable, never the value.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from services.common.auth import TOKEN_ENV
 from services.common.redis_registry import REDIS_URL_ENV
 
 API_KEY_ENV = "MYVLLM_API_KEY"
+# Several API keys (vLLM's --api-key k1 k2) travel in $MYVLLM_API_KEY one per line: a key cannot
+# hold a line break, since it is sent in an HTTP header.
+API_KEYS_SEPARATOR = "\n"
 
 MIN_SECRET_BYTES = 16
 # Placeholders, compared with case and punctuation removed ("REPLACE_ME" and "replace-me" alike).
@@ -63,9 +66,25 @@ def check_secrets(secrets: Mapping[str, str | None]) -> None:
                          "`openssl rand -hex 32`")
 
 
-def check_service_secrets(*, internal_token: str | None = None, api_key: str | None = None,
+def split_api_keys(text: str | None) -> list[str] | None:
+    """$MYVLLM_API_KEY's keys (None: none set)."""
+    keys = [key for key in (text or "").split(API_KEYS_SEPARATOR) if key]
+    return keys or None
+
+
+def join_api_keys(keys: str | Sequence[str] | None) -> str | None:
+    """The keys as $MYVLLM_API_KEY carries them (None: none)."""
+    keys = [keys] if isinstance(keys, str) else [key for key in keys or () if key]
+    return API_KEYS_SEPARATOR.join(keys) or None
+
+
+def check_service_secrets(*, internal_token: str | None = None, api_key: str | Sequence[str] | None = None,
                           redis_url: str | None = None) -> None:
     """What worker, scheduler, gateway and serve call at start-up with the secrets they were given
-    (flag or environment, resolved): ValueError naming the flag and variable of each bad one."""
-    check_secrets({f"--internal-token / ${TOKEN_ENV}": internal_token, f"--api-key / ${API_KEY_ENV}": api_key,
+    (flag or environment, resolved): ValueError naming the flag and variable of each bad one
+    (`api_key`: one key or several, each checked)."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    named_keys = {f"--api-key / ${API_KEY_ENV}" + (f" (key {i + 1})" if len(keys) > 1 else ""): key
+                  for i, key in enumerate(keys)}
+    check_secrets({f"--internal-token / ${TOKEN_ENV}": internal_token, **named_keys,
                    f"the password in --redis / ${REDIS_URL_ENV}": redis_password(redis_url)})

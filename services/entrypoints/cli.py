@@ -7,14 +7,16 @@ import os
 import signal
 import sys
 
+from services.entrypoints.arg_parser import CommandParser
 from services.entrypoints.engine_args import add_engine_args, engine_kwargs
+from services.entrypoints.vllm_compat import add_vllm_compat_args, model_of
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from services.offline import LLM, SamplingParams
 
     try:
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(**{**engine_kwargs(args), "model": model_of(args)})
     except (ValueError, FileNotFoundError) as e:  # a bad flag combination or model path: say so, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -31,16 +33,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="myvllm", description="my-vllm: a vLLM-architecture LLM serving engine")
+    parser = CommandParser(prog="myvllm", description="my-vllm: a vLLM-architecture LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt offline with the in-process engine")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--prompt", required=True, help="the prompt to complete")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="the request's own random seed (default: none, the engine's --seed)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     add_engine_args(g)
+    add_vllm_compat_args(g)
     g.set_defaults(func=_cmd_generate)
 
     from services.entrypoints import launcher

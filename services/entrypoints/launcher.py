@@ -29,7 +29,7 @@ from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import VllmConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
-from services.common.secret_check import check_service_secrets
+from services.common.secret_check import check_service_secrets, join_api_keys
 from services.common.serve_connection import ServeConnection
 from services.entrypoints.engine_args import (
     add_kv_transfer_arg,
@@ -40,6 +40,7 @@ from services.entrypoints.engine_args import (
     add_speculative_arg,
     engine_kwargs,
 )
+from services.entrypoints.model_source import resolve_model
 from services.entrypoints.supervisor import ServiceGroup, ServiceProcess, stop_all
 from services.entrypoints.topology import (
     API_KEY_ENV,
@@ -51,12 +52,14 @@ from services.entrypoints.topology import (
     ProcessSpec,
     Topology,
     add_device_arg,
+    add_served_model_name_arg,
     add_topology_args,
     check_topology,
     num_replicas,
     processes,
     redis_url,
 )
+from services.entrypoints.vllm_compat import add_model_positional, add_vllm_compat_args, model_of
 from services.gateway.options import add_gateway_options
 
 
@@ -294,9 +297,10 @@ def _topology(args: argparse.Namespace, redis_port: int | None) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # SIGINT raises KeyboardInterrupt (services.entrypoints.cli)
-    model = args.model or default_model_path()
-    try:
-        check_model_dir(model)
+    try:  # (the services get directories: a repo id is looked up here, once)
+        model = model_of(args)
+        if args.tokenizer:
+            args.tokenizer = resolve_model(args.tokenizer, download_dir=args.download_dir)
     except FileNotFoundError as e:
         return _fail(str(e))
     try:  # a bad --speculative-config (or a flag it does not combine with) fails here, not in a service
@@ -334,7 +338,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     os.environ.pop(REDIS_URL_ENV, None)
     # The Redis URL reaches schedulers and gateway, the API key the gateway alone, through their
     # environment (services/entrypoints/topology.py says who reads which).
-    secret_env = {REDIS_URL_ENV: redis_url, API_KEY_ENV: args.api_key}
+    secret_env = {REDIS_URL_ENV: redis_url, API_KEY_ENV: join_api_keys(args.api_key)}
     services: list[ServiceProcess] = []
     *engine_plan, (gateway_spec, gateway_healthy) = _serve_plan(
         args, model, worker_ports, scheduler_ports, redis_port, redis_url, group_port)  # the gateway comes last
@@ -365,7 +369,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _wait_healthy(services, gateway_healthy, gateway_spec.name, args.startup_timeout)
         host = "localhost" if args.host in ("0.0.0.0", "127.0.0.1") else args.host
         base = f"http://{host}:{args.port}/v1"
-        served = args.served_model_name or os.path.basename(os.path.normpath(model))
+        served = (args.served_model_name or [os.path.basename(os.path.normpath(model))])[0]
         print(f"my-vllm is serving {served} at {base}", flush=True)
         print(f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
@@ -446,7 +450,7 @@ def _add_internal_token_arg(p: argparse.ArgumentParser) -> None:
 def add_subcommands(sub) -> None:
     w = sub.add_parser("worker", help="run a worker service (weights, KV cache, forward passes)")
     w.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    w.add_argument("--port", type=int, required=True)
+    w.add_argument("--port", type=int, required=True, help="port to listen on")
     add_device_arg(w)
     w.add_argument("--allowed-model-root", default=None,
                    help="LoadModel may also load model directories under this one (default: only --model)")
@@ -458,7 +462,7 @@ def add_subcommands(sub) -> None:
 
     s = sub.add_parser("scheduler", help="run a scheduler service (queues, KV block accounting)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--port", type=int, required=True, help="port to listen on")
     s.add_argument("--workers", required=True,
                    help="worker address host:port; several (comma-separated, in rank order: the tensor-parallel "
                         "ranks of stage 0, then of stage 1, ...) = one engine's ranks")
@@ -487,26 +491,30 @@ def add_subcommands(sub) -> None:
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default: loopback only; 0.0.0.0 for every interface, with --api-key)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--scheduler", default=None,
                    help="scheduler address host:port; several (comma-separated) = data-parallel replicas")
     g.add_argument("--redis", default=None,
                    help=f"redis URL: also route to every replica that publishes its load there (DP; default: "
                         f"${REDIS_URL_ENV}; may carry credentials, redis://:PASSWORD@host:port/0)")
     g.add_argument("--model", default=None, help="model directory (for the tokenizer and chat template)")
-    g.add_argument("--served-model-name", default=None)
+    add_served_model_name_arg(g)
     add_gateway_options(g)
     g.set_defaults(func=_cmd_gateway)
 
     v = sub.add_parser("serve", help="start worker, scheduler and gateway locally and serve the OpenAI API")
     v.add_argument("--host", default="127.0.0.1", help="address the gateway binds (the other services: loopback)")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--port", type=int, default=8000, help="the API's port (the gateway's)")
     v.add_argument("--worker-port", type=int, default=None,
                    help="the worker's port (rank 0's with tensor parallelism; the other ranks take the next ones)")
-    v.add_argument("--scheduler-port", type=int, default=None)
+    v.add_argument("--scheduler-port", type=int, default=None,
+                   help="the scheduler's port (default: a free one)")
     v.add_argument("--redis", default=None, help=f"redis URL for the replicas' load (default: ${REDIS_URL_ENV}, else "
                                                  "an embedded redis-server with a random password when "
                                                  "--data-parallel-size > 1)")
-    v.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    v.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+                   help="seconds each service may take to become healthy")
     add_topology_args(v)  # also `myvllm deploy`'s (services/deploy)
+    add_model_positional(v)
+    add_vllm_compat_args(v)
     v.set_defaults(func=_cmd_serve)

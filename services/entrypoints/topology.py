@@ -59,9 +59,15 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
 
 
+def add_served_model_name_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API: requests may name any, responses report the first "
+                        "(default: the model directory's name)")
+
+
 def add_topology_args(p: argparse.ArgumentParser) -> None:
     """serve's flags that shape the processes it starts (so also `deploy compose | k8s`'s)."""
-    p.add_argument("--served-model-name", default=None)
+    add_served_model_name_arg(p)
     add_device_arg(p)
     add_scheduler_service_args(p)
     add_gateway_options(p)
@@ -169,6 +175,8 @@ def forwarded_flags(args: argparse.Namespace, add_args: Callable[[argparse.Argum
         if action.nargs == 0:  # store_true / store_false: the flag itself is the value
             if value == action.const:
                 flags.append(option)
+        elif isinstance(value, list):  # nargs="+": each value an argument
+            flags += [option, *map(str, value)]
         else:
             flags += [option, str(value)]
     return flags
@@ -412,7 +420,7 @@ def processes(args: argparse.Namespace, model: str, topology: Topology, placemen
         specs += ranks + [schedulers[-1]]
     gateway = cli + ["gateway"] + listen(GATEWAY) + ["--scheduler", ",".join(s.address for s in schedulers),
                                                      "--model", model] \
-        + (["--served-model-name", args.served_model_name] if args.served_model_name else []) \
+        + (["--served-model-name", *args.served_model_name] if args.served_model_name else []) \
         + forwarded_flags(args, add_gateway_options, exclude=CREDENTIAL_OPTIONS)  # those go by environment
     specs.append(spec(GATEWAY, GATEWAY, gateway, env=(TOKEN_ENV, *redis_env, API_KEY_ENV)))
     return specs

@@ -21,6 +21,7 @@ from services.gateway.admission import AdmissionController, AdmissionMiddleware
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from services.gateway.context import GatewayContext
+from services.gateway.cors import add_cors
 from services.gateway.errors import (
     OpenAIError,
     error_response,
@@ -46,7 +47,9 @@ from services.gateway.protocol_anthropic import CountTokensRequest, CountTokensR
 from services.gateway.protocol_embeddings import EmbeddingRequest
 from services.gateway.protocol_responses import ResponsesRequest
 from services.gateway.readiness import ReadinessMiddleware
+from services.gateway.request_defaults import RequestDefaults, generation_config_defaults
 from services.gateway.request_fields import check_request_fields
+from services.gateway.root_path import RootPathMiddleware
 from services.gateway.router import ReplicaRouter
 from services.gateway.serving_chat import create_chat_completion
 from services.gateway.serving_completion import create_completion
@@ -65,7 +68,7 @@ def _ctx(request: Request) -> GatewayContext:
 def create_app(
     scheduler_addresses: str | Sequence[str],
     model_path: str,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     scheduler_timeout_s: float = 1.5,
     redis_url: str | None = None,
@@ -76,20 +79,25 @@ def create_app(
     its load there. The tokenizer loads and the scheduler clients are created at startup
     (lifespan); `max_model_len` is fetched from a scheduler in the background, and `/v1/*`
     requests get a 503 until a replica is routable (readiness.py). `options`: limits, migration, credentials;
-    `app.state.admission` is the admission controller (the server drains it on SIGTERM)."""
+    `app.state.admission` is the admission controller (the server drains it on SIGTERM).
+    `served_model_name`: one name or several (the first is reported). ValueError: a
+    --generation-config that cannot be read."""
     addresses = split_addresses(scheduler_addresses)
     options = options or GatewayOptions()
     admission = AdmissionController(options.max_concurrent_requests, options.max_queued_requests)
+    request_defaults = RequestDefaults(generation_config_defaults(options.generation_config, model_path),
+                                       options.max_logprobs, options.response_role)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tokenizer = await asyncio.to_thread(Tokenizer.load, model_path)
+        tokenizer = await asyncio.to_thread(Tokenizer.load, model_path, options.tokenizer)
         if options.chat_template is not None:
             tokenizer.chat_template = load_chat_template(options.chat_template)
         router = ReplicaRouter(addresses, redis_url=redis_url, timeout_s=scheduler_timeout_s,
                                internal_token=options.internal_token, routing=options.routing)
         ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration, options.tools,
-                             options.max_choices_per_request, options.limits, options.tokenizer_pool_size)
+                             options.max_choices_per_request, options.limits, options.tokenizer_pool_size,
+                             request_defaults, options.enable_log_requests)
         app.state.ctx = ctx
         router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())
@@ -106,8 +114,11 @@ def create_app(
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(AdmissionMiddleware, controller=admission)
     app.add_middleware(ReadinessMiddleware, state=app.state)  # before admission: a refusal takes no slot
-    if options.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)  # outermost: before any work
+    if options.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_keys)  # before any work
+    if options.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=options.root_path)  # (before any path is matched)
+    add_cors(app, options.cors)  # outermost (cors.py says why)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -152,13 +163,14 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> ModelList:
-        return ModelList(data=[_ctx(request).model_card()])
+        ctx = _ctx(request)
+        return ModelList(data=[ctx.model_card(name) for name in ctx.served_model_names])
 
     @app.get("/v1/models/{model_name:path}")
     async def retrieve_model(model_name: str, request: Request) -> ModelCard:
         ctx = _ctx(request)
         ctx.check_model(model_name)
-        return ctx.model_card()
+        return ctx.model_card(model_name if model_name in ctx.served_model_names else None)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

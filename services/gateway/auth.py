@@ -9,6 +9,7 @@ shape (OpenAI's, or Anthropic's on /v1/messages), before the body is read.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from http import HTTPStatus
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,17 +18,22 @@ from services.gateway.errors import OpenAIError, error_response
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    """`api_key`: one key, or several (vLLM's --api-key k1 k2), any of which a client may present."""
+
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-        self._expected_key = api_key.encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self._expected = [f"Bearer {key}".encode() for key in keys]
+        self._expected_keys = [key.encode() for key in keys]
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        # Constant-time comparisons: the key must not leak through response timing. Either
-        # header may carry it (a client sending both needs only one right).
-        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self._expected)
-        key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self._expected_key)
-        return bearer_ok or key_ok
+        # Constant-time comparisons: a key must not leak through response timing, so every key is
+        # compared (no early exit). Either header may carry it (a client sending both needs only
+        # one right).
+        bearer, key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+        matches = [hmac.compare_digest(bearer, expected) for expected in self._expected]
+        matches += [hmac.compare_digest(key, expected) for expected in self._expected_keys]
+        return any(matches)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":

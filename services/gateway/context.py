@@ -8,7 +8,7 @@ import asyncio
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import ParamSpec, TypeVar
@@ -16,12 +16,15 @@ from typing import ParamSpec, TypeVar
 from services.client.grpc_client import SchedulerUnavailable
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE
 from services.gateway.errors import OpenAIError, invalid_request
+from services.gateway.generation import PromptSampling
 from services.gateway.limits import RequestLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy
 from services.gateway.options import DEFAULT_TOKENIZER_POOL_SIZE
 from services.gateway.prompts import PromptBound
 from services.gateway.protocol import ModelCard
+from services.gateway.request_defaults import RequestDefaults
+from services.gateway.request_log import request_logger
 from services.gateway.router import ReplicaRouter
 from services.gateway.tools import ToolSettings
 from services.text.tokenizer import Tokenizer
@@ -38,10 +41,11 @@ class GatewayContext:
     """Shared state of one gateway process (one per FastAPI app)."""
 
     def __init__(self, router: ReplicaRouter, tokenizer: Tokenizer, model_path: str,
-                 served_model_name: str | None = None, migration: MigrationPolicy | None = None,
+                 served_model_name: str | Sequence[str] | None = None, migration: MigrationPolicy | None = None,
                  tools: ToolSettings | None = None, max_choices_per_request: int | None = None,
                  limits: RequestLimits | None = None,
-                 tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE) -> None:
+                 tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE,
+                 request_defaults: RequestDefaults | None = None, log_requests: bool = False) -> None:
         self.router = router
         self.tools = tools or ToolSettings()
         self.migration = migration or MigrationPolicy()
@@ -52,7 +56,12 @@ class GatewayContext:
         # stall every other stream. HF fast tokenizers release the GIL while they encode.
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="myvllm-tokenizer")
         self.model_path = model_path
-        self.served_model_name = served_model_name or os.path.basename(os.path.normpath(model_path))
+        # vLLM's --served-model-name a b: responses report the first, requests may name any.
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+        self.served_model_names = names or [os.path.basename(os.path.normpath(model_path))]
+        self.served_model_name = self.served_model_names[0]
+        self.request_defaults = request_defaults or RequestDefaults()
+        self._request_log = request_logger() if log_requests else None
         self.metrics = GatewayMetrics(self.served_model_name)
         self._max_model_len: int | None = None
         self._ready = False  # see ready()
@@ -131,10 +140,18 @@ class GatewayContext:
 
     def check_model(self, requested: str | None) -> None:
         """404 unless `requested` names this model (its served name or its path)."""
-        if requested is None or requested in (self.served_model_name, self.model_path):
+        if requested is None or requested == self.model_path or requested in self.served_model_names:
             return
         raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist.",
                           param="model", code="model_not_found")
 
-    def model_card(self) -> ModelCard:
-        return ModelCard(id=self.served_model_name, root=self.model_path, max_model_len=self._max_model_len)
+    def model_card(self, name: str | None = None) -> ModelCard:
+        """The card of `name` (one of the served names; default the first)."""
+        return ModelCard(id=name or self.served_model_name, root=self.model_path, max_model_len=self._max_model_len)
+
+    def log_request(self, request_id: str, prompts: Sequence[PromptSampling]) -> None:
+        """--enable-log-requests: each prompt's parameters and length, at INFO (vLLM's line)."""
+        if self._request_log is not None:
+            for index, prompt in enumerate(prompts):
+                self._request_log.info("Received request %s (prompt %d): %d prompt tokens, params: %s", request_id,
+                                       index, len(prompt.token_ids), prompt.params)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.common.sampling_params import MAX_LOGPROBS
+from services.common.secret_check import API_KEY_ENV, split_api_keys
+from services.gateway.cors import CorsSettings
 from services.gateway.limits import RequestLimits
 from services.gateway.migration import MigrationPolicy
+from services.gateway.request_defaults import DEFAULT_RESPONSE_ROLE
 from services.gateway.routing import RoutingConfig, RoutingPolicy
 from services.gateway.tool_parsers import TOOL_PARSERS
 from services.gateway.tools import ToolSettings
@@ -20,6 +26,9 @@ DEFAULT_MAX_CHOICES_PER_REQUEST = 256
 # tokenizers release the GIL while encoding, so two prompts tokenize in parallel).
 DEFAULT_TOKENIZER_POOL_SIZE = 2
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# uvicorn's log level: warning keeps a serving process quiet (no line per request); vLLM's is info.
+DEFAULT_UVICORN_LOG_LEVEL = "warning"
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Flags (argparse dests) that carry secrets: a launcher passes them through the environment,
 # never on the (world-readable) command line.
 CREDENTIAL_OPTIONS = ("api_key", "internal_token")
@@ -40,8 +49,9 @@ class GatewayOptions:
     tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE
     # On SIGTERM: how long in-flight requests may take to finish before the gateway exits.
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    # Clients must send `Authorization: Bearer <api_key>` on /v1/* (None: open).
-    api_key: str | None = None
+    # Clients must send `Authorization: Bearer <key>` with one of these on /v1/* (None: open);
+    # one key or several (vLLM's --api-key k1 k2).
+    api_key: str | Sequence[str] | None = None
     # Presented to the schedulers (the engine's internal token), if the SDK supports it.
     internal_token: str | None = None
     # Tool calling: the parser for tool_choice "auto" and whether "auto" is allowed.
@@ -53,6 +63,24 @@ class GatewayOptions:
     # Chat and completions bodies with keys no field declares: a 400 naming them (OpenAI's
     # answer) instead of vLLM's warning (request_fields.py).
     strict_request_fields: bool = False
+    # Where the tokenizer (and chat template) load from instead of the model directory (--tokenizer).
+    tokenizer: str | None = None
+    # vLLM's frontend flags: CORS, the path prefix behind a proxy, uvicorn's logging, a log line
+    # per request, the most logprobs a request may ask, the reply's role, default sampling.
+    cors: CorsSettings = field(default_factory=CorsSettings)
+    root_path: str | None = None
+    uvicorn_log_level: str = DEFAULT_UVICORN_LOG_LEVEL
+    disable_uvicorn_access_log: bool = False
+    enable_log_requests: bool = False
+    max_logprobs: int = MAX_LOGPROBS
+    response_role: str = DEFAULT_RESPONSE_ROLE
+    generation_config: str = "auto"
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a client may present (empty: the API is open)."""
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or ())
+        return tuple(key for key in keys if key)
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests < 1:
@@ -67,6 +95,14 @@ class GatewayOptions:
             raise ValueError("--max-migrations and --migration-wait must not be negative")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must not be negative, got {self.shutdown_timeout_s}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit; -1 = the limit), "
+                             f"got {self.max_logprobs}")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
+                             f"{self.uvicorn_log_level!r}")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"--tokenizer {self.tokenizer} is not a directory")
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # a missing file fails at start-up, not at the first chat
 
@@ -107,8 +143,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                         help="threads that render chat templates and tokenize prompts, off the event loop")
     parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s,
                         help="on SIGTERM, seconds in-flight requests get to finish (new ones get 503)")
-    parser.add_argument("--api-key", default=env_default("MYVLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MYVLLM_API_KEY; none = open)")
+    parser.add_argument("--api-key", nargs="+", metavar="KEY", default=split_api_keys(env_default(API_KEY_ENV)),
+                        help="require 'Authorization: Bearer KEY' on /v1/* with one of these keys (default: "
+                             f"${API_KEY_ENV}, one key per line; none = open)")
     parser.add_argument("--internal-token", default=env_default("MYVLLM_INTERNAL_TOKEN"),
                         help="token presented to the schedulers (default: $MYVLLM_INTERNAL_TOKEN)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -120,6 +157,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict-request-fields", action="store_true",
                         help="refuse chat and completions requests with fields this server does not know (a 400 "
                              "naming them, as OpenAI does) instead of ignoring them with a warning, as vLLM does")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the tokenizer's directory, when not the model's (default: the model directory)")
+    add_frontend_options(parser, defaults)
     routing = defaults.routing
     parser.add_argument("--routing", default=routing.policy.value, choices=[p.value for p in RoutingPolicy],
                         help="how requests are spread over engine replicas: by load (4*waiting + running), "
@@ -139,6 +179,48 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
                              f"{routing.remote_prefill_min_tokens})")
 
 
+def _json_list(text: str) -> str:
+    """A flag whose value is a JSON list of strings (vLLM's --allowed-origins): checked, kept as
+    text (so a launcher forwards it as given)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r} (e.g. '[\"https://example.com\"]')")
+    return text
+
+
+def add_frontend_options(parser: argparse.ArgumentParser, defaults: GatewayOptions) -> None:
+    """vLLM's frontend flags, with vLLM's names and meanings."""
+    cors = defaults.cors
+    parser.add_argument("--allowed-origins", type=_json_list, default=json.dumps(list(cors.allowed_origins)),
+                        help="CORS: the origins a browser page may call the API from, a JSON list")
+    parser.add_argument("--allowed-methods", type=_json_list, default=json.dumps(list(cors.allowed_methods)),
+                        help="CORS: the HTTP methods allowed, a JSON list")
+    parser.add_argument("--allowed-headers", type=_json_list, default=json.dumps(list(cors.allowed_headers)),
+                        help="CORS: the request headers allowed, a JSON list")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow credentials (cookies, authorization headers)")
+    parser.add_argument("--root-path", default=None,
+                        help="the path prefix a path-based proxy serves the API under (FastAPI's root_path)")
+    parser.add_argument("--uvicorn-log-level", default=defaults.uvicorn_log_level, choices=UVICORN_LOG_LEVELS,
+                        help="the HTTP server's log level (info logs a line per request; vLLM's default is info)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no access log line per request, whatever --uvicorn-log-level")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each generation request's sampling parameters at INFO")
+    parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                        help=f"the most logprobs (top_logprobs, logprobs, prompt_logprobs) a request may ask for; "
+                             f"more is a 400 (-1 = the engine's limit, {MAX_LOGPROBS})")
+    parser.add_argument("--response-role", default=defaults.response_role,
+                        help="chat: the role of the reply message when the request has add_generation_prompt")
+    parser.add_argument("--generation-config", default=defaults.generation_config, metavar="{auto,vllm,DIR}",
+                        help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
+                             "max_new_tokens as max_tokens) for a request that leaves them unset: auto = the model's "
+                             "generation_config.json, vllm = none, DIR = that directory's generation_config.json")
+
+
 def gateway_options(args: argparse.Namespace) -> GatewayOptions:
     """`GatewayOptions` from the flags of `add_gateway_options` (ValueError names a bad one)."""
     return GatewayOptions(
@@ -153,4 +235,11 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         strict_request_fields=args.strict_request_fields,
         routing=RoutingConfig(args.routing, args.routing_prefill_weight, args.routing_load_weight,
                               args.routing_kv_weight, args.routing_max_imbalance,
-                              args.routing_remote_prefill_min_tokens))
+                              args.routing_remote_prefill_min_tokens),
+        tokenizer=args.tokenizer,
+        cors=CorsSettings(tuple(json.loads(args.allowed_origins)), tuple(json.loads(args.allowed_methods)),
+                          tuple(json.loads(args.allowed_headers)), args.allow_credentials),
+        root_path=args.root_path, uvicorn_log_level=args.uvicorn_log_level,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log, enable_log_requests=args.enable_log_requests,
+        max_logprobs=MAX_LOGPROBS if args.max_logprobs == -1 else args.max_logprobs,
+        response_role=args.response_role, generation_config=args.generation_config)

@@ -269,7 +269,7 @@ class DeltaToolCall(OmitNoneModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # (--response-role may name another)
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 

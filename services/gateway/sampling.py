@@ -10,6 +10,7 @@ from services.common.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
 from services.gateway.errors import invalid_request
 from services.gateway.protocol import GenerationRequest
+from services.gateway.request_defaults import RequestDefaults
 from services.text.tokenizer import Tokenizer
 
 # OpenAI's limit on choices per request: each one is an engine request.
@@ -50,16 +51,25 @@ def check_prompt_logprobs_not_streamed(request: GenerationRequest) -> None:
 def build_sampling_params(request: GenerationRequest, tokenizer: Tokenizer, max_tokens: int | None,
                           logprobs: int | None, prompt_logprobs: int | None = None,
                           structured_outputs: StructuredOutputsParams | None = None,
-                          skip_special_tokens: bool | None = None) -> tuple[SamplingParams, pb.SamplingParams]:
+                          skip_special_tokens: bool | None = None,
+                          defaults: RequestDefaults | None = None) -> tuple[SamplingParams, pb.SamplingParams]:
     """Validated params (SamplingParamsError names a bad field) and their engine proto;
     `prompt_logprobs` defaults to the request's own (vLLM's extension field), as does
-    `skip_special_tokens` (a tool-call parser may need the special tokens kept)."""
+    `skip_special_tokens` (a tool-call parser may need the special tokens kept). `defaults`: the
+    server's (--generation-config's values where the request leaves a field unset, --max-logprobs)."""
     if not 1 <= request.n <= MAX_N:
         raise invalid_request(f"n must be between 1 and {MAX_N}, got {request.n}", param="n")
-    values = {name: default if getattr(request, name) is None else getattr(request, name)
+    defaults = defaults or RequestDefaults()
+    prompt_logprobs = request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+    logprobs_param = "top_logprobs" if hasattr(request, "top_logprobs") else "logprobs"  # (chat's, completions')
+    defaults.check_logprobs(logprobs, prompt_logprobs, logprobs_param)
+    values = {name: defaults.value(name, getattr(request, name), default)
               for name, default in _NULLABLE_DEFAULTS.items()}
     if request.allowed_token_ids is not None:
         check_allowed_token_ids(request.allowed_token_ids, tokenizer.vocab_size)
+    # The generation config's max_new_tokens where the request gives none (checked against the
+    # context as none: the engine stops at max_model_len, so it never asks for more than is left).
+    max_tokens = defaults.value("max_tokens", max_tokens)
     params = SamplingParams(
         n=request.n,
         seed=request.seed,
@@ -70,7 +80,7 @@ def build_sampling_params(request: GenerationRequest, tokenizer: Tokenizer, max_
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
-        prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias=request.logit_bias,
         bad_words=request.bad_words,
         skip_special_tokens=request.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,

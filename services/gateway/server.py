@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
@@ -95,19 +96,21 @@ IDLE_KEEP_ALIVE_S = 15
 
 
 def _uvicorn_server(host: str, port: int, scheduler_address: str, model_path: str,
-                    served_model_name: str | None, log_level: str, max_body_bytes: int,
+                    served_model_name: str | Sequence[str] | None, log_level: str | None, max_body_bytes: int,
                     redis_url: str | None = None, options: GatewayOptions | None = None) -> DrainingServer:
+    """`log_level`: uvicorn's (None: --uvicorn-log-level's, in `options`)."""
     options = options or GatewayOptions()
     app = create_app(scheduler_address, model_path, served_model_name, max_body_bytes=max_body_bytes,
                      redis_url=redis_url, options=options)
     # The drain already waited for requests: uvicorn's own grace is only for the last bytes.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2,
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level or options.uvicorn_log_level,
+                            access_log=not options.disable_uvicorn_access_log, timeout_graceful_shutdown=2,
                             timeout_keep_alive=IDLE_KEEP_ALIVE_S)
     return DrainingServer(config, app.state.admission, options.shutdown_timeout_s)
 
 
 def serve_gateway(host: str, port: int, scheduler_address: str, model_path: str,
-                  served_model_name: str | None = None, log_level: str = "warning",
+                  served_model_name: str | Sequence[str] | None = None, log_level: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None,
                   options: GatewayOptions | None = None) -> None:
     """Serve the OpenAI-compatible gateway until interrupted (blocking). `scheduler_address`
@@ -127,8 +130,8 @@ def serve_gateway(host: str, port: int, scheduler_address: str, model_path: str,
 class BackgroundGateway:
     """A gateway served from a background thread on a free port (for tests)."""
 
-    def __init__(self, scheduler_address: str, model_path: str, served_model_name: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+    def __init__(self, scheduler_address: str, model_path: str, served_model_name: str | Sequence[str] | None = None,
+                 host: str = "127.0.0.1", port: int = 0, log_level: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, redis_url: str | None = None,
                  options: GatewayOptions | None = None) -> None:
         self._sock = bind_socket(host, port)
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.config import default_model_path
     from services.common.redis_registry import redis_url_from_env
 
-    parser = argparse.ArgumentParser(description="my-vllm OpenAI-compatible gateway")
+    parser = argparse.ArgumentParser(description="my-vllm OpenAI-compatible gateway", allow_abbrev=False)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--scheduler", default="127.0.0.1:50051",
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis", default=None,
                         help="redis URL: also route to replicas publishing there (default: $MYVLLM_REDIS_URL)")
     parser.add_argument("--model", default=default_model_path(), help="HF model directory (tokenizer)")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model's name(s) in the API (the first is reported; default: the directory's name)")
     add_gateway_options(parser)
     args = parser.parse_args(argv)
     try:

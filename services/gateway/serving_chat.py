@@ -108,8 +108,9 @@ async def render_chat_request(ctx: GatewayContext, request: ChatCompletionReques
 async def start_chat(ctx: GatewayContext, request: ChatCompletionRequest, chat: PreparedChat, request_id: str,
                      http_request: Request | None, arrival_time: float) -> AsyncGenerator[ChoiceDelta, None]:
     """Submit a prepared chat request's choices to a replica; its merged stream of deltas."""
-    choices = fan_out(request_id, [PromptSampling(chat.prompt.token_ids, chat.params, chat.sampling)],
-                      ctx.tokenizer, request.priority, request.cache_salt or "")
+    prompts = [PromptSampling(chat.prompt.token_ids, chat.params, chat.sampling)]
+    ctx.log_request(request_id, prompts)
+    choices = fan_out(request_id, prompts, ctx.tokenizer, request.priority, request.cache_salt or "")
     return await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
 
 
@@ -147,7 +148,8 @@ def _prompt_and_sampling(ctx: GatewayContext, request: ChatCompletionRequest, to
     check_context_length(requested, len(prompt.token_ids), max_model_len, "messages")
     return prompt, build_sampling_params(request, ctx.tokenizer, requested, num_top,
                                          structured_outputs=structured_outputs,
-                                         skip_special_tokens=tools.skip_special_tokens if tools else None)
+                                         skip_special_tokens=tools.skip_special_tokens if tools else None,
+                                         defaults=ctx.request_defaults)
 
 
 def _constraints(request: ChatCompletionRequest,
@@ -203,6 +205,7 @@ class _ChatWriter:
         self._num_completion_tokens = 0
         self._echo = _echo_text(request) if request.echo else ""
         self._return_token_ids = bool(request.return_token_ids)
+        self._role = ctx.request_defaults.role(request.add_generation_prompt)  # (--response-role)
 
     def _logprobs(self, delta: ChoiceDelta) -> list[ChatLogprobToken] | None:
         if self._num_top is None:
@@ -226,9 +229,9 @@ class _ChatWriter:
     def _message(self, index: int, text: str) -> AssistantMessage:
         parser = self._parser(index)
         if parser is None:
-            return AssistantMessage(content=text)
+            return AssistantMessage(role=self._role, content=text)
         extracted = parser.extract(text)
-        return AssistantMessage(content=extracted.content, tool_calls=extracted.tool_calls)
+        return AssistantMessage(role=self._role, content=extracted.content, tool_calls=extracted.tool_calls)
 
     def _stream_piece(self, delta: ChoiceDelta) -> StreamPiece:
         return stream_piece(self._parser(delta.index), delta)
@@ -290,7 +293,7 @@ class _ChatWriter:
             try:
                 for i in range(n):
                     yield self._chunk([ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content=""))], first=True)
+                        index=i, delta=DeltaMessage(role=self._role, content=""))], first=True)
                 for i in range(n if self._echo else 0):
                     yield self._chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=self._echo))])
                 async for delta in deltas:

@@ -53,6 +53,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
                                                    engine_prompt_logprobs, max_model_len)
 
     ids = request_ids("cmpl", request.request_id)
+    ctx.log_request(ids.response, sampled)
     choices = fan_out(ids.engine, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
     deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
     writer = _CompletionWriter(ctx, request, ids.response, prompts, request.n)
@@ -73,7 +74,7 @@ def _prompts_and_sampling(ctx: GatewayContext, request: CompletionRequest,
         check_context_length(request.max_tokens, len(prompt.token_ids), max_model_len, "prompt")
         params, sampling = build_sampling_params(request, ctx.tokenizer, request.max_tokens, request.logprobs,
                                                  prompt_logprobs=engine_prompt_logprobs,
-                                                 structured_outputs=structured_outputs)
+                                                 structured_outputs=structured_outputs, defaults=ctx.request_defaults)
         sampled.append(PromptSampling(prompt.token_ids, params, sampling))
     return prompts, sampled
 

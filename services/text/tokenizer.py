@@ -65,13 +65,14 @@ class Tokenizer:
         self.chat_template: str | None = None
 
     @classmethod
-    def load(cls, model_path: str) -> Tokenizer:
-        """Load the tokenizer, generation-config EOS ids and vocab size of a HF model dir."""
+    def load(cls, model_path: str, tokenizer_path: str | None = None) -> Tokenizer:
+        """Load the tokenizer, generation-config EOS ids and vocab size of a HF model dir; the
+        tokenizer itself from `tokenizer_path` where given (vLLM's --tokenizer)."""
         # Here, not at module level: `serve` imports this module for its flags, and transformers
         # (with torch) takes seconds to import.
         from transformers import AutoTokenizer, GenerationConfig
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
         try:
             eos_token_ids = _as_id_list(GenerationConfig.from_pretrained(model_path).eos_token_id)
         except OSError:  # no generation_config.json

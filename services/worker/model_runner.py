@@ -218,13 +218,15 @@ class ModelRunner:
     def _free_bytes_for_kv(self) -> int:
         """Memory a KV cache may take: what is free now, plus the cache this worker already
         holds (a re-initialisation replaces it)."""
-        held = sum(layer.kv_cache.numel() * layer.kv_cache.element_size()
-                   for layer in self.model.attention_layers() if layer.kv_cache is not None)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
             free = _available_ram_bytes()
-        return free + held
+        return free + self._held_kv_bytes()
+
+    def _held_kv_bytes(self) -> int:
+        return sum(layer.kv_cache.numel() * layer.kv_cache.element_size()
+                   for layer in self.model.attention_layers() if layer.kv_cache is not None)
 
     def max_kv_cache_bytes(self) -> int:
         """The most KV cache this worker will allocate: 90% of the free GPU memory or available
@@ -232,13 +234,29 @@ class ModelRunner:
         allocate until it is killed."""
         return int(self._free_bytes_for_kv() * 0.9)
 
-    def num_blocks_for_budget(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
+    def num_blocks_for_budget(self, block_size: int, kv_cache_memory_bytes: int | None,
+                              gpu_memory_utilization: float | None = None) -> int:
+        """KV blocks that fit `kv_cache_memory_bytes`, else this device's own budget: on CUDA
+        `gpu_memory_utilization` of the GPU less what this process holds besides its KV cache
+        (vLLM's rule), or without it 80% of the free memory; on CPU DEFAULT_CPU_KV_CACHE_BYTES."""
         if kv_cache_memory_bytes is None:
             if self.device.type == "cuda":
-                kv_cache_memory_bytes = int(self._free_bytes_for_kv() * 0.8)
+                kv_cache_memory_bytes = self._gpu_kv_budget(gpu_memory_utilization)
             else:
+                if gpu_memory_utilization is not None:
+                    logger.warning("--gpu-memory-utilization does not apply on CPU: the KV cache takes "
+                                   "--kv-cache-memory bytes (default %d GiB)", DEFAULT_CPU_KV_CACHE_BYTES >> 30)
                 kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         return max(int(kv_cache_memory_bytes // self.kv_bytes_per_block(block_size)), 0)
+
+    def _gpu_kv_budget(self, gpu_memory_utilization: float | None) -> int:
+        if gpu_memory_utilization is None:
+            return int(self._free_bytes_for_kv() * 0.8)
+        _, total = torch.cuda.mem_get_info(self.device)
+        # What this process holds besides its KV cache (weights, CUDA graphs, the allocator's
+        # cached blocks) counts against its share; never more than is free.
+        besides_kv = torch.cuda.memory_reserved(self.device) - self._held_kv_bytes()
+        return max(min(int(total * gpu_memory_utilization) - besides_kv, self._free_bytes_for_kv()), 0)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate [2, num_blocks, block_size, kv_heads, head_dim] per layer and bind it."""

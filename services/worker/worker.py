@@ -90,7 +90,9 @@ class Worker:
 
     def get_kv_capacity(self, req: pb.KVCapacityRequest) -> pb.KVCapacity:
         r = self._loaded()
-        num_blocks = r.num_blocks_for_budget(req.block_size, req.kv_cache_memory_bytes or None)
+        # (the latest LoadModel's cache part: the scheduler's, which a preloaded worker adopts)
+        num_blocks = r.num_blocks_for_budget(req.block_size, req.kv_cache_memory_bytes or None,
+                                             self.info.config.cache_config.gpu_memory_utilization or None)
         return pb.KVCapacity(num_blocks=min(num_blocks, MAX_INT32),  # a budget in petabytes must not overflow
                              bytes_per_block=r.kv_bytes_per_block(req.block_size))
 

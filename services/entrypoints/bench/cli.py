@@ -75,12 +75,15 @@ def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineAr
 
 def _add_common_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (the same for every request and every peer; default greedy)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the probability mass kept")
+    g.add_argument("--top-k", type=int, default=-1, help="the most likely tokens kept (-1 = all)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalty on tokens already in the prompt or output (1 = none)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="penalty per earlier occurrence in the output (0 = none)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="penalty on tokens already in the output (0 = none)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer even if llama_cpp imports")
     p.add_argument("--vllm", action="store_true",

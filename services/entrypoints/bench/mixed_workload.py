@@ -59,15 +59,15 @@ _STREAM_SHORT = 1
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--workload mixed (long prefills arriving while short streams decode)")
     g.add_argument("--short-streams", type=int, default=8, help="clients each looping short requests for the run")
-    g.add_argument("--short-input-len-min", type=int, default=32)
-    g.add_argument("--short-input-len-max", type=int, default=128)
+    g.add_argument("--short-input-len-min", type=int, default=32, help="shortest short prompt, tokens")
+    g.add_argument("--short-input-len-max", type=int, default=128, help="longest short prompt, tokens")
     g.add_argument("--short-output-len", type=int, default=128, help="tokens generated per short request")
     g.add_argument("--long-prompts", type=int, default=8, help="long requests, one every --long-interval-s")
     g.add_argument("--long-input-len-min", type=int, default=1024,
                    help="default 1024-2048 tokens, sized for a CPU (2 cores, SmolLM2-135M: both deployments in about "
                         "2.5 min, starts included; 2048-4096 took about 110 s a deployment, the long prompts "
                         "queueing behind each other); on a GPU take 2048-4096 or more")
-    g.add_argument("--long-input-len-max", type=int, default=2048)
+    g.add_argument("--long-input-len-max", type=int, default=2048, help="longest long prompt, tokens")
     g.add_argument("--long-output-len", type=int, default=16, help="tokens generated per long request")
     g.add_argument("--long-interval-s", type=float, default=2.0,
                    help="seconds between two long arrivals (the first one this long after the short streams start)")

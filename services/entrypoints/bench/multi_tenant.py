@@ -29,8 +29,8 @@ DEFAULT_REPLICAS = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tenants", type=int, default=16)
-    p.add_argument("--users-per-tenant", type=int, default=8)
+    p.add_argument("--tenants", type=int, default=16, help="--workload multi-tenant: tenants (one system prompt each)")
+    p.add_argument("--users-per-tenant", type=int, default=8, help="--workload multi-tenant: users of each tenant")
     p.add_argument("--system-prompt-len", type=int, default=1000, help="tokens of each tenant's system prompt")
     p.add_argument("--question-len", type=int, default=16, help="tokens of each user's question")
     p.add_argument("--tenant-output-len", type=int, default=8, help="tokens generated per request")

@@ -50,17 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     multi_tenant.add_arguments(p)
     mixed_workload.add_arguments(p)
     p.add_argument("--concurrency", default="16", help="concurrent clients; a comma list sweeps (e.g. 1,4,16)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len-min", type=int, default=32)
-    p.add_argument("--input-len-max", type=int, default=256)
-    p.add_argument("--output-len-min", type=int, default=32)
-    p.add_argument("--output-len-max", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=64, help="number of requests")
+    p.add_argument("--input-len-min", type=int, default=32, help="shortest prompt, tokens")
+    p.add_argument("--input-len-max", type=int, default=256, help="longest prompt, tokens")
+    p.add_argument("--output-len-min", type=int, default=32, help="shortest output, tokens")
+    p.add_argument("--output-len-max", type=int, default=128, help="longest output, tokens")
     p.add_argument("--plot", default="bench_serve.png", help="PNG of throughput against latency ('' = none)")
     p.add_argument("--no-offline", action="store_true", help="skip the in-process LLM on the same workload")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--vllm", action="store_true",
                    help="also serve the workload with `vllm serve` (the .venv-vllm of `make peer-vllm`)")
-    p.add_argument("--json", metavar="PATH", default=None)
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON")
     add_engine_args(p)
 
 

@@ -147,7 +147,7 @@ def k8s_files(args: argparse.Namespace) -> dict[str, str]:
     placement = KubernetesPlacement(args.name)
     options = K8sOptions(image=args.image, device=args.device, shutdown_timeout_s=args.shutdown_timeout,
                          startup_timeout_s=args.startup_timeout,
-                         served_model_name=args.served_model_name or os.path.basename(os.path.normpath(model)),
+                         served_model_name=(args.served_model_name or [os.path.basename(os.path.normpath(model))])[0],
                          worker_cpus=args.worker_cpus, worker_memory=args.worker_memory, keda=args.keda,
                          prometheus_url=args.prometheus_url, keda_waiting_requests=args.keda_waiting_requests)
     secret = secret_values(args.api_key, args.internal_token, topology.redis_server)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from services.common.auth import TOKEN_ENV
 from services.common.redis_registry import REDIS_URL_ENV
-from services.common.secret_check import check_service_secrets
+from services.common.secret_check import check_service_secrets, join_api_keys
 from services.entrypoints.topology import (
     API_KEY_ENV,
     EXIT_GRACE_S,
@@ -311,14 +311,15 @@ class _Manifests:
         return objects
 
 
-def secret_values(api_key: str | None, internal_token: str | None, redis: bool) -> dict[str, str] | None:
+def secret_values(api_key: str | Sequence[str] | None, internal_token: str | None,
+                  redis: bool) -> dict[str, str] | None:
     """The Secret's values when `deploy k8s` is given the API key or the internal token (checked
     as the services check them; the internal token and redis' password random unless given: hex,
     as the password goes into a URL); None: neither given, the user creates the Secret."""
     if not api_key and not internal_token:
         return None
     check_service_secrets(internal_token=internal_token, api_key=api_key)
-    values = {TOKEN_ENV: internal_token or secrets.token_hex(32), API_KEY_ENV: api_key or ""}
+    values = {TOKEN_ENV: internal_token or secrets.token_hex(32), API_KEY_ENV: join_api_keys(api_key) or ""}
     if redis:
         values[REDIS_PASSWORD_ENV] = secrets.token_hex(32)
     return values
