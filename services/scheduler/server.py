@@ -417,6 +417,10 @@ async def serve_scheduler(host: str, port: int, config: VllmConfig, worker_addre
             await serving
         if wave is not None:
             await wave.close()
+        if servicer.core is not None:
+            # Killed, not left to notice its closed stdin: it runs at the lowest CPU priority, and on
+            # a busy machine it could outlive this process by minutes.
+            servicer.core.structured_output.close()
         del store  # (the group's rendezvous lives as long as this scheduler)
     if servicer.group_fault.done():
         raise StartupError(f"scheduler: {servicer.group_fault.result()}")

@@ -93,7 +93,7 @@ def test_the_sanitizer_catches_an_overflowing_kernel(asan_env: dict[str, str], t
 def test_kernel_tests_pass_under_address_sanitizer(asan_env: dict[str, str]) -> None:
     result = subprocess.run(
         [sys.executable, "-c", NESTED_RUN, str(REPO / "tests"), "-q", "-p", "no:cacheprovider", "-k", DESELECT,
-         *(str(REPO / "tests" / name) for name in KERNEL_TESTS)],
+         *(str(REPO / "tests" / "unit" / "worker" / name) for name in KERNEL_TESTS)],
         cwd=REPO, env=asan_env, capture_output=True, text=True, timeout=1800)
     output = result.stdout + result.stderr
     assert "AddressSanitizer" not in output, output[-5000:]
