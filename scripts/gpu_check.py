@@ -149,12 +149,12 @@ def stage_kernels(args: argparse.Namespace) -> int:
     else:
         env["TRITON_INTERPRET"] = "1"
         where = "the CPU under TRITON_INTERPRET=1"
-    test_file = REPO_ROOT / "tests" / "test_triton_kernels.py"
+    test_file = REPO_ROOT / "tests" / "unit" / "worker" / "test_triton_kernels.py"
     if try_import("pytest")[0]:
         say(f"kernel tests on {where} (pytest)")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(test_file),
-               str(REPO_ROOT / "tests" / "test_fused_moe_triton.py"),  # and the fused-MoE kernels
-               str(REPO_ROOT / "tests" / "test_triton_ops.py")]  # and the layers' elementwise kernels
+               str(test_file.with_name("test_fused_moe_triton.py")),  # and the fused-MoE kernels
+               str(test_file.with_name("test_triton_ops.py"))]  # and the layers' elementwise kernels
         return subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
     say(f"pytest is missing: attention kernel cases on {where} through the test module's own runner "
         "(the fused-MoE and elementwise kernel tests need pytest)")

@@ -6,7 +6,7 @@ kernel's program (tile, column block) multiplies its rows by that expert's weigh
 layout is computed with tensor ops only (no host sync, fixed buffer sizes), so a step stays
 capturable. Tiles past the padded total exit at once.
 
-Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors (tests/test_fused_moe.py),
+Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors (tests/unit/worker/test_fused_moe_triton.py),
 like the attention kernels (services/worker/attention/triton_kernels.py, whose `dot`
 precision rules this shares).
 """
