@@ -21,7 +21,7 @@ from services.gateway.options import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-# The reference topology (README "Kubernetes" regenerates it with these flags).
+# The reference topology (docs/deployment.md "Kubernetes" regenerates it with these flags).
 REFERENCE = ["--device", "cpu", "--tensor-parallel-size", "3", "--data-parallel-size", "2"]
 # The oldest Kubernetes the manifests are meant for, and the newest the library knows.
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())

@@ -88,10 +88,10 @@ def add_subcommand(sub) -> None:
     kinds = d.add_subparsers(dest="target", required=True)
     k = kinds.add_parser("k8s", help="write Kubernetes manifests (one file per component) into a directory",
                          description="Without --api-key / --internal-token no Secret is written: create it before "
-                                     "applying (kubectl create secret generic NAME-credentials ..., README "
-                                     "\"Kubernetes\"). With either, the Secret goes into DIR/credentials.yaml "
-                                     "(the other secrets random, the file readable by its owner only): apply it, "
-                                     "never commit it.")
+                                     "applying (kubectl create secret generic NAME-credentials ..., "
+                                     "docs/deployment.md \"Kubernetes\"). With either, the Secret goes into "
+                                     "DIR/credentials.yaml (the other secrets random, the file readable by its owner "
+                                     "only): apply it, never commit it.")
     k.add_argument("--out", required=True, help="directory to write (created; files deploy wrote before are replaced)")
     _add_k8s_args(k)
     k.set_defaults(func=_cmd_k8s)
