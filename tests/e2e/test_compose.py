@@ -54,19 +54,21 @@ def _flags(path: Path) -> list[str]:
 
 
 def test_committed_compose_files_are_current(tmp_path: Path) -> None:
-    """Each file is what `myvllm deploy compose` writes now with the flags on its first line:
-    the same processes, with the same commands, as `myvllm serve` with those flags."""
-    from services.entrypoints.cli import main
+    """Each file is what `myvllm deploy compose` writes now with the flags on its first line
+    (written where it lies: its `build:` context is relative to it): the same processes, with the
+    same commands, as `myvllm serve` with those flags."""
+    from services.entrypoints.cli import build_parser, main
+    from services.entrypoints.deploy.cli import compose_text
 
     assert sorted(DEPLOY.glob("docker-compose*.yml")) == sorted([COMPOSE, GPU, TP3])  # none left unchecked
     assert _flags(COMPOSE) == ["--data-parallel-size", "2"]
     assert _flags(GPU) == ["--device", "cuda", "--data-parallel-size", "2"]
     assert _flags(TP3) == ["--tensor-parallel-size", "3", "--data-parallel-size", "2"]
     for path in (COMPOSE, GPU, TP3):
-        out = tmp_path / path.name
-        assert main(["deploy", "compose", "--out", str(out), *_flags(path)]) == 0
-        assert out.read_text() == path.read_text(), (
+        args = build_parser().parse_args(["deploy", "compose", "--out", str(path), *_flags(path)])
+        assert compose_text(args, str(path)) == path.read_text(), (
             f"{path.name} is stale: myvllm deploy compose --out deploy/{path.name} {shlex.join(_flags(path))}")
+        assert main(["deploy", "compose", "--out", str(tmp_path / path.name), *_flags(path)]) == 0
 
 
 def test_every_compose_file_is_valid_compose() -> None:
@@ -79,7 +81,7 @@ def test_every_compose_file_is_valid_compose() -> None:
     # Only the gateway is published, and on the host's loopback unless told otherwise.
     assert [name for name, svc in base.items() if svc.get("ports")] == ["gateway"]
     assert [(p["host_ip"], p["target"]) for p in base["gateway"]["ports"]] == [("127.0.0.1", 8000)]
-    assert not any("deploy" in svc for svc in base.values())  # runs on a host without GPUs
+    assert not any("reservations" in svc["deploy"]["resources"] for svc in base.values())  # a host without GPUs
     # Redis has a password, which schedulers and gateway get in their environment, never in argv.
     assert base["redis"]["command"][-2:] == ["--requirepass", SECRETS["MYVLLM_REDIS_PASSWORD"]]
     url = f"redis://:{SECRETS['MYVLLM_REDIS_PASSWORD']}@redis:6379/0"
@@ -93,7 +95,8 @@ def test_every_compose_file_is_valid_compose() -> None:
     for worker in ("worker-0", "worker-1"):
         assert gpu[worker]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
         assert gpu[worker]["command"][gpu[worker]["command"].index("--device") + 1] == "cuda"
-    assert not any("deploy" in gpu[name] for name in ("redis", "scheduler-0", "scheduler-1", "gateway"))
+    assert not any("reservations" in gpu[name]["deploy"]["resources"]
+                   for name in ("redis", "scheduler-0", "scheduler-1", "gateway"))
     tp3 = json.loads(_config(TP3).stdout)["services"]
     workers = tp3["scheduler-1"]["command"][tp3["scheduler-1"]["command"].index("--workers") + 1]
     assert workers == "worker-1-rank0:50152,worker-1-rank1:50153,worker-1-rank2:50154"  # rank order

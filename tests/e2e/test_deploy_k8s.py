@@ -21,7 +21,7 @@ from services.gateway.options import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-# The reference topology (README "Kubernetes" regenerates it with these flags).
+# The reference topology (docs/deployment.md "Kubernetes" regenerates it with these flags).
 REFERENCE = ["--device", "cpu", "--tensor-parallel-size", "3", "--data-parallel-size", "2"]
 # The oldest Kubernetes the manifests are meant for, and the newest the library knows.
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
@@ -256,10 +256,10 @@ def test_cuda_workers_get_a_gpu_each(tmp_path: Path) -> None:
     for obj in _by_kind(objects, "StatefulSet").values():
         container = _container(obj)
         if container["name"] == "worker":
-            assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
             assert container["command"][container["command"].index("--device") + 1] == "cuda"
         else:
-            assert "limits" not in container["resources"]
+            assert "nvidia.com/gpu" not in container["resources"]["limits"]
 
 
 def test_keda_scaled_objects(tmp_path: Path) -> None:

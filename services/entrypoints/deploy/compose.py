@@ -31,6 +31,10 @@ COMPOSE_ENV = {
     API_KEY_ENV: "${MYVLLM_API_KEY:-}",
 }
 HEALTH_INTERVAL_S = 5
+# Memory only: a worker sizes its threads to the host's cores, which a CPU quota (`cpus:`) would
+# not change, so a quota below them would throttle every step. The worker's is its weights plus
+# the CPU KV cache (2 GiB by default): a larger model or --kv-cache-memory needs more.
+MEMORY_LIMITS = {WORKER: "4g", SCHEDULER: "2g", GATEWAY: "2g", REDIS: "256m"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,9 @@ class ComposeOptions:
     image: str
     device: str | None  # "cuda": each worker reserves one GPU
     startup_timeout_s: float
+    # compose's `build:` for the first worker (context relative to the file); None: no build, the
+    # image is built apart
+    build: dict | None = None
 
 
 def _escape(argv: Sequence[str], keep: str | None) -> list[str]:
@@ -49,6 +56,13 @@ def _escape(argv: Sequence[str], keep: str | None) -> list[str]:
 def _healthcheck(spec: ProcessSpec, retries: int) -> dict:
     return {"test": ["CMD", *healthcheck_command(spec)], "interval": f"{HEALTH_INTERVAL_S}s",
             "timeout": f"{HEALTH_INTERVAL_S}s", "retries": retries}
+
+
+def _resources(role: str, device: str | None) -> dict:
+    resources: dict = {"limits": {"memory": MEMORY_LIMITS[role]}}
+    if role == WORKER and device == "cuda":
+        resources["reservations"] = {"devices": [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]}
+    return {"resources": resources}
 
 
 def compose_file(specs: Sequence[ProcessSpec], placement: ComposePlacement, options: ComposeOptions) -> dict:
@@ -75,11 +89,12 @@ def compose_file(specs: Sequence[ProcessSpec], placement: ComposePlacement, opti
                 # the healthcheck's redis-cli authenticates with it
                 "environment": {"REDISCLI_AUTH": f"${{{REDIS_PASSWORD_ENV}}}"},
                 "healthcheck": _healthcheck(spec, 10),
+                "deploy": _resources(REDIS, None),
             }
             continue
         service: dict = {"image": options.image}
-        if spec.name == first_worker:  # one service builds the image, the others wait for it
-            service["build"] = {"context": "..", "dockerfile": "deploy/Dockerfile"}
+        if spec.name == first_worker and options.build is not None:
+            service["build"] = options.build  # one service builds the image, the others wait for it
         service["restart"] = "unless-stopped"  # a single-host deployment heals itself, as serve's does
         service["command"] = _escape(spec.argv, None)
         service["environment"] = {name: env_values[name] for name in spec.env}
@@ -98,9 +113,7 @@ def compose_file(specs: Sequence[ProcessSpec], placement: ComposePlacement, opti
         if spec.role == GATEWAY:
             # Published on this host's loopback unless told otherwise (then set MYVLLM_API_KEY too).
             service["ports"] = [f"${{MYVLLM_PUBLISH_ADDRESS:-127.0.0.1}}:{spec.port}:{spec.port}"]
-        if spec.role == WORKER and options.device == "cuda":
-            service["deploy"] = {"resources": {"reservations": {"devices": [
-                {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]}}}
+        service["deploy"] = _resources(spec.role, options.device)
         services[spec.name] = service
     return {"name": "myvllm", "services": services}
 
@@ -109,8 +122,11 @@ USAGE = """\
 Use (secrets from the shell's environment; hex: they go into a URL):
   export MYVLLM_INTERNAL_TOKEN=$(openssl rand -hex 32)   # the services' shared secret
   export MYVLLM_REDIS_PASSWORD=$(openssl rand -hex 32)   # redis' password (several replicas)
-  docker compose -f {path} up --build
+  docker compose -f {path} up {build}
 The API is published on this host's loopback only; to serve other hosts set an API key and the
 address:  MYVLLM_API_KEY=... MYVLLM_PUBLISH_ADDRESS=0.0.0.0 docker compose ...
 Worker and scheduler listen inside the compose network only and refuse calls without the token.
-`build:` assumes this file lies in deploy/ (elsewhere: docker build -f deploy/Dockerfile -t IMAGE .)."""
+{build_note}"""
+# USAGE's last line: how the image gets built, with `build:` (its context relative to this file) or without.
+BUILD_NOTE = "`build:` builds {image} from the repository (its context relative to this file; or `make image`)."
+NO_BUILD_NOTE = "Build {image} first: `make image` in a my-vllm checkout (this file has no `build:`)."

@@ -134,10 +134,15 @@ class _Manifests:
         requests = {WORKER: {"cpu": str(self.options.worker_cpus), "memory": self.options.worker_memory},
                     SCHEDULER: {"cpu": "1", "memory": "1Gi"}, GATEWAY: {"cpu": "1", "memory": "1Gi"},
                     REDIS: {"cpu": "100m", "memory": "128Mi"}}[role]
-        resources: dict = {"requests": requests}
+        # A worker's limits are its requests (Guaranteed QoS): its MYVLLM_NUM_THREADS threads get
+        # the cores they were sized for, and its memory (weights + KV cache) is known up front.
+        # The others get headroom above their requests for bursts (many streams, grammar compiles).
+        limits = dict(requests) if role == WORKER else {
+            SCHEDULER: {"cpu": "2", "memory": "2Gi"}, GATEWAY: {"cpu": "2", "memory": "2Gi"},
+            REDIS: {"cpu": "500m", "memory": "256Mi"}}[role]
         if role == WORKER and self.options.device == "cuda":
-            resources["limits"] = {"nvidia.com/gpu": 1}  # one GPU per rank, as serve's workers
-        return resources
+            limits["nvidia.com/gpu"] = 1  # one GPU per rank, as serve's workers
+        return {"requests": requests, "limits": limits}
 
     @staticmethod
     def prestop(seconds: int) -> dict:

@@ -75,7 +75,7 @@ def test_each_violation_is_refused_with_a_message_naming_it(fields: dict, messag
 
 
 def test_limits_are_at_the_documented_values() -> None:
-    # The README's "Faults and limits" section quotes these.
+    # docs/deployment.md's "Faults and limits" section quotes these.
     assert (limits.MAX_STOP_TOKEN_IDS, limits.MAX_LOGIT_BIAS_ENTRIES, limits.MAX_BAD_WORDS) == (1024, 1024, 1024)
     assert issubclass(InvalidRequest, ValueError)  # EngineCore callers catch ValueError
 
