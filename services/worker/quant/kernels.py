@@ -21,9 +21,14 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_gemm.c")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-HIGHEST_ISA = "avx512"
+HIGHEST_ISA = "avx512_vnni"
 # gguf.GGMLQuantizationType value -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES
 BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+# Decode-sized calls (fewer than 8 rows of x) on Q4_0, Q4_1 and Q8_0 quantize x to int8 per block
+# and take integer dot products (quant_q8.h), as llama.cpp does: several times the fp32 path's speed
+# (quant_gemm.c's header), at the cost of x's rounding to 8 bits (tests/unit/worker/
+# test_quant_kernels.py states the bound). False keeps every call on the exact fp32 products.
+INT8_DOT = True
 _loaded: dict[str | None, QuantGemm | None] = {}
 
 
@@ -45,7 +50,9 @@ class QuantGemm:
         lib.qg_scratch_floats.restype = _I64
         lib.qg_dequantize.argtypes = [_I, _P, _I64, _I, _P, _I, _P, _I]
         lib.qg_dequantize.restype = None
-        lib.qg_matmul.argtypes = [_I, _P, _I, _P, _I64, _P, _P, _I, _I, _I, _P, _I]
+        lib.qg_matmul.argtypes = [_I, _P, _I, _P, _I64, _P, _P, _I, _I, _I, _P, _I, _I]
+        lib.qg_int8_dot.argtypes = [_I]
+        lib.qg_int8_dot.restype = _I
         lib.qg_matmul.restype = None
         self.lib = lib
         self.level = level
@@ -67,6 +74,10 @@ class QuantGemm:
             _loaded[level] = gemm
         return _loaded[level]
 
+    def has_int8_dot(self, qtype: int) -> bool:
+        """Whether `int8_dot` changes the decode path for `qtype` in this build (AVX2 or better)."""
+        return bool(self.lib.qg_int8_dot(int(qtype)))
+
     def supports(self, qtype: int) -> bool:
         return int(qtype) in BLOCKS and bool(self.lib.qg_supported(int(qtype)))
 
@@ -85,8 +96,10 @@ class QuantGemm:
         return self._scratch
 
     def matmul(self, x: torch.Tensor, prepared: torch.Tensor, qtype: int, out_features: int, in_features: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, in_features] fp32 or bf16, contiguous -> [M, out_features] in x's dtype."""
+               bias: torch.Tensor | None = None, int8_dot: bool | None = None) -> torch.Tensor:
+        """x [M, in_features] fp32 or bf16, contiguous -> [M, out_features] in x's dtype.
+        `int8_dot` (None: INT8_DOT): decode-sized calls quantize x to int8 per block, where the
+        build has that path for the type (quant_q8.h)."""
         assert x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1] == in_features
         assert x.is_contiguous() and prepared.shape == (out_features, row_bytes(int(qtype), in_features))
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -100,7 +113,7 @@ class QuantGemm:
         scratch = self._scratch_for(self.lib.qg_scratch_floats(m, in_features, x_bf16, threads))
         self.lib.qg_matmul(int(qtype), x.data_ptr(), x_bf16, prepared.data_ptr(), prepared.shape[1],
                            0 if bias is None else bias.data_ptr(), out.data_ptr(), m, out_features, in_features,
-                           scratch.data_ptr(), threads)
+                           scratch.data_ptr(), threads, int(INT8_DOT if int8_dot is None else int8_dot))
         return out
 
     def dequantize(self, prepared: torch.Tensor, qtype: int, out_features: int, in_features: int,

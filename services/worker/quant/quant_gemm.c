@@ -9,7 +9,8 @@
  * (prefill) and used there.
  *
  * Paths, by the number of rows of x (quant_f32.h):
- * - M < TILE_MIN_ROWS (decode): gemv_rows, GEMV_ROWS rows of x per pass over the weight rows;
+ * - M < TILE_MIN_ROWS (decode): gemv_rows, GEMV_ROWS rows of x per pass over the weight rows, or,
+ *   where asked (int8_dot) and the build has it for the type, q8_gemv_rows (quant_q8.h);
  * - otherwise (prefill, batched decode): tile_rows, each weight byte read once per call.
  * Both are split over the threads by weight rows (OpenMP, torch's pool).
  */
@@ -17,6 +18,7 @@
 
 #include "quant_blocks.h"
 #include "quant_f32.h"
+#include "quant_q8.h"
 #include "threads.h"
 
 #define TILE_MIN_ROWS 8
@@ -27,8 +29,12 @@ int qg_supported(int type) { return qt_supported(type); }
 int64_t qg_scratch_floats(int M, int K, int x_bf16, int num_threads) {
     int64_t n = x_bf16 ? (int64_t)M * K : 0;
     if (M >= TILE_MIN_ROWS) n += (int64_t)num_threads * ((int64_t)K * NR + K);
+    else n += (int64_t)M * q8_row_bytes(K) / 4;
     return n;
 }
+
+/* Whether qg_matmul's int8_dot takes the int8 path for `type` in this build. */
+int qg_int8_dot(int type) { return q8_covers(type); }
 
 /* out[i] = row rows[i] of W (all N rows when rows is NULL) dequantized to K floats. */
 void qg_dequantize(int type, const uint8_t *w, int64_t row_bytes, int K, const int64_t *rows, int count,
@@ -50,7 +56,7 @@ static inline void share(int total, int t, int n, int *lo, int *hi) {
  * blocks of `type` (K a multiple of its block); bias [N] fp32 or NULL; y [M, N] in x's dtype;
  * scratch: qg_scratch_floats(M, K, x_bf16, num_threads) floats. */
 void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t row_bytes, const float *bias, void *y,
-               int M, int N, int K, float *scratch, int num_threads) {
+               int M, int N, int K, float *scratch, int num_threads, int int8_dot) {
     if (num_threads < 1) num_threads = 1;
     const float *xf = (const float *)x;
     float *thread_scratch_base = scratch;
@@ -61,6 +67,27 @@ void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t ro
         for (int64_t i = 0; i < total; i++) conv[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         xf = conv;
         thread_scratch_base = scratch + total;
+    }
+    if (M < TILE_MIN_ROWS && int8_dot && q8_covers(type)) {
+#ifdef __AVX2__
+        q8_row_t xq[TILE_MIN_ROWS];
+        for (int m = 0; m < M; m++) {
+            xq[m] = q8_row_at((char *)thread_scratch_base + m * q8_row_bytes(K), K);
+            q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
+        }
+        if (num_threads > N) num_threads = N;
+#pragma omp parallel num_threads(num_threads)
+        {
+            int n0, n1;
+            share(N, thread_id(), team_size(), &n0, &n1);
+            for (int r0 = 0; r0 < M; r0 += GEMV_ROWS) {
+                const int R = M - r0 < GEMV_ROWS ? M - r0 : GEMV_ROWS;
+                void *yr = x_bf16 ? (void *)((uint16_t *)y + (int64_t)r0 * N) : (void *)((float *)y + (int64_t)r0 * N);
+                q8_gemv_any(type, xq + r0, w, row_bytes, K, N, n0, n1, bias, yr, x_bf16, R);
+            }
+        }
+#endif
+        return;
     }
     if (M < TILE_MIN_ROWS) {
         if (num_threads > N) num_threads = N;

@@ -11,6 +11,12 @@ The bound: every path multiplies x by the exact dequantized weights in fp32, so 
 fp32 dot product of K terms, with at most a few more roundings from the per-block sums (Higham ch.
 3: error <= g(K + 8) * sum_k |x_k w_k|, g(n) = n u / (1 - n u), u = 2^-24), plus one rounding for the
 bias; a bf16 output adds its rounding to bf16 (2^-9 of the value); bf16 inputs are exact in fp32.
+
+The int8 decode path (int8_dot, Q4_0, Q4_1, Q8_0 with AVX2 or better) replaces each 32-value block
+of x by dx * round(x / dx), dx = max|x| / 127: each value moves by at most dx / 2 (and a rounding of
+x / dx), and it multiplies d * q, whose size is at most |w| + |offset| (offset: Q4_0's -8 d, Q4_1's
+m: the value of a block whose quants are all 0). So that path's bound adds
+sum_k (|w_k| + |offset_k|) * 0.501 dx_k, and its fp32 sums are bounded with |x| + dx in place of |x|.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ QUANTIZABLE = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiz
 # Byte offsets of each K-quant block's fp16 scales (d, and dmin where there is one).
 K_SCALE_OFFSETS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
                    GGMLQuantizationType.Q6_K: (208,)}
-# The levels with code of their own in quant_gemm.c; x86-64 runs the scalar fallbacks.
-DISTINCT = ("avx512", "avx2", "x86-64")
+# The levels with code of their own in quant_gemm.c (VNNI's vpdpbusd, AVX-512, AVX2); x86-64 runs the
+# scalar fallbacks.
+DISTINCT = ("avx512_vnni", "avx512", "avx2", "x86-64")
 LEVELS = [level for level in cbuild.isa_levels(highest=HIGHEST_ISA) if level in DISTINCT] or [None]
 LEVELS = [level for level in LEVELS if QuantGemm.load(level) is not None]
 pytestmark = pytest.mark.skipif(not LEVELS, reason="the quantized kernels cannot be built here (no C compiler)")
@@ -51,15 +58,34 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) 
     return blocks.reshape(rows, -1)
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, exact: torch.Tensor) -> torch.Tensor:
+# The bytes of each 32-value type's block that hold its quants (zeroed: the block's offset).
+QUANT_BYTES = {GGMLQuantizationType.Q4_0: slice(2, 18), GGMLQuantizationType.Q4_1: slice(4, 20),
+               GGMLQuantizationType.Q8_0: slice(2, 34)}
+
+
+def offsets(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """Each weight's offset: the dequantized value of its block with all quants 0."""
+    blocks = raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[qtype][1]).copy()
+    blocks[:, :, QUANT_BYTES[qtype]] = 0
+    return torch.from_numpy(quants.dequantize(blocks.reshape(raw.shape), qtype))
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, exact: torch.Tensor,
+           offset: torch.Tensor | None) -> torch.Tensor:
     k = w.shape[1] + 8
     g = k * U / (1 - k * U)
-    return g * (x.double().abs() @ w.double().abs().t()) + (0 if bias is None else 2 * U * exact.abs())
+    x64, w64 = x.double().abs(), w.double().abs()
+    if offset is not None:  # the int8 path: x off by up to dx / 2 per value
+        dx = (x64.view(x.shape[0], -1, 32).amax(-1, keepdim=True) / 127).expand(-1, -1, 32).reshape(x.shape)
+        w64 = w64 + offset.double().abs()
+        return 0.501 * dx @ w64.t() + g * ((x64 + dx) @ w64.t()) + (0 if bias is None else 2 * U * exact.abs())
+    return g * (x64 @ w64.t()) + (0 if bias is None else 2 * U * exact.abs())
 
 
-def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+           offset: torch.Tensor | None = None) -> None:
     exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
-    bound = _bound(x, w, bias, exact)
+    bound = _bound(x, w, bias, exact, offset)
     if got.dtype == torch.bfloat16:
         bound = bound + 2.0 ** -8 * exact.abs()
     err = (got.double() - exact).abs()
@@ -100,14 +126,38 @@ def test_matmul_matches_exact_products(level: str | None, qtype: GGMLQuantizatio
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            _check(gemm.matmul(x, prepared, qtype, n, k), x, w, None)
-            _check(gemm.matmul(x, prepared, qtype, n, k, bias=bias), x, w, bias)
+            _check(gemm.matmul(x, prepared, qtype, n, k, int8_dot=False), x, w, None)
+            _check(gemm.matmul(x, prepared, qtype, n, k, bias=bias, int8_dot=False), x, w, bias)
             xb = x.bfloat16()
-            got = gemm.matmul(xb, prepared, qtype, n, k, bias=bias.bfloat16())
+            got = gemm.matmul(xb, prepared, qtype, n, k, bias=bias.bfloat16(), int8_dot=False)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
             _check(got, xb.float(), w, bias.bfloat16().float())
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", sorted(QUANT_BYTES))
+@pytest.mark.parametrize("rows", [1, 3, 5, 7])
+def test_int8_decode_path_within_its_bound(level: str | None, qtype: GGMLQuantizationType, rows: int) -> None:
+    """Decode-sized calls with int8 activations, where the build has that path (else the fp32
+    path, within the tighter bound); 5 to 7 rows take a second pass over the weights."""
+    gemm = QuantGemm.load(level)
+    n, k = 37, 576
+    raw = random_blocks(qtype, n, k, seed=rows)
+    w, offset = torch.from_numpy(quants.dequantize(raw, qtype)), offsets(raw, qtype)
+    prepared = gemm.prepare(torch.from_numpy(raw), qtype, k)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, generator=gen)
+    x[0, :32] = 0  # a block of zeros: dx = 0
+    used = offset if gemm.has_int8_dot(qtype) else None
+    _check(gemm.matmul(x, prepared, qtype, n, k, bias=bias, int8_dot=True), x, w, bias, used)
+    xb = x.bfloat16()
+    _check(gemm.matmul(xb, prepared, qtype, n, k, int8_dot=True), xb.float(), w, None, used)
+    if gemm.has_int8_dot(qtype):  # the bound is not vacuous: the fp32 path is much closer
+        exact = x.double() @ w.double().t() + bias.double()
+        fp32 = gemm.matmul(x, prepared, qtype, n, k, bias=bias, int8_dot=False)
+        assert bool(((fp32.double() - exact).abs() <= _bound(x, w, bias, exact, None)).all())
 
 
 def test_prepare_checks_the_row_size_and_empty_inputs_work() -> None:
