@@ -73,6 +73,8 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+#define Q8_PREFETCH 1024
+
 /* Weight rows n0 .. n1 of `type` against R (1 .. 4) quantized rows of x; y row stride N. */
 static inline __attribute__((always_inline)) void q8_gemv_rows(int type, const q8_row_t *xq, const uint8_t *w,
                                                                int64_t row_bytes, int K, int N, int n0, int n1,
@@ -86,6 +88,9 @@ static inline __attribute__((always_inline)) void q8_gemv_rows(int type, const q
         float off[4] = {0.f, 0.f, 0.f, 0.f};
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++, blk += bytes) {
+            /* the bytes Q8_PREFETCH ahead (the next rows): a row is a few hundred bytes, too short
+             * a stream for the hardware prefetcher to run ahead of on a cold matrix */
+            _mm_prefetch((const char *)blk + Q8_PREFETCH, _MM_HINT_T0);
             const float d = fp16_to_f32(blk);
             __m256i u, s[4];
             if (type == QT_Q8_0) {
