@@ -46,7 +46,11 @@ _X86_64_V3 = _X86_64_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", 
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 # The levels a kernel can be built for, highest first: (name, compiler flags, CPU flags needed).
+# avx512_vnni (AVX-512's int8 dot products, vpdpbusd) sits above avx512_bf16 although neither
+# implies the other: only the quantized kernels (quant/quant_gemm.c) ask for it, and every kernel
+# whose highest level is lower gets the same levels as before.
 ISA_LEVELS = [
+    ("avx512_vnni", ["-march=x86-64-v4", "-mavx512vnni"], _X86_64_V4 | {"avx512_vnni"}),
     ("avx512_bf16", ["-march=x86-64-v4", "-mavx512bf16"], _X86_64_V4 | {"avx512_bf16"}),
     ("avx512", ["-march=x86-64-v4"], _X86_64_V4),
     ("avx2", ["-march=x86-64-v3"], _X86_64_V3),

@@ -1,0 +1,127 @@
+/* Matrix products on GGUF quantized weights kept in their block format (Q4_0, Q4_1, Q8_0, Q4_K,
+ * Q5_K, Q6_K), for CPU workers: y[M, N] = x[M, K] . W^T (+ bias), and the exact dequantization of
+ * whole rows (embedding lookups). Built at first use by kernels.py (cpu/cbuild.py) with
+ * -ffp-contract=off (quant_blocks.h's exact dequantization needs it).
+ *
+ * Why: decoding one token reads every weight once, so its time is the bytes read over the memory
+ * bandwidth; a 4-bit block format is about a seventh of fp32's bytes. The weights are never
+ * expanded to fp32 in memory: a chunk at a time is dequantized into L1 (decode) or a tile into L2
+ * (prefill) and used there.
+ *
+ * Paths, by the number of rows of x (quant_f32.h):
+ * - M < TILE_MIN_ROWS (decode): gemv_rows, GEMV_ROWS rows of x per pass over the weight rows, or,
+ *   where asked (int8_dot) and the build has it for the type, q8_gemv_rows (quant_q8.h);
+ * - otherwise (prefill, batched decode): tile_rows, each weight byte read once per call.
+ * Both are split over the threads by weight rows (OpenMP, torch's pool).
+ *
+ * Measured against each other (time per call at M = 1 and 128 for SmolLM2's Q4_1 576x1536 and its
+ * Q8_0 49152x576 LM head, and a decode step's 210 Q4_1 products, bytes read per second against
+ * torch's t.sum() over 512 MB): the int8 path is several times faster than the fp32 one at M = 1,
+ * whose exact dequantization through an L1 buffer is compute-bound, so decode takes the int8 path
+ * by default (kernels.py's INT8_DOT). The prefetch a kilobyte ahead in the int8 path matters on a
+ * cold matrix (every layer's weights in a decode step): without it the rows' short streams ran
+ * at a fraction of the read bandwidth.
+ */
+#include <stdint.h>
+
+#include "quant_blocks.h"
+#include "quant_f32.h"
+#include "quant_q8.h"
+#include "threads.h"
+
+#define TILE_MIN_ROWS 8
+
+int qg_supported(int type) { return qt_supported(type); }
+
+/* Floats of scratch qg_matmul needs for these sizes (the caller's buffer, reused across calls). */
+int64_t qg_scratch_floats(int M, int K, int x_bf16, int num_threads) {
+    int64_t n = x_bf16 ? (int64_t)M * K : 0;
+    if (M >= TILE_MIN_ROWS) n += (int64_t)num_threads * ((int64_t)K * NR + K);
+    else n += (int64_t)M * q8_row_bytes(K) / 4;
+    return n;
+}
+
+/* Whether qg_matmul's int8_dot takes the int8 path for `type` in this build. */
+int qg_int8_dot(int type) { return q8_covers(type); }
+
+/* out[i] = row rows[i] of W (all N rows when rows is NULL) dequantized to K floats. */
+void qg_dequantize(int type, const uint8_t *w, int64_t row_bytes, int K, const int64_t *rows, int count,
+                   float *out, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    const int blocks = K / qt_block_values(type);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int i = 0; i < count; i++)
+        dequant_blocks(type, w + (rows ? rows[i] : i) * row_bytes, blocks, out + (int64_t)i * K);
+}
+
+/* The range of `total` items thread t of n takes. */
+static inline void share(int total, int t, int n, int *lo, int *hi) {
+    *lo = (int)((int64_t)total * t / n);
+    *hi = (int)((int64_t)total * (t + 1) / n);
+}
+
+/* y = x . W^T (+ bias): x [M, K] fp32 or (x_bf16) bf16, contiguous; W N rows of row_bytes bytes of
+ * blocks of `type` (K a multiple of its block); bias [N] fp32 or NULL; y [M, N] in x's dtype;
+ * scratch: qg_scratch_floats(M, K, x_bf16, num_threads) floats. */
+void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t row_bytes, const float *bias, void *y,
+               int M, int N, int K, float *scratch, int num_threads, int int8_dot) {
+    if (num_threads < 1) num_threads = 1;
+    const float *xf = (const float *)x;
+    float *thread_scratch_base = scratch;
+    if (x_bf16) {
+        float *conv = scratch;
+        const int64_t total = (int64_t)M * K;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t i = 0; i < total; i++) conv[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        xf = conv;
+        thread_scratch_base = scratch + total;
+    }
+    if (M < TILE_MIN_ROWS && int8_dot && q8_covers(type)) {
+#ifdef __AVX2__
+        q8_row_t xq[TILE_MIN_ROWS];
+        for (int m = 0; m < M; m++) {
+            xq[m] = q8_row_at((char *)thread_scratch_base + m * q8_row_bytes(K), K);
+            q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
+        }
+        if (num_threads > N) num_threads = N;
+#pragma omp parallel num_threads(num_threads)
+        {
+            int n0, n1;
+            share(N, thread_id(), team_size(), &n0, &n1);
+            for (int r0 = 0; r0 < M; r0 += GEMV_ROWS) {
+                const int R = M - r0 < GEMV_ROWS ? M - r0 : GEMV_ROWS;
+                void *yr = x_bf16 ? (void *)((uint16_t *)y + (int64_t)r0 * N) : (void *)((float *)y + (int64_t)r0 * N);
+                q8_gemv_any(type, xq + r0, w, row_bytes, K, N, n0, n1, bias, yr, x_bf16, R);
+            }
+        }
+#endif
+        return;
+    }
+    if (M < TILE_MIN_ROWS) {
+        if (num_threads > N) num_threads = N;
+#pragma omp parallel num_threads(num_threads)
+        {
+            int n0, n1;
+            share(N, thread_id(), team_size(), &n0, &n1);
+            for (int r0 = 0; r0 < M; r0 += GEMV_ROWS) {
+                const int R = M - r0 < GEMV_ROWS ? M - r0 : GEMV_ROWS;
+                void *yr = x_bf16 ? (void *)((uint16_t *)y + (int64_t)r0 * N) : (void *)((float *)y + (int64_t)r0 * N);
+                gemv_any(type, xf + (int64_t)r0 * K, K, w, row_bytes, K, N, n0, n1, bias, yr, x_bf16, R);
+            }
+        }
+        return;
+    }
+    const int groups = (N + NR - 1) / NR;
+    if (num_threads > groups) num_threads = groups;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *tile = thread_scratch_base + (int64_t)thread_id() * ((int64_t)K * NR + K), *row = tile + (int64_t)K * NR;
+        int g0, g1;
+        share(groups, thread_id(), team_size(), &g0, &g1);
+        for (int g = g0; g < g1; g++) {
+            const int n0 = g * NR, rows = N - n0 < NR ? N - n0 : NR;
+            fill_tile(type, w, row_bytes, K, n0, rows, tile, row);
+            tile_rows(xf, M, K, tile, n0, rows, N, bias, y, x_bf16);
+        }
+    }
+}
