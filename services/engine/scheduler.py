@@ -167,6 +167,14 @@ class Scheduler:
         return len(self.waiting) + len(self.kv.waiting_for_remote)
 
     @property
+    def num_waiting_deferred(self) -> int:
+        """Of `num_waiting`, those passed over until something else is done: their grammar is
+        compiling, or their prompt's KV is loading from a producer (vLLM's blocked statuses,
+        its "deferred" waiting reason)."""
+        compiling = sum(1 for r in self.waiting if r.grammar is not None and r.grammar.is_compiling)
+        return compiling + len(self.kv.waiting_for_remote)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -436,6 +444,7 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
             "num_waiting": self.num_waiting,
+            "num_waiting_deferred": self.num_waiting_deferred,
             "num_running": self.num_running,
             "kv_cache_usage": kv.usage,
             **self.spec.stats.as_dict(),

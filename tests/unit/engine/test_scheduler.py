@@ -395,6 +395,7 @@ def test_fcfs_preempts_last_running() -> None:
     assert c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0
     assert c.num_preemptions == 1
+    assert c.timings().num_preemptions == 1  # (its final output reports it: vLLM's request_num_preemptions)
     assert sched.kv_cache_manager.block_ids("c") == []
     assert list(sched.waiting) == [c]
     assert c not in sched.running
