@@ -168,11 +168,9 @@ class Scheduler:
 
     @property
     def num_waiting_deferred(self) -> int:
-        """Of `num_waiting`, those passed over until something else is done: their grammar is
-        compiling, or their prompt's KV is loading from a producer (vLLM's blocked statuses,
-        its "deferred" waiting reason)."""
-        compiling = sum(1 for r in self.waiting if r.grammar is not None and r.grammar.is_compiling)
-        return compiling + len(self.kv.waiting_for_remote)
+        """Of `num_waiting`, those passed over until their grammar compiles or their prompt's KV
+        arrives from a producer (vLLM's "deferred" waiting reason)."""
+        return self.grammar.num_compiling(self.waiting) + len(self.kv.waiting_for_remote)
 
     @property
     def num_running(self) -> int:
