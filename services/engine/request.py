@@ -149,7 +149,8 @@ class Request:
         scheduled = self.scheduled_time if self.scheduled_time is not None else now
         first_token = self.first_token_time if self.first_token_time is not None else now
         return pb.RequestTimings(queued_s=scheduled - self.arrival_time, prefill_s=first_token - scheduled,
-                                 decode_s=now - first_token, inference_s=now - scheduled)
+                                 decode_s=now - first_token, inference_s=now - scheduled,
+                                 num_preemptions=self.num_preemptions)
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower priority value first, then earlier arrival."""

@@ -115,6 +115,11 @@ class GrammarHooks:
         self.num_row_waits += 1
         return True
 
+    @staticmethod
+    def num_compiling(waiting: Iterable[Request]) -> int:
+        """Waiting requests passed over until their grammar compiles."""
+        return sum(1 for r in waiting if r.grammar is not None and r.grammar.is_compiling)
+
     def compiling(self, waiting: Iterable[Request]) -> list[RequestGrammar]:
         """Grammars that requests wait for: waiting requests' compiles, and the rows of those
         the last step left out."""

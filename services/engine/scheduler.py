@@ -167,6 +167,12 @@ class Scheduler:
         return len(self.waiting) + len(self.kv.waiting_for_remote)
 
     @property
+    def num_waiting_deferred(self) -> int:
+        """Of `num_waiting`, those passed over until their grammar compiles or their prompt's KV
+        arrives from a producer (vLLM's "deferred" waiting reason)."""
+        return self.grammar.num_compiling(self.waiting) + len(self.kv.waiting_for_remote)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -436,6 +442,7 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
             "num_waiting": self.num_waiting,
+            "num_waiting_deferred": self.num_waiting_deferred,
             "num_running": self.num_running,
             "kv_cache_usage": kv.usage,
             **self.spec.stats.as_dict(),

@@ -305,8 +305,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     try:  # a bad --speculative-config (or a flag it does not combine with) fails here, not in a service
         check_topology(args, model)
+        # (A short API key is warned about once, by the gateway serve starts with it.)
         check_service_secrets(internal_token=token_from_env(args.internal_token), api_key=args.api_key,
-                              redis_url=redis_url_from_env(args.redis))
+                              redis_url=redis_url_from_env(args.redis), warn_weak_api_key=False)
     except ValueError as e:
         return _fail(str(e))
     args.data_parallel_size = num_replicas(args)  # (P/D: serve starts and routes P + D replicas)

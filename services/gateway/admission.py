@@ -31,6 +31,7 @@ class AdmissionController:
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
         self.num_running = 0
+        self.num_rejected_queue_full = 0  # 429s: vLLM's admission_rejections, reason max_num_queued_reqs
         self._queue: deque[asyncio.Future[None]] = deque()
         self.draining = False
 
@@ -55,6 +56,7 @@ class AdmissionController:
             self.num_running += 1
             return
         if len(self._queue) >= self.max_queued:
+            self.num_rejected_queue_full += 1
             raise OpenAIError(HTTPStatus.TOO_MANY_REQUESTS,
                               f"Too many requests: {self.num_running} running and {len(self._queue)} queued "
                               f"(--max-concurrent-requests {self.max_concurrent}, --max-queued-requests "

@@ -186,7 +186,8 @@ def create_app(
     async def metrics(request: Request) -> Response:
         ctx = _ctx(request)
         stats = await ctx.router.stats()  # None when no scheduler answers: still the gateway's own histograms
-        text = ctx.metrics.render(stats, ctx.router.routed, ctx.router.routable())
+        text = ctx.metrics.render(stats, ctx.router.routed, ctx.router.routable(),
+                                  admission_rejections=admission.num_rejected_queue_full)
         return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     # The playground page (static/: plain HTML/CSS/JS). Outside /v1, so --api-key does not guard

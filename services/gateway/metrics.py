@@ -35,9 +35,18 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 REQUEST_PHASE_BUCKETS = E2E_BUCKETS
 PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 N_PARAM_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # vLLM's `finished_reason` values (vllm.v1.engine.FinishReason): each is served, from 0.
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 VLLM_ENGINE = "0"
+# vLLM's labels for what its series split: why a request waits (the sum is num_requests_waiting),
+# the engine's sleep state, where a prompt's tokens came from and where its cached tokens did.
+WAITING_REASONS = ("capacity", "deferred")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
+# Why vLLM's frontend refuses a request: its queue of requests, or of their tokens, is full.
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 REMOTE_PREFILL_OUTCOMES = ("transferred", "nothing_to_transfer", "failed", "no_prefill_replica")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -112,6 +121,16 @@ class _Scrape:
                 family.add_metric([*labels.values(), *([extra] if label else [])], value)
             self.families.append(family)
 
+    def add_frontend_counter(self, name: str, help_text: str, label: str,
+                             samples: Iterable[tuple[str, float]]) -> None:
+        """A counter of the HTTP frontend's, not an engine's: vLLM labels it by model alone."""
+        samples = list(samples)
+        for prefix in ("myvllm:", "vllm:"):
+            family = CounterMetricFamily(prefix + name, help_text, labels=["model_name", label])
+            for value_of_label, value in samples:
+                family.add_metric([self.names[prefix]["model_name"], value_of_label], value)
+            self.families.append(family)
+
     def add_info(self, name: str, help_text: str, info: Mapping[str, str]) -> None:
         """vLLM's info gauge: 1, the information in its labels (under vLLM's name, and ours)."""
         for prefix in ("myvllm:", "vllm:"):
@@ -163,11 +182,14 @@ class GatewayMetrics:
             PREFILL_TOKEN_BUCKETS)
         self.request_params_n = Histogram("request_params_n", "The n request parameter (choices per prompt).",
                                           N_PARAM_BUCKETS)
+        self.request_num_preemptions = Histogram("request_num_preemptions", "Times each finished request was "
+                                                 "preempted.", REQUEST_PREEMPTIONS_BUCKETS)
         # Per-request token counts, bucketed up to the context limit (once the gateway knows it).
         self.request_prompt_tokens: Histogram | None = None
         self.request_generation_tokens: Histogram | None = None
         self.request_params_max_tokens: Histogram | None = None
         self.request_max_num_generation_tokens: Histogram | None = None
+        self.request_prefill_kv_computed_tokens: Histogram | None = None
         self.prompt_tokens_cached = 0  # prompt tokens served by the prefix cache
         self.request_success: dict[str, int] = defaultdict(int)  # by finish reason
         self.prompt_tokens = 0  # of engine requests that got their first output
@@ -194,6 +216,9 @@ class GatewayMetrics:
             self.request_max_num_generation_tokens = Histogram(
                 "request_max_num_generation_tokens", "Per prompt: the most tokens any of its n choices generated.",
                 buckets)
+            self.request_prefill_kv_computed_tokens = Histogram(
+                "request_prefill_kv_computed_tokens", "Prompt tokens each finished request computed (its prompt "
+                "less the tokens the prefix cache served).", buckets)
 
     def on_prompt_choices(self, n: int) -> None:
         self.request_params_n.observe(n)
@@ -221,12 +246,26 @@ class GatewayMetrics:
         scrape.add("gauge", "num_requests_running", "Requests in the engine's running batch.", stats.num_running,
                    vllm=True)
         scrape.add("gauge", "num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting, vllm=True)
+        scrape.add_labelled("gauge", "num_requests_waiting_by_reason", "Waiting requests by reason: capacity (for "
+                            "room in the batch or the KV cache), deferred (passed over until their grammar compiles "
+                            "or their prompt's KV arrives from a producer).", "reason",
+                            zip(WAITING_REASONS, (stats.num_waiting - stats.num_waiting_deferred,
+                                                  stats.num_waiting_deferred), strict=True), vllm=True)
+        # (No sleep mode here: the engine is always awake.)
+        scrape.add_labelled("gauge", "engine_sleep_state", "The engine's sleep state: awake 1 while it serves.",
+                            "sleep_state", ((state, int(state == "awake")) for state in SLEEP_STATES), vllm=True)
         scrape.add("gauge", "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage,
                    vllm=True)
         scrape.add("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                    stats.prefix_cache_queries, vllm=True)
         scrape.add("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits,
                    vllm=True)
+        # Where cached prompt tokens came from: this engine's blocks (device) or a prefill replica's,
+        # loaded by the KV connector (p2p); there are no host, disk or other tiers.
+        cached = {"device": stats.prefix_cache_hits, "p2p": stats.kv_transfer_loaded_tokens}
+        scrape.add_labelled("counter", "prompt_tokens_cached_by_source", "Prompt tokens not computed, by where "
+                            "their KV came from: device (the prefix cache), p2p (loaded from a prefill replica).",
+                            "source", ((source, cached.get(source, 0)) for source in CACHE_HIT_SOURCES), vllm=True)
         scrape.add("counter", "num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions,
                    vllm=True)
         scrape.add("counter", "grammar_compiles", "Structured-output grammars compiled (grammar cache misses).",
@@ -287,11 +326,23 @@ class GatewayMetrics:
                             ((str(j), count) for j, count in enumerate(stats.spec_decode_accepted_per_pos)),
                             vllm=True)
 
+    def _prompt_token_sources(self, scrape: _Scrape, stats: pb.Stats | None) -> None:
+        """vLLM's prompt_tokens_by_source: the gateway's prompt and cache-hit counts, and the
+        tokens the replicas loaded from prefill replicas (their Stats); the rest were computed."""
+        loaded = stats.kv_transfer_loaded_tokens if stats is not None else 0
+        computed = max(self.prompt_tokens - self.prompt_tokens_cached - loaded, 0)
+        scrape.add_labelled("counter", "prompt_tokens_by_source", "Prompt tokens by source: computed here "
+                            "(local_compute), served by the prefix cache (local_cache_hit), loaded from a prefill "
+                            "replica (external_kv_transfer).", "source",
+                            zip(PROMPT_TOKEN_SOURCES, (computed, self.prompt_tokens_cached, loaded), strict=True),
+                            vllm=True)
+
     def render(self, stats: pb.Stats | None, routed: Mapping[str, int] | None = None,
-               routable: Mapping[str, int] | None = None) -> str:
+               routable: Mapping[str, int] | None = None, admission_rejections: int = 0) -> str:
         """The exposition text; scheduler gauges and counters only if `stats` came back;
         engine requests routed to each replica (by address) when `routed` is given, the replicas
-        routed to now (by KV role) when `routable` is."""
+        routed to now (by KV role) when `routable` is; `admission_rejections`: requests refused
+        because the gateway's queue (--max-queued-requests) was full."""
         scrape = _Scrape(self.model_name)
         if stats is not None:
             self._scheduler(scrape, stats)
@@ -307,6 +358,11 @@ class GatewayMetrics:
         scrape.add("counter", "generation_tokens", "Tokens generated.", self.generation_tokens, vllm=True)
         scrape.add("counter", "prompt_tokens_cached", "Prompt tokens served by the prefix cache (of the engine "
                    "requests that started).", self.prompt_tokens_cached, vllm=True)
+        self._prompt_token_sources(scrape, stats)
+        # (No limit on queued tokens here: that reason stays 0.)
+        scrape.add_frontend_counter("admission_rejections", "Requests refused because the gateway's queue was "
+                                    "full (--max-queued-requests: max_num_queued_reqs).", "reason",
+                                    zip(ADMISSION_REASONS, (admission_rejections, 0), strict=True))
         scrape.add("counter", "request_migrations", "Requests re-submitted to a replica after theirs failed "
                    "(request migration).", self.request_migrations)
         scrape.add("counter", "routing_predicted_cached_tokens", "Prompt tokens the router expected the chosen "
@@ -332,7 +388,8 @@ class GatewayMetrics:
                           self.request_generation_tokens, self.request_queue_time, self.request_prefill_time,
                           self.request_decode_time, self.request_inference_time, self.time_per_prefill_token,
                           self.request_params_n, self.request_params_max_tokens,
-                          self.request_max_num_generation_tokens):
+                          self.request_max_num_generation_tokens, self.request_num_preemptions,
+                          self.request_prefill_kv_computed_tokens):
             if histogram is not None:
                 scrape.add_histogram(histogram, vllm=True)
         return scrape.text()
@@ -347,6 +404,7 @@ class RequestTimer:
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
         self._num_prompt_tokens: int | None = None
+        self._num_cached_tokens = 0
         self._num_generated = 0
 
     @property
@@ -358,6 +416,7 @@ class RequestTimer:
         cache (counted once, also if it migrates)."""
         if self._num_prompt_tokens is None:
             self._num_prompt_tokens = num_prompt_tokens
+            self._num_cached_tokens = num_cached_tokens
             self._metrics.prompt_tokens += num_prompt_tokens
             self._metrics.prompt_tokens_cached += num_cached_tokens
 
@@ -387,6 +446,10 @@ class RequestTimer:
             metrics.request_prefill_time.observe(timings.prefill_s)
             metrics.request_decode_time.observe(timings.decode_s)
             metrics.request_inference_time.observe(timings.inference_s)
+            metrics.request_num_preemptions.observe(timings.num_preemptions)
+            if metrics.request_prefill_kv_computed_tokens is not None:
+                metrics.request_prefill_kv_computed_tokens.observe((self._num_prompt_tokens or 0)
+                                                                   - self._num_cached_tokens)
             if self._num_prompt_tokens:
                 metrics.time_per_prefill_token.observe(timings.prefill_s / self._num_prompt_tokens)
         if max_tokens is not None and metrics.request_params_max_tokens is not None:

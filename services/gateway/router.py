@@ -368,6 +368,7 @@ class ReplicaRouter:
             total.prefix_cache_hits += s.prefix_cache_hits
             total.num_preemptions += s.num_preemptions
             total.num_waiting += s.num_waiting
+            total.num_waiting_deferred += s.num_waiting_deferred
             total.num_running += s.num_running
             total.num_steps += s.num_steps
             total.grammar_compiles += s.grammar_compiles

@@ -311,6 +311,10 @@ def test_deploy_never_drops_a_secret_it_is_given(tmp_path: Path, capsys) -> None
     err = capsys.readouterr().err
     assert "--api-key / $MYVLLM_API_KEY is a placeholder" in err and "REPLACE_ME" not in err
     assert "--internal-token / $MYVLLM_INTERNAL_TOKEN is shorter than 16 bytes" in err and "short-token" not in err
+    # The full rule for a cluster's API key (serve and gateway only warn about a short one).
+    assert main(["deploy", "k8s", "--out", str(tmp_path / "e"), "--api-key", "sk-short"]) == 1
+    err = capsys.readouterr().err
+    assert "--api-key / $MYVLLM_API_KEY is shorter than 16 bytes" in err and "sk-short" not in err
     assert main(["deploy", "compose", "--out", str(tmp_path / "c.yml"), "--api-key", "a" * 8 + "b" * 24]) == 1
     assert "--api-key: a compose file reads its secrets from the environment" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

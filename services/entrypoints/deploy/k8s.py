@@ -323,7 +323,8 @@ def secret_values(api_key: str | Sequence[str] | None, internal_token: str | Non
     as the password goes into a URL); None: neither given, the user creates the Secret."""
     if not api_key and not internal_token:
         return None
-    check_service_secrets(internal_token=internal_token, api_key=api_key)
+    # (The full rule for the API key too: a cluster's API is meant to be reached.)
+    check_service_secrets(internal_token=internal_token, api_key=api_key, strict_api_key=True)
     values = {TOKEN_ENV: internal_token or secrets.token_hex(32), API_KEY_ENV: join_api_keys(api_key) or ""}
     if redis:
         values[REDIS_PASSWORD_ENV] = secrets.token_hex(32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 from support.schedulers import scheduler_for
@@ -395,6 +396,7 @@ def test_fcfs_preempts_last_running() -> None:
     assert c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0
     assert c.num_preemptions == 1
+    assert c.timings().num_preemptions == 1  # (its final output reports it: vLLM's request_num_preemptions)
     assert sched.kv_cache_manager.block_ids("c") == []
     assert list(sched.waiting) == [c]
     assert c not in sched.running
@@ -762,3 +764,15 @@ def test_random_workload_invariants(policy: str, seed: int, async_scheduling: bo
         assert tokens[rid] == [100 + n for n in range(max_tokens)], rid
     assert_all_blocks_free(sched)
     assert sched.requests == {}
+
+
+def test_waiting_requests_whose_grammar_compiles_are_deferred() -> None:
+    """vLLM's waiting reasons: a request passed over until its grammar compiles is "deferred",
+    the others wait for capacity (stats carry the deferred count)."""
+    sched = make_scheduler()
+    for rid in ("a", "b"):
+        sched.add_request(make_request(rid, 4))
+    sched.requests["a"].grammar = SimpleNamespace(is_compiling=True)  # (only what the count reads)
+    assert (sched.num_waiting, sched.num_waiting_deferred, sched.stats()["num_waiting_deferred"]) == (2, 1, 1)
+    sched.requests["a"].grammar = SimpleNamespace(is_compiling=False)
+    assert sched.num_waiting_deferred == 0

@@ -236,6 +236,8 @@ def test_loads_in_flight_are_bounded_by_max_num_seqs_and_the_pool() -> None:
     so = s.schedule()
     assert [load.request_id for load in so.kv_connector_metadata.loads] == ["c0", "c1"]
     assert [r.request_id for r in s.waiting] == ["c2"] and s.num_waiting == 3
+    # Waiting for their loads (vLLM's "deferred" waiting reason); c2 waits for capacity.
+    assert s.num_waiting_deferred == 2 and s.stats()["num_waiting_deferred"] == 2
     s.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, finished_recving=["c0"]))
     so = s.schedule()
     assert [r.request_id for r in so.new_requests] == ["c0"]

@@ -84,6 +84,9 @@ def test_beyond_the_limit_and_its_queue_is_a_429_with_retry_after(smollm2_dir: s
         fake.running.set()
         assert running.result().status_code == 200 and queued.result().status_code == 200
         assert len(fake.requests) == 2  # the refused one never reached the engine
+        # /metrics counts the three refusals as vLLM's frontend does (reason: its queue was full).
+        metrics = httpx.get(f"{gw.url}/metrics").text
+        assert f'vllm:admission_rejections_total{{model_name="{MODEL}",reason="max_num_queued_reqs"}} 3.0' in metrics
         assert httpx.post(f"{gw.url}/v1/completions", json=body, timeout=10).status_code == 200
 
 

@@ -48,3 +48,42 @@ def test_a_request_without_timings_observes_no_phase() -> None:
     timer.on_finish("stop", pb.RequestTimings(queued_s=0.1, prefill_s=0.2, decode_s=0.3, inference_s=0.5))
     assert sum(metrics.request_queue_time.counts) == 1 and metrics.request_inference_time.sum == 0.5
     assert metrics.time_per_prefill_token.sum == 0.2 / 10
+
+
+def _values(text: str, name: str, label: str) -> dict[str, float]:
+    return {s.labels[label]: s.value for s in _families(text)[name]}
+
+
+def test_waiting_reasons_sleep_state_and_token_sources() -> None:
+    metrics = GatewayMetrics("m")
+    timer = metrics.timer(0.0)
+    timer.on_prompt(30, num_cached_tokens=10)
+    timer.on_tokens(1)
+    timer.on_finish("stop")
+    text = metrics.render(pb.Stats(num_waiting=5, num_waiting_deferred=2, prefix_cache_hits=10,
+                                   kv_transfer_loaded_tokens=16), admission_rejections=3)
+    assert _values(text, "vllm:num_requests_waiting_by_reason", "reason") == {"capacity": 3, "deferred": 2}
+    assert _values(text, "vllm:engine_sleep_state", "sleep_state") == {"awake": 1, "weights_offloaded": 0,
+                                                                       "discard_all": 0}
+    assert _values(text, "vllm:prompt_tokens_by_source", "source") == {
+        "local_compute": 4, "local_cache_hit": 10, "external_kv_transfer": 16}
+    assert _values(text, "vllm:prompt_tokens_cached_by_source", "source") == {
+        "device": 10, "host": 0, "disk": 0, "p2p": 16, "external_unspecified": 0}
+    rejections = _families(text)["vllm:admission_rejections"]
+    assert {s.labels["reason"]: s.value for s in rejections} == {"max_num_queued_reqs": 3, "max_num_queued_tokens": 0}
+    assert all("engine" not in s.labels for s in rejections)  # (vLLM's frontend counter: by model only)
+
+
+def test_per_request_preemptions_and_computed_prompt_tokens() -> None:
+    metrics = GatewayMetrics("m")
+    metrics.set_max_model_len(512)
+    timer = metrics.timer(0.0)
+    timer.on_prompt(30, num_cached_tokens=16)
+    timer.on_tokens(2)
+    timer.on_finish("stop", pb.RequestTimings(num_preemptions=2))
+    assert metrics.request_num_preemptions.sum == 2 and sum(metrics.request_num_preemptions.counts) == 1
+    assert metrics.request_prefill_kv_computed_tokens.sum == 14
+    timer = metrics.timer(0.0)  # without the engine's timings (a request that failed): not observed
+    timer.on_prompt(30)
+    timer.on_finish("abort")
+    assert sum(metrics.request_num_preemptions.counts) == 1
