@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import logging
 import os
 import secrets
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import VllmConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
+from services.common.log_format import configure_service_logging
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.common.secret_check import check_service_secrets, join_api_keys
 from services.common.serve_connection import ServeConnection
@@ -69,7 +69,7 @@ def _fail(message: str) -> int:
 
 
 def _run_async(coro) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_service_logging()
     try:
         asyncio.run(coro)
     except StartupError as e:
@@ -130,6 +130,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     from services.gateway.options import gateway_options
     from services.gateway.server import serve_gateway
 
+    configure_service_logging()
     model = args.model or default_model_path()
     try:
         check_model_dir(model)

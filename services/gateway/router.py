@@ -239,7 +239,7 @@ class ReplicaRouter:
         a single static replica has none, and would otherwise stay marked down for good (off
         engine_replicas_routable, and its next failure never logged)."""
         if not replica.healthy:
-            logger.warning("engine replica %s is back", replica.address)
+            logger.info("engine replica %s is back", replica.address)
         replica.healthy = True
 
     def any_client(self) -> AsyncClient:
