@@ -61,6 +61,10 @@ class Scheduler:
         # Requests whose state the worker holds (scheduled since their last preemption).
         self.worker_known: set[str] = set()
         self.num_preemptions = 0
+        # vLLM's token counters (its stats line's throughputs): a request's whole prompt once its
+        # first token comes out, and every token generated.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         self.step_id = 0
         self.grammar = GrammarHooks(structured_output, self.abort_requests, self._finish)
         self.spec = SpecDecodeHooks(config.speculative_config, max_model_len, self.async_scheduling)
@@ -386,6 +390,9 @@ class Scheduler:
             new_token_ids, status = append_output_tokens(request, tokens, self.max_model_len,
                                                          self.grammar.advance)
             drafts.next_drafts(i, request, status is not None)
+            self.num_generation_tokens += len(new_token_ids)
+            if new_token_ids and request.num_output_tokens == len(new_token_ids):  # its first tokens
+                self.num_prompt_tokens += request.num_prompt_tokens
             if status is None and request.grammar is not None:
                 request.grammar.prefetch()  # the next row, filled while the engine gets on with the step
             out = pb.RequestOutput(request_id=rid, new_token_ids=new_token_ids,
@@ -435,6 +442,8 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
             "num_waiting": self.num_waiting,
             "num_running": self.num_running,
             "kv_cache_usage": kv.usage,

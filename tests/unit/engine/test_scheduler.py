@@ -370,6 +370,20 @@ def test_finished_ids_sent_once() -> None:
     assert list(so.finished_request_ids) == []
 
 
+def test_token_counters_count_as_vllms_stats_logger() -> None:
+    """A prompt counts whole once its first token comes out (not per prefill chunk), every
+    generated token counts (the stats line's throughputs: services/gateway/stats_log.py)."""
+    sched = make_scheduler(budget=8)
+    worker = FakeWorker(sched)
+    sched.add_request(make_request("a", 20, max_tokens=3))
+    step(sched, worker)  # a prefill chunk: no token yet
+    assert (sched.stats()["prompt_tokens"], sched.stats()["generation_tokens"]) == (0, 0)
+    run_until_done(sched, worker)
+    sched.add_request(make_request("b", 5, max_tokens=2))
+    run_until_done(sched, worker)
+    assert (sched.stats()["prompt_tokens"], sched.stats()["generation_tokens"]) == (25, 5)
+
+
 # --------------------------------------------------------------------------- preemption
 
 
