@@ -7,13 +7,13 @@ import Triton only on the CUDA path; torch imports it on its own, as soon as any
 torch._dynamo (building a model on the meta device does, through torch._refs), to ask whether
 the package exists. On CPU the honest answer is no: torch is told so before it asks.
 
-Left alone where Triton is already imported (nothing to save) and under TRITON_INTERPRET=1
-(Triton's interpreter runs its kernels on CPU: tests of our Triton kernels use it).
+Only torch's question is answered: Triton itself stays importable, so code that runs Triton
+kernels in its interpreter on CPU (TRITON_INTERPRET=1: tests of our kernels) still imports it.
+Left alone where Triton is already imported (nothing to save).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 
@@ -23,7 +23,7 @@ def _no_triton_package() -> bool:
 
 def keep_triton_out() -> None:
     """Make torch see no Triton package in this process (see the module's docstring)."""
-    if "triton" in sys.modules or os.environ.get("TRITON_INTERPRET") == "1":
+    if "triton" in sys.modules:
         return
     import torch.utils._triton as torch_triton
 
