@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import os
 import secrets
 import shutil
@@ -372,9 +373,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         base = f"http://{host}:{args.port}/v1"
         served = (args.served_model_name or [os.path.basename(os.path.normpath(model))])[0]
         print(f"my-vllm is serving {served} at {base}", flush=True)
-        print(f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
-              flush=True)
+        print(f"  {_curl_example(base, served, args.api_key)}", flush=True)
         connection_file = _write_connection(args, scheduler_ports)
         print("Press Ctrl-C to stop.", flush=True)
         units: list[ServiceProcess | ServiceGroup] = services
@@ -400,6 +399,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             services.append(gateway)
         _drain_gateway(services, args.shutdown_timeout)
         stop_all(services, grace_s=EXIT_GRACE_S)
+
+
+def _curl_example(base_url: str, served_model_name: str, api_keys: list[str] | None) -> str:
+    """The banner's ready-to-paste request: with --api-key, it carries the first key (the API
+    answers 401 without one)."""
+    auth = f' -H "Authorization: Bearer {api_keys[0]}"' if api_keys else ""
+    body = json.dumps({"model": served_model_name, "messages": [{"role": "user", "content": "Hello!"}]})
+    return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
 def _write_connection(args: argparse.Namespace, scheduler_ports: list[int]) -> Path | None:
