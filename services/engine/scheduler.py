@@ -61,10 +61,8 @@ class Scheduler:
         # Requests whose state the worker holds (scheduled since their last preemption).
         self.worker_known: set[str] = set()
         self.num_preemptions = 0
-        # vLLM's token counters (its stats line's throughputs): a request's whole prompt once its
-        # first token comes out, and every token generated.
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
+        # vLLM's token counters (its stats line): a whole prompt once its first token is out, each token generated.
+        self.num_prompt_tokens = self.num_generation_tokens = 0
         self.step_id = 0
         self.grammar = GrammarHooks(structured_output, self.abort_requests, self._finish)
         self.spec = SpecDecodeHooks(config.speculative_config, max_model_len, self.async_scheduling)
