@@ -15,18 +15,19 @@ from services.common.config_fields import flag, flag_dest, flag_dests, flag_fiel
 from services.common.cudagraph_config import CUDAGRAPH_MODES, check_cudagraph_mode, parse_capture_sizes
 from services.common.flag_values import DTYPE_ALIASES, dtype_name, max_model_len_value
 from services.common.kv_transfer_config import KVTransferConfig
+from services.common.log_format import vllm_formatter
 from services.common.pooling_config import CONVERTS, RUNNERS, PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.common.spec_config import SpeculativeConfig
 
 
 def _dtype_logger() -> logging.Logger:
-    """The dtype choice is always shown (as vLLM's INFO line is), whatever the process's logging
-    setup: `serve` keeps the root logger at WARNING and the offline LLM configures none."""
+    """The dtype choice is always shown (as vLLM's INFO line is), in vLLM's format, whatever the
+    process's logging setup: the offline LLM configures none."""
     log = logging.getLogger("myvllm.dtype")
     if not log.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s myvllm: %(message)s"))
+        handler.setFormatter(vllm_formatter())
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False

@@ -20,6 +20,7 @@ from collections import deque
 from services.common import message_limits
 from services.common.config import VllmConfig
 from services.common.proto import myvllm_pb2 as pb
+from services.engine.engine_counters import EngineCounters
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
 from services.engine.request_limits import check_request_fits
@@ -48,9 +49,8 @@ class Scheduler:
         self.policy = sched.scheduling_policy
         # With async scheduling step N+1 is scheduled before step N's tokens are back.
         self.async_scheduling = bool(sched.async_scheduling)
-        # With pipeline parallelism the first stage never sees sampled tokens: cached requests
-        # carry the tokens each step computes. (A decode in flight is not scheduled again until
-        # its token is back: its num_computed_tokens already equals num_tokens.)
+        # With pipeline parallelism the first stage never sees sampled tokens: cached requests carry the
+        # tokens each step computes (a decode in flight waits for its token: num_computed == num_tokens).
         self.pipeline_parallel = config.parallel_config.pipeline_parallel_size > 1
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -60,7 +60,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Requests whose state the worker holds (scheduled since their last preemption).
         self.worker_known: set[str] = set()
-        self.num_preemptions = 0
+        self.counters = EngineCounters()
         self.step_id = 0
         self.grammar = GrammarHooks(structured_output, self.abort_requests, self._finish)
         self.spec = SpecDecodeHooks(config.speculative_config, max_model_len, self.async_scheduling)
@@ -168,8 +168,7 @@ class Scheduler:
 
     @property
     def num_waiting_deferred(self) -> int:
-        """Of `num_waiting`, those passed over until their grammar compiles or their prompt's KV
-        arrives from a producer (vLLM's "deferred" waiting reason)."""
+        """Of num_waiting, those awaiting their grammar or a producer's KV (vLLM's "deferred")."""
         return self.grammar.num_compiling(self.waiting) + len(self.kv.waiting_for_remote)
 
     @property
@@ -190,7 +189,7 @@ class Scheduler:
         victim.num_drafts_in_flight = 0
         victim.spec_token_ids = []  # its drafts' slots are gone with its blocks
         victim.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         if victim.request_id in self.worker_known:
             self.worker_known.discard(victim.request_id)
             self.finished_req_ids.add(victim.request_id)
@@ -392,6 +391,7 @@ class Scheduler:
             new_token_ids, status = append_output_tokens(request, tokens, self.max_model_len,
                                                          self.grammar.advance)
             drafts.next_drafts(i, request, status is not None)
+            self.counters.count_output(request, new_token_ids)
             if status is None and request.grammar is not None:
                 request.grammar.prefetch()  # the next row, filled while the engine gets on with the step
             out = pb.RequestOutput(request_id=rid, new_token_ids=new_token_ids,
@@ -440,7 +440,7 @@ class Scheduler:
             "num_total_blocks": kv.block_pool.num_blocks - 1,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": self.num_preemptions,
+            **self.counters.as_dict(),
             "num_waiting": self.num_waiting,
             "num_waiting_deferred": self.num_waiting_deferred,
             "num_running": self.num_running,

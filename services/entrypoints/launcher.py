@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import logging
+import json
 import os
 import secrets
 import shutil
@@ -28,6 +28,7 @@ from pathlib import Path
 from services.common.auth import TOKEN_ENV, token_from_env, token_metadata
 from services.common.config import VllmConfig, check_model_dir, default_model_path
 from services.common.grpc_utils import StartupError
+from services.common.log_format import configure_service_logging
 from services.common.redis_registry import REDIS_URL_ENV, redact_redis_url, redis_url_from_env
 from services.common.secret_check import check_service_secrets, join_api_keys
 from services.common.serve_connection import ServeConnection
@@ -69,7 +70,7 @@ def _fail(message: str) -> int:
 
 
 def _run_async(coro) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_service_logging()
     try:
         asyncio.run(coro)
     except StartupError as e:
@@ -130,6 +131,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     from services.gateway.options import gateway_options
     from services.gateway.server import serve_gateway
 
+    configure_service_logging()
     model = args.model or default_model_path()
     try:
         check_model_dir(model)
@@ -372,9 +374,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         base = f"http://{host}:{args.port}/v1"
         served = (args.served_model_name or [os.path.basename(os.path.normpath(model))])[0]
         print(f"my-vllm is serving {served} at {base}", flush=True)
-        print(f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
-              flush=True)
+        print(f"  {_curl_example(base, served, args.api_key)}", flush=True)
         connection_file = _write_connection(args, scheduler_ports)
         print("Press Ctrl-C to stop.", flush=True)
         units: list[ServiceProcess | ServiceGroup] = services
@@ -400,6 +400,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             services.append(gateway)
         _drain_gateway(services, args.shutdown_timeout)
         stop_all(services, grace_s=EXIT_GRACE_S)
+
+
+def _curl_example(base_url: str, served_model_name: str, api_keys: list[str] | None) -> str:
+    """The banner's ready-to-paste request: with --api-key, it carries the first key (the API
+    answers 401 without one)."""
+    auth = f' -H "Authorization: Bearer {api_keys[0]}"' if api_keys else ""
+    body = json.dumps({"model": served_model_name, "messages": [{"role": "user", "content": "Hello!"}]})
+    return f"curl {base_url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
 def _write_connection(args: argparse.Namespace, scheduler_ports: list[int]) -> Path | None:

@@ -56,6 +56,7 @@ from services.gateway.serving_completion import create_completion
 from services.gateway.serving_embeddings import create_embedding
 from services.gateway.serving_messages import count_tokens, create_message
 from services.gateway.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
+from services.gateway.stats_log import log_stats_forever, log_stats_interval
 from services.text.tokenizer import Tokenizer, load_chat_template
 
 STATIC_DIR = Path(__file__).with_name("static")  # the playground page at /
@@ -101,10 +102,14 @@ def create_app(
         app.state.ctx = ctx
         router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())
+        background = [warmup]
+        if not options.disable_log_stats:
+            background.append(asyncio.create_task(log_stats_forever(router.replica_stats, log_stats_interval())))
         try:
             yield
         finally:
-            warmup.cancel()
+            for task in background:
+                task.cancel()
             await router.close()
             ctx.close()
 

@@ -114,11 +114,13 @@ class GatewayContext:
     async def fetch_max_model_len_until_known(self) -> None:
         """Background task from startup: retry GetStats until the scheduler answers, so
         the first request does not pay for it (requests before then try themselves)."""
+        log = logger.info  # once: while the model loads it would repeat every retry
         while self._max_model_len is None:
             try:
                 await self.max_model_len()
             except SchedulerUnavailable as e:
-                logger.info("waiting for a scheduler (%s): %s", self.router.description, e)
+                log("waiting for a scheduler (%s): %s", self.router.description, e)
+                log = logger.debug
                 await asyncio.sleep(STATS_RETRY_INTERVAL_S)
 
     async def ready(self) -> bool:

@@ -131,9 +131,9 @@ class _Scrape:
                 family.add_metric([self.names[prefix]["model_name"], value_of_label], value)
             self.families.append(family)
 
-    def add_info(self, name: str, help_text: str, info: Mapping[str, str]) -> None:
-        """vLLM's info gauge: 1, the information in its labels (under vLLM's name, and ours)."""
-        for prefix in ("myvllm:", "vllm:"):
+    def add_info(self, name: str, help_text: str, info: Mapping[str, str], vllm: bool = True) -> None:
+        """vLLM's info gauge: 1, the information in its labels (under ours, and vLLM's name if `vllm`)."""
+        for prefix in ("myvllm:", "vllm:") if vllm else ("myvllm:",):
             labels = {**self.names[prefix], **info}
             family = GaugeMetricFamily(prefix + name, help_text, labels=list(labels))
             family.add_metric(list(labels.values()), 1)
@@ -287,6 +287,9 @@ class GatewayMetrics:
             "block_size": str(stats.block_size), "cache_dtype": "auto",
             "enable_prefix_caching": str(stats.enable_prefix_caching),
             "num_gpu_blocks": str(stats.num_total_blocks + 1)})
+        # (ours alone: vLLM serves no such metric) what `bench serve --base-url` reports the server runs
+        scrape.add_info("model_config_info", "The engine's model configuration.", {
+            "dtype": stats.dtype, "attention_backend": stats.attention_backend}, vllm=False)
         scrape.add("counter", "dp_dummy_steps", "Steps an engine of a data-parallel expert-parallel group ran with "
                    "nothing scheduled, so the group's MoE exchanges matched.", stats.num_dummy_steps)
         scrape.add("gauge", "dp_wave", "The data-parallel expert-parallel group's current wave (0 without such a "

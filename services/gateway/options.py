@@ -26,8 +26,9 @@ DEFAULT_MAX_CHOICES_PER_REQUEST = 256
 # tokenizers release the GIL while encoding, so two prompts tokenize in parallel).
 DEFAULT_TOKENIZER_POOL_SIZE = 2
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-# uvicorn's log level: warning keeps a serving process quiet (no line per request); vLLM's is info.
-DEFAULT_UVICORN_LOG_LEVEL = "warning"
+# uvicorn's log level, vLLM's: info, with its access log (a line per request; off with
+# --disable-uvicorn-access-log).
+DEFAULT_UVICORN_LOG_LEVEL = "info"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Flags (argparse dests) that carry secrets: a launcher passes them through the environment,
 # never on the (world-readable) command line.
@@ -71,6 +72,8 @@ class GatewayOptions:
     root_path: str | None = None
     uvicorn_log_level: str = DEFAULT_UVICORN_LOG_LEVEL
     disable_uvicorn_access_log: bool = False
+    # The periodic engine stats line (stats_log.py) is off.
+    disable_log_stats: bool = False
     enable_log_requests: bool = False
     max_logprobs: int = MAX_LOGPROBS
     response_role: str = DEFAULT_RESPONSE_ROLE
@@ -205,9 +208,12 @@ def add_frontend_options(parser: argparse.ArgumentParser, defaults: GatewayOptio
     parser.add_argument("--root-path", default=None,
                         help="the path prefix a path-based proxy serves the API under (FastAPI's root_path)")
     parser.add_argument("--uvicorn-log-level", default=defaults.uvicorn_log_level, choices=UVICORN_LOG_LEVELS,
-                        help="the HTTP server's log level (info logs a line per request; vLLM's default is info)")
+                        help="the HTTP server's log level (info and below: its access log too, a line per request)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no access log line per request, whatever --uvicorn-log-level")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic engine stats line (throughput, running and waiting requests, KV cache "
+                             "usage, prefix cache hit rate per replica, every 10 s while there is activity)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log each generation request's sampling parameters at INFO")
     parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
@@ -240,6 +246,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         cors=CorsSettings(tuple(json.loads(args.allowed_origins)), tuple(json.loads(args.allowed_methods)),
                           tuple(json.loads(args.allowed_headers)), args.allow_credentials),
         root_path=args.root_path, uvicorn_log_level=args.uvicorn_log_level,
-        disable_uvicorn_access_log=args.disable_uvicorn_access_log, enable_log_requests=args.enable_log_requests,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log, disable_log_stats=args.disable_log_stats,
+        enable_log_requests=args.enable_log_requests,
         max_logprobs=MAX_LOGPROBS if args.max_logprobs == -1 else args.max_logprobs,
         response_role=args.response_role, generation_config=args.generation_config)

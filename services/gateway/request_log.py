@@ -1,9 +1,11 @@
 """`--enable-log-requests`: one INFO line per request with its sampling parameters, as vLLM logs
-them, whatever the process's logging setup (the gateway leaves the root logger at WARNING)."""
+them (its format too), whatever the process's logging setup (a gateway in a test configures none)."""
 
 from __future__ import annotations
 
 import logging
+
+from services.common.log_format import vllm_formatter
 
 REQUEST_LOGGER = "myvllm.requests"
 
@@ -13,7 +15,7 @@ def request_logger() -> logging.Logger:
     log = logging.getLogger(REQUEST_LOGGER)
     if not any(isinstance(h, _StderrHandler) for h in log.handlers):
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(vllm_formatter())
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False

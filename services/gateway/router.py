@@ -239,7 +239,7 @@ class ReplicaRouter:
         a single static replica has none, and would otherwise stay marked down for good (off
         engine_replicas_routable, and its next failure never logged)."""
         if not replica.healthy:
-            logger.warning("engine replica %s is back", replica.address)
+            logger.info("engine replica %s is back", replica.address)
         replica.healthy = True
 
     def any_client(self) -> AsyncClient:
@@ -352,11 +352,15 @@ class ReplicaRouter:
 
     # ------------------------------------------------------------------ engine-wide views
 
+    async def replica_stats(self) -> dict[str, pb.Stats]:
+        """Each reachable replica's stats, by address (one that does not answer is left out)."""
+        replicas = list(self.replicas.values())
+        results = await asyncio.gather(*(r.client.get_stats() for r in replicas), return_exceptions=True)
+        return {r.address: s for r, s in zip(replicas, results, strict=True) if isinstance(s, pb.Stats)}
+
     async def stats(self) -> pb.Stats | None:
         """Every reachable replica's stats summed (KV usage over all blocks); None if none answers."""
-        results = await asyncio.gather(*(r.client.get_stats() for r in self.replicas.values()),
-                                       return_exceptions=True)
-        answered = [s for s in results if isinstance(s, pb.Stats)]
+        answered = list((await self.replica_stats()).values())
         if len(answered) <= 1:
             return answered[0] if answered else None
         total = pb.Stats(model=answered[0].model, block_size=answered[0].block_size,
@@ -367,6 +371,8 @@ class ReplicaRouter:
             total.prefix_cache_queries += s.prefix_cache_queries
             total.prefix_cache_hits += s.prefix_cache_hits
             total.num_preemptions += s.num_preemptions
+            total.prompt_tokens += s.prompt_tokens
+            total.generation_tokens += s.generation_tokens
             total.num_waiting += s.num_waiting
             total.num_waiting_deferred += s.num_waiting_deferred
             total.num_running += s.num_running

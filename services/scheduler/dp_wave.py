@@ -81,7 +81,7 @@ class _Subscription:
                 if self._pubsub is None:
                     self._pubsub = self.client.pubsub()
                     await self._pubsub.subscribe(self.channel)
-                    logger.warning("subscribed to %s again", self.channel)
+                    logger.info("subscribed to %s again", self.channel)
                     self.on_resubscribed()
                     backoff = RESUBSCRIBE_BACKOFF_S
                 message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)

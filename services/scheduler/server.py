@@ -124,8 +124,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         # A request waiting only for its grammar (or its allowed-token row) must not wait for the idle probe.
         loop = asyncio.get_running_loop()
         self.core.structured_output.on_ready = lambda: loop.call_soon_threadsafe(self.work_available.set)
-        logger.warning("worker at %s: %s (%s on %s, attention backend %s), %d KV blocks", self.worker.address,
-                       info.model, info.dtype, info.device, info.attention_backend, num_blocks)
+        logger.info("worker at %s: %s (%s on %s, attention backend %s), %d KV blocks", self.worker.address,
+                    info.model, info.dtype, info.device, info.attention_backend, num_blocks)
 
     async def _heartbeat(self) -> None:
         """An idle engine takes no steps, so nothing else would refresh its Redis entry;
@@ -191,7 +191,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             backoff = min(backoff * 2, MAX_RECONNECT_BACKOFF_S)
         self._install(info, num_blocks)
         self.worker_down = None
-        logger.warning("worker at %s is back; serving again", self.worker.address)
+        logger.info("worker at %s is back; serving again", self.worker.address)
         if self.load_reporter is not None:
             self.load_reporter.rejoin(self.core.load())
         self.work_available.set()
@@ -406,8 +406,8 @@ async def serve_scheduler(host: str, port: int, config: VllmConfig, worker_addre
     pb_grpc.add_SchedulerServicer_to_server(servicer, server)
     grpc_utils.bind_or_fail(server, host, port, "scheduler")
     await server.start()
-    logger.warning("scheduler serving on %s:%d (ready in %.1fs)%s", host, port, time.monotonic() - started,
-                   " (internal token required)" if token else "")
+    logger.info("scheduler serving on %s:%d (ready in %.1fs)%s", host, port, time.monotonic() - started,
+                " (internal token required)" if token else "")
     serving = asyncio.ensure_future(grpc_utils.serve_until_cancelled(server))
     try:
         await asyncio.wait({serving, servicer.group_fault}, return_when=asyncio.FIRST_COMPLETED)

@@ -24,6 +24,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.attention.selector import get_attention_backend
 from services.worker.cpu.malloc_tuning import keep_freed_memory
+from services.worker.cpu.triton_off import keep_triton_out
 from services.worker.cuda_graphs import StaticDecode, build_static_decode, resolve_cudagraph_mode
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch, runs_own_counts
@@ -109,6 +110,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(threads_per_rank(num_ranks))
             keep_freed_memory()  # activations reused between steps instead of re-faulted
+            keep_triton_out()  # no Triton kernel runs here; importing it costs noise at exit
         torch.manual_seed(model_config.seed)
         self.seed = model_config.seed
         self.dtype = resolve_dtype(model_config.dtype or "auto", self.device)

@@ -187,5 +187,5 @@ async def serve_worker(host: str, port: int, own: pb.LoadModelRequest, device: s
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     grpc_utils.bind_or_fail(server, host, port, "worker")
     await server.start()
-    logger.warning("worker serving on %s:%d%s", host, port, " (internal token required)" if token else "")
+    logger.info("worker serving on %s:%d%s", host, port, " (internal token required)" if token else "")
     await grpc_utils.serve_until_cancelled(server)

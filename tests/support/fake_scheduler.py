@@ -162,7 +162,7 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
             num_preemptions=3, num_waiting=1, num_running=2, kv_cache_usage=0.25,
             max_model_len=self.max_model_len, model=self.model, block_size=16, num_steps=7,
             iteration_tokens_counts=[0, 2, 1] + [0] * 11, iteration_tokens_sum=30, spec_decode_enabled=True,
-            enable_prefix_caching=True)
+            enable_prefix_caching=True, dtype="float32", attention_backend="torch")
 
 
 async def start_fake_scheduler(servicer: FakeScheduler, port: int = 0) -> tuple[grpc.aio.Server, str]:

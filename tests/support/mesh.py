@@ -64,7 +64,8 @@ class Mesh:
             self.banner.append(line)
             self.output.append(line)
             if line.startswith("Press Ctrl-C"):
-                threading.Thread(target=self._read_output, daemon=True).start()
+                self._reader = threading.Thread(target=self._read_output, daemon=True)
+                self._reader.start()
                 return
         raise RuntimeError("myvllm serve did not come up")
 
@@ -93,6 +94,8 @@ class Mesh:
         except subprocess.TimeoutExpired:
             code = -9
         deadline = time.monotonic() + 10  # services told to stop may still be exiting
+        if code != -9 and getattr(self, "_reader", None) is not None:
+            self._reader.join(timeout=10)  # the last lines (the services' exits) are in `output`
         while suite_processes.owned_processes(self.owner) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.leftovers = [suite_processes.describe(pid) for pid in suite_processes.owned_processes(self.owner)]

@@ -85,12 +85,35 @@ def _plot(results: list[ServeResult], path: str) -> None:
     plt.close(fig)
 
 
+def _server_dtype(base_url: str) -> str | None:
+    """The dtype a my-vllm server runs (its /metrics' myvllm:model_config_info); None when it
+    does not say (another server, or no engine answering yet)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{base_url.rstrip('/').removesuffix('/v1')}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == "myvllm:model_config_info":
+            return next((sample.labels.get("dtype") or None for sample in family.samples), None)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from services.common.config import default_model_path
     from services.entrypoints.cli import engine_kwargs
 
     model_dir = args.model or default_model_path()
-    args.dtype = resolve_bench_dtype(args.dtype)
+    # A running server: its dtype is what is measured (and what the peers here then run), not
+    # what "auto" would pick on this machine.
+    server_dtype = _server_dtype(args.base_url) if args.base_url and args.workload == "random" else None
+    if server_dtype:
+        log(f"the server at {args.base_url} runs dtype {server_dtype}")
+        args.dtype = server_dtype
+    else:
+        args.dtype = resolve_bench_dtype(args.dtype)
     if args.workload == "multi-tenant":
         from services.entrypoints.bench import multi_tenant
 

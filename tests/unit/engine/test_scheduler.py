@@ -266,7 +266,7 @@ def test_waiting_head_blocks_later_requests() -> None:
     sched.add_request(make_request("small", 2, max_tokens=3))  # would fit
     so, _ = step(sched, worker)
     assert set(scheduled(so)) == {"big0"}
-    assert sched.num_preemptions == 0
+    assert sched.counters.num_preemptions == 0
     finals = run_until_done(sched, worker)
     assert set(finals) == {"big0", "big1", "small"}
     assert_all_blocks_free(sched)
@@ -371,6 +371,20 @@ def test_finished_ids_sent_once() -> None:
     assert list(so.finished_request_ids) == []
 
 
+def test_token_counters_count_as_vllms_stats_logger() -> None:
+    """A prompt counts whole once its first token comes out (not per prefill chunk), every
+    generated token counts (the stats line's throughputs: services/gateway/stats_log.py)."""
+    sched = make_scheduler(budget=8)
+    worker = FakeWorker(sched)
+    sched.add_request(make_request("a", 20, max_tokens=3))
+    step(sched, worker)  # a prefill chunk: no token yet
+    assert (sched.stats()["prompt_tokens"], sched.stats()["generation_tokens"]) == (0, 0)
+    run_until_done(sched, worker)
+    sched.add_request(make_request("b", 5, max_tokens=2))
+    run_until_done(sched, worker)
+    assert (sched.stats()["prompt_tokens"], sched.stats()["generation_tokens"]) == (25, 5)
+
+
 # --------------------------------------------------------------------------- preemption
 
 
@@ -392,7 +406,7 @@ def test_fcfs_preempts_last_running() -> None:
     so, outs = step(sched, worker)
     assert scheduled(so) == {"a": 1, "b": 1}
     assert list(so.finished_request_ids) == ["c"]  # the worker drops c's state
-    assert sched.num_preemptions == 1 and sched.stats()["num_preemptions"] == 1
+    assert sched.counters.num_preemptions == 1 and sched.stats()["num_preemptions"] == 1
     assert c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0
     assert c.num_preemptions == 1
@@ -487,7 +501,7 @@ def test_waiting_requests_never_preempt() -> None:
     for _ in range(2):
         so, _ = step(sched, worker)
         assert set(scheduled(so)) == {"a"}
-        assert sched.num_preemptions == 0
+        assert sched.counters.num_preemptions == 0
         assert sched.requests["b"].status == RequestStatus.WAITING
     assert a.status == RequestStatus.FINISHED_LENGTH
     so, _ = step(sched, worker)  # a finished in the previous step
@@ -558,7 +572,7 @@ def test_preemption_storm_completes_and_frees_everything() -> None:
     finals = run_until_done(sched, worker)
     assert set(finals) == {f"r{i}" for i in range(6)}
     assert all(f.finish_reason == "length" for f in finals.values())
-    assert sched.num_preemptions > 0
+    assert sched.counters.num_preemptions > 0
     # Every request produced exactly its 12 tokens in order despite recomputation.
     for i in range(6):
         assert worker.state.get(f"r{i}") is None or len(worker.state[f"r{i}"]["tokens"]) == 5 + 3 * i + 12

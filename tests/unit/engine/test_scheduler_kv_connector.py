@@ -334,7 +334,7 @@ def test_blocks_being_saved_stay_held_under_preemption_pressure_with_async_sched
         for out in s.update_from_output(done, sampled(done, finished_sending=reported)):
             if out.finish_reason:
                 finished[out.request_id] = out
-    assert preempted_while_saving == 0 and s.num_preemptions > 0  # there was pressure
+    assert preempted_while_saving == 0 and s.counters.num_preemptions > 0  # there was pressure
     assert sorted(finished) == sorted(f"{k}{i}" for k in "dp" for i in range(4))
     assert all(finished[f"p{i}"].kv_transfer_params.remote_handle for i in range(4))
     assert free_blocks(s) == pool.num_blocks - 1 and not s.kv.finishing

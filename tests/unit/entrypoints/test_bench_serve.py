@@ -30,3 +30,19 @@ def test_bench_serve_reports_percentiles_ratio_and_plot_and_keeps_them_when_the_
     assert re.search(r"my-vllm offline LLM \(max_num_seqs=2\)\s+\d+\.\d", out)
     assert re.search(r"^mesh c=2 / offline LLM \(output tok/s\): \d+\.\d\d$", out, re.M)
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_against_a_running_server_the_dtype_is_the_servers(monkeypatch) -> None:
+    """`bench serve --base-url` reports (and runs its peers in) the dtype the server runs, read
+    from its /metrics, not what "auto" would pick here; a server that does not say: None."""
+    import httpx
+
+    from services.common.proto import myvllm_pb2 as pb
+    from services.entrypoints.bench.serve import _server_dtype
+    from services.gateway.metrics import GatewayMetrics
+
+    pages = {"http://h:1/metrics": GatewayMetrics("m").render(pb.Stats(dtype="float32")),
+             "http://h:2/metrics": GatewayMetrics("m").render(None)}
+    monkeypatch.setattr(httpx, "get", lambda url, **_: httpx.Response(200, text=pages[url]))
+    assert _server_dtype("http://h:1") == _server_dtype("http://h:1/v1") == "float32"
+    assert _server_dtype("http://h:2") is None

@@ -51,15 +51,18 @@ def test_the_acceptance_command_line_becomes_engine_args_and_gateway_options() -
 
 def test_serve_forwards_the_gateway_flags_and_keeps_vllm_only_flags_to_itself(smollm2_dir: str) -> None:
     args = parse([*ACCEPTANCE, "--tokenizer", smollm2_dir, "--max-logprobs", "5", "--allowed-origins",
-                  '["https://a.example"]', "--revision", "main", "--trust-remote-code", "--no-enable-prefix-caching"])
+                  '["https://a.example"]', "--revision", "main", "--trust-remote-code", "--no-enable-prefix-caching",
+                  "--uvicorn-log-level", "debug", "--disable-log-stats"])
     placement = LocalPlacement("127.0.0.1", 8000, [[1]], [2])
     specs = {spec.role: spec for spec in processes(args, smollm2_dir, Topology(), placement)}
     gateway = list(specs[GATEWAY].argv)
     i = gateway.index("--served-model-name")
     assert gateway[i + 1:i + 3] == ["a", "b"]
-    for flag, value in (("--tokenizer", smollm2_dir), ("--max-logprobs", "5"), ("--uvicorn-log-level", "info"),
+    # (info, in ACCEPTANCE, is the default: the value given last, debug, is the one forwarded)
+    for flag, value in (("--tokenizer", smollm2_dir), ("--max-logprobs", "5"), ("--uvicorn-log-level", "debug"),
                         ("--allowed-origins", '["https://a.example"]')):
         assert gateway[gateway.index(flag) + 1] == value
+    assert "--disable-log-stats" in gateway
     assert "--api-key" not in gateway  # (a secret: it goes by the environment)
     worker = list(specs[WORKER].argv)
     assert "--no-enable-prefix-caching" not in worker and "--revision" not in worker

@@ -696,6 +696,9 @@ def test_metrics(stack: Stack, client: openai.OpenAI) -> None:
     assert value("myvllm:iteration_tokens_total_count") == 3 and value("myvllm:iteration_tokens_total_sum") == 30
     assert value("vllm:cache_config_info", engine="0", block_size="16", cache_dtype="auto",
                  enable_prefix_caching="True", num_gpu_blocks="101") == 1
+    # ours alone: what the engine runs (bench serve --base-url reads the dtype there)
+    assert value("myvllm:model_config_info", dtype="float32", attention_backend="torch") == 1
+    assert "vllm:model_config_info" not in types
 
     # vLLM's names: each family with vLLM's type, labels model_name and engine, the same values.
     for family, kind in VLLM_FAMILIES.items():
