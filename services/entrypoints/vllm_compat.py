@@ -39,8 +39,6 @@ class RefusedFlag:
 
 
 REFUSED = (
-    RefusedFlag(("--quantization", "-q"), "quantized checkpoints are not supported yet: serve an unquantized "
-                "(safetensors) model; a GGUF or quantized path is its own feature", metavar="METHOD"),
     RefusedFlag(("--enable-lora",), _NOT_YET_LORA, nargs=0),
     RefusedFlag(("--lora-modules",), _NOT_YET_LORA, nargs="+", metavar="NAME=PATH"),
     RefusedFlag(("--max-lora-rank",), _NOT_YET_LORA, metavar="RANK"),

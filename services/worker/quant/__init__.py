@@ -20,8 +20,6 @@ QUANT_TYPES = frozenset({
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 DENSE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
-# --quantization values.
-QUANTIZATION_METHODS = ("gguf", "int8")
 
 
 def block_size(qtype: int) -> int:

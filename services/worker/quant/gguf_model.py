@@ -53,10 +53,6 @@ class QuantTensor:
     shape: tuple[int, int]  # (out rows, in features), the dense tensor's shape
 
 
-def is_gguf_path(model: str | None) -> bool:
-    return bool(model) and str(model).endswith(".gguf")
-
-
 def hf_name(gguf_name: str) -> str | None:
     """The HF checkpoint name of a llama.cpp tensor (None: one we do not load, e.g. rope_freqs)."""
     if gguf_name in _GLOBAL_NAMES:
