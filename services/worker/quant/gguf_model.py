@@ -79,6 +79,11 @@ class GgufCheckpoint:
                                       f"(supported: {', '.join(SUPPORTED_ARCHS)})")
         self.config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                  gguf_file=os.path.basename(path))
+        # transformers takes head_dim from rope.dimension_count for llama only (Qwen3's default
+        # is 128 whatever the file says); llama.cpp writes the true one as attention.key_length.
+        key_length = self.reader.fields.get(f"{self.architecture}.attention.key_length")
+        if key_length is not None:
+            self.config.head_dim = int(key_length.contents())
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in QUANT_TYPES and qtype not in DENSE_TYPES:
