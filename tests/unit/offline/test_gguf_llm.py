@@ -73,7 +73,7 @@ def test_the_gguf_chat_template_and_tokenizer_serve_a_chat(gguf_llm: LLM, dense_
 def test_a_tiny_qwen3_gguf_with_a_separate_tokenizer_generates_as_its_dequantized_twin(tiny_qwen3_dir: str,
                                                                                       tmp_path) -> None:
     """A GGUF without a tokenizer of its own: `tokenizer` names the directory to take it from."""
-    from tests.gguf_fixtures import write_quantized_pair
+    from support.gguf_fixtures import write_quantized_pair
 
     gguf_path, twin_dir = write_quantized_pair(tiny_qwen3_dir, "qwen3", tmp_path)
     params = SamplingParams(max_tokens=8, temperature=0.0)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+from support.gguf_fixtures import random_k_blocks, write_quantized_pair
 
 from services.worker.models.loader import load_model
 from services.worker.quant.embedding import QuantEmbedding
@@ -18,7 +19,6 @@ from services.worker.quant.linear import QuantLinear
 from services.worker.quant.ops import dequantize_part
 from services.worker.quant.torch_dequant import dequantize as torch_dequantize
 from services.worker.quant.weights import QuantWeights
-from tests.gguf_fixtures import random_k_blocks, write_quantized_pair
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
