@@ -136,3 +136,40 @@ def test_int8_loads_a_tiny_checkpoint_as_q8_0_layers(tiny_model_dir) -> None:
     want = dense.layers[0].self_attn.qkv_proj(x)
     # Q8_0: a relative error of about 1/254 of each block's largest weight.
     torch.testing.assert_close(qkv(x), want, rtol=0, atol=0.02 * want.abs().max().item())
+
+
+def test_a_row_parallel_split_off_block_boundaries_is_refused_naming_tp_and_the_block(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from services.worker.models import quant_loader
+
+    monkeypatch.setattr(quant_loader, "get_tp", lambda: SimpleNamespace(size=3))
+    raw = torch.arange(4 * 4 * 34, dtype=torch.int32).to(torch.uint8).reshape(4, 4 * 34)  # Q8_0, 128 inputs
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .*Q8_0 block boundaries \(32 weights"):
+        quant_loader._input_slice(raw, int(Q.Q8_0), 40, 40, "layers.0.mlp.down_proj.weight")
+    # On block boundaries: the blocks of inputs 32..95, whole.
+    assert torch.equal(quant_loader._input_slice(raw, int(Q.Q8_0), 32, 64, "x"), raw[:, 34:102])
+
+
+def test_the_quantization_follows_the_model_path() -> None:
+    from services.common.config import check_quantization
+
+    assert check_quantization("models/x.gguf", None) == "gguf"
+    assert check_quantization("models/x.gguf", "gguf") == "gguf"
+    assert check_quantization("models/x", None) is None
+    assert check_quantization("models/x", "int8") == "int8"
+    with pytest.raises(ValueError, match="already quantized"):
+        check_quantization("models/x.gguf", "int8")
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        check_quantization("models/x", "gguf")
+
+
+def test_vllms_other_quantization_methods_are_refused_in_one_line(capsys) -> None:
+    from services.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--quantization", "awq"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--quantization" in err and "awq checkpoints are not supported" in err
+    assert build_parser().parse_args(["serve", "-q", "int8"]).quantization == "int8"
