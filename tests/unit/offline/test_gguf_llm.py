@@ -85,3 +85,19 @@ def test_a_tiny_qwen3_gguf_with_a_separate_tokenizer_generates_as_its_dequantize
         finally:
             llm.close()
     assert outputs[0] == outputs[1]
+
+
+def test_int8_generates_as_the_dense_checkpoint(tiny_qwen2_dir: str) -> None:
+    """--quantization int8 on a tiny checkpoint: Q8_0's error (a 254th of each block's largest
+    weight) leaves its sharpened greedy choices alone."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    outputs = []
+    for quantization in ("int8", None):
+        llm = LLM(tiny_qwen2_dir, quantization=quantization, **ENGINE_ARGS)
+        try:
+            if quantization == "int8":
+                assert isinstance(llm.worker.runner.model.layers[0].mlp.down_proj, QuantLinear)
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)])
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
