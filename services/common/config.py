@@ -18,6 +18,7 @@ from services.common.kv_transfer_config import KVTransferConfig
 from services.common.log_format import vllm_formatter
 from services.common.pooling_config import CONVERTS, RUNNERS, PoolerConfig
 from services.common.proto import myvllm_pb2 as pb
+from services.common.quantization import QUANTIZATION_METHODS, quantization_method
 from services.common.spec_config import SpeculativeConfig
 
 
@@ -69,12 +70,34 @@ def default_model_path() -> str:
     return os.environ.get("MYVLLM_MODEL", str(DEFAULT_MODEL_DIR))
 
 
+def is_gguf_file(model: str | None) -> bool:
+    """Whether `model` names a .gguf checkpoint file (served with its weights kept quantized)."""
+    return bool(model) and str(model).endswith(".gguf")
+
+
 def check_model_dir(model: str) -> str:
-    """Fail with one clear line when the model directory is missing."""
+    """Fail with one clear line when the model directory (or .gguf file) is missing."""
+    if is_gguf_file(model):
+        if not os.path.isfile(model):
+            raise FileNotFoundError(f"GGUF file not found: {model}")
+        return model
     if not os.path.isdir(model):
         hint = " (run `make setup` to convert the default model)" if model == str(DEFAULT_MODEL_DIR) else ""
         raise FileNotFoundError(f"model directory not found: {model}{hint}")
     return model
+
+
+def check_quantization(model: str | None, quantization: str | None) -> str | None:
+    """The quantization a model loads with: gguf for a .gguf file (which takes no other);
+    ValueError, in one line, for a combination that cannot load."""
+    if is_gguf_file(model):
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"--quantization {quantization}: {model} is a GGUF file, already quantized "
+                             "(leave --quantization out or give gguf)")
+        return "gguf"
+    if quantization == "gguf" and model:
+        raise ValueError(f"--quantization gguf needs a .gguf file; {model} is not one")
+    return quantization
 
 
 # x86 (avx512_bf16: AVX-512 dot products of bf16 pairs; amx_bf16: AMX tiles) and Arm (bf16)
@@ -153,7 +176,14 @@ class ModelConfig:
     """What the worker loads and how it computes (the worker's flags own it)."""
 
     model: str | None = field(default=None, metadata=flag(
-        help="HF model directory (default: the converted SmolLM2-135M-Instruct)"))
+        help="HF model directory or a .gguf file (default: the converted SmolLM2-135M-Instruct)"))
+    # Weights kept quantized in memory (services/worker/quant): gguf reads a .gguf file's blocks
+    # as they are (a path ending .gguf implies it); int8 quantizes an HF checkpoint's linear
+    # layers to Q8_0 blocks at load. None: the checkpoint's dense weights.
+    quantization: str | None = field(default=None, metadata=flag(
+        aliases=("-q",), choices=QUANTIZATION_METHODS, type=quantization_method,
+        help="gguf: a .gguf file's weights kept in their blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; implied by a "
+             ".gguf path); int8: the linear layers quantized to Q8_0 blocks at load (a scale per 32 inputs)"))
     # "auto", as in vLLM: bf16 on a CPU with bf16 instructions (avx512_bf16 / AMX: faster than our
     # fp32 there, BENCHMARKS.md), fp32 on other CPUs, bf16 on CUDA.
     # vLLM's spellings half and float are read as float16 and float32 (flag_values.DTYPE_ALIASES).
@@ -360,6 +390,7 @@ class VllmConfig:
         so = self.structured_outputs_config
         if m.model is None:
             m.model = default_model_path()
+        m.quantization = check_quantization(m.model, m.quantization)
         self._apply_runner()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:

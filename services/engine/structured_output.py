@@ -308,9 +308,10 @@ class StructuredOutputManager:
         with self._tokenizer_info_lock:
             if self._tokenizer_info is None:
                 import xgrammar as xgr
-                from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+                from services.text.hf_tokenizer import load_hf_tokenizer
+
+                tokenizer = load_hf_tokenizer(self.model_dir)
                 self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None)
             return self._tokenizer_info

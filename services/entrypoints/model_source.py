@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from services.common.config import check_model_dir
+from services.common.config import check_model_dir, is_gguf_file
 
 
 def hf_cache_dir(download_dir: str | None = None) -> str:
@@ -26,9 +26,9 @@ def _looks_like_path(model: str) -> bool:
 
 
 def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
-    """`model` itself when it is a directory, else its snapshot directory in the local Hugging
+    """`model` itself when it is a directory or a .gguf file, else its snapshot directory in the local Hugging
     Face cache. FileNotFoundError (one line) when it is neither."""
-    if os.path.isdir(model):
+    if os.path.isdir(model) or (is_gguf_file(model) and os.path.isfile(model)):
         return model
     if _looks_like_path(model):
         return check_model_dir(model)  # (raises, naming the directory)

@@ -39,8 +39,6 @@ class RefusedFlag:
 
 
 REFUSED = (
-    RefusedFlag(("--quantization", "-q"), "quantized checkpoints are not supported yet: serve an unquantized "
-                "(safetensors) model; a GGUF or quantized path is its own feature", metavar="METHOD"),
     RefusedFlag(("--enable-lora",), _NOT_YET_LORA, nargs=0),
     RefusedFlag(("--lora-modules",), _NOT_YET_LORA, nargs="+", metavar="NAME=PATH"),
     RefusedFlag(("--max-lora-rank",), _NOT_YET_LORA, metavar="RANK"),
@@ -60,8 +58,9 @@ class LimitedFlag:
 LIMITED = (
     LimitedFlag("--kv-cache-dtype", ("auto",), "not supported yet: the KV cache is kept in the model's dtype",
                 "the KV cache's dtype: auto, the model's (the only one supported yet)"),
-    LimitedFlag("--load-format", ("auto", "safetensors"), "my-vllm loads safetensors checkpoints only",
-                "how weights are read: auto or safetensors (the only format supported)"),
+    LimitedFlag("--load-format", ("auto", "safetensors", "gguf"), "my-vllm loads safetensors checkpoints and "
+                ".gguf files only", "how weights are read: auto, safetensors, or gguf (a .gguf model file, "
+                "which auto reads as gguf too)"),
 )
 
 

@@ -104,8 +104,9 @@ class GatewayOptions:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
                              f"{self.uvicorn_log_level!r}")
-        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
-            raise ValueError(f"--tokenizer {self.tokenizer} is not a directory")
+        if self.tokenizer is not None and not (os.path.isdir(self.tokenizer) or (
+                self.tokenizer.endswith(".gguf") and os.path.isfile(self.tokenizer))):
+            raise ValueError(f"--tokenizer {self.tokenizer} is not a directory or a .gguf file")
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # a missing file fails at start-up, not at the first chat
 

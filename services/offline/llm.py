@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from services.common.config import VllmConfig
 from services.common.kv_transfer_params import params_from_dict, params_to_dict
@@ -31,6 +30,7 @@ from services.engine.step_loop import StepLoop
 from services.engine.worker_setup import set_up_workers
 from services.offline.local_workers import LocalWorkers
 from services.offline.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from services.text.hf_tokenizer import load_hf_tokenizer
 from services.text.output_processor import ChoiceOutputProcessor
 from services.text.tokenizer import Tokenizer
 from services.worker.rank_workers import ParallelWorkers, make_workers
@@ -54,10 +54,12 @@ class LLM:
     local processes; `close()` stops them), enable_expert_parallel, data_parallel_size (with
     enable_expert_parallel: D engines of T ranks each, one expert-parallel group), enforce_eager,
     cuda_graph_sizes and cudagraph_mode (CUDA graphs for pure-decode steps; "static" runs their
-    padded buffers eagerly on any device).
+    padded buffers eagerly on any device). `model` may be a .gguf file: its weights stay in their
+    blocks (quantization "gguf"; "int8" quantizes an HF checkpoint's linear layers at load), its
+    own tokenizer and chat template serve unless `tokenizer` names another (vLLM's argument).
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_args: Any) -> None:
         self.config = c = VllmConfig.from_engine_args(model=model, **engine_args)
         if c.parallel_config.data_parallel_size > 1 and not c.expert_parallel_group:
             raise ValueError("LLM(data_parallel_size > 1) runs its engines as one expert-parallel group: add "
@@ -87,7 +89,7 @@ class LLM:
             handle.set_steps_in_flight(c.steps_in_flight)
         # Text, stop strings and bad words go through the gateway's pieces (services/text), so
         # offline and served completions of the same request read the same.
-        self.text_tokenizer = Tokenizer(AutoTokenizer.from_pretrained(self.config.model_config.model),
+        self.text_tokenizer = Tokenizer(load_hf_tokenizer(self.config.model_config.model, tokenizer),
                                         list(info.eos_token_ids), info.vocab_size)
         self.tokenizer = self.text_tokenizer.hf_tokenizer
         self._ids = itertools.count()

@@ -7,6 +7,9 @@ import json
 import os
 from typing import Any
 
+from services.common.config import is_gguf_file
+from services.text.hf_tokenizer import load_hf_tokenizer
+
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: printable stand-in char -> raw byte."""
@@ -70,10 +73,12 @@ class Tokenizer:
         tokenizer itself from `tokenizer_path` where given (vLLM's --tokenizer)."""
         # Here, not at module level: `serve` imports this module for its flags, and transformers
         # (with torch) takes seconds to import.
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import GenerationConfig
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        tokenizer = load_hf_tokenizer(model_path, tokenizer_path)
         try:
+            if is_gguf_file(model_path):  # no generation_config.json: the tokenizer's eos below
+                raise OSError(model_path)
             eos_token_ids = _as_id_list(GenerationConfig.from_pretrained(model_path).eos_token_id)
         except OSError:  # no generation_config.json
             eos_token_ids = []

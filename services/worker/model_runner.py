@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES, VllmConfig, check_model_dir
+from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES, VllmConfig, check_model_dir, is_gguf_file
 from services.common.message_limits import MAX_POOLED_DIMENSIONS
 from services.common.pooling_config import matryoshka_of
 from services.common.proto import myvllm_pb2 as pb
@@ -63,8 +63,8 @@ def _eos_token_ids(model_dir: str, config) -> list[int]:
     from transformers import GenerationConfig
 
     eos = None
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    try:  # (a .gguf file has no generation_config.json: its config carries the eos id)
+        eos = None if is_gguf_file(model_dir) else GenerationConfig.from_pretrained(model_dir).eos_token_id
     except (OSError, ValueError):
         pass
     if eos is None:
@@ -130,7 +130,8 @@ class ModelRunner:
         self.lockstep = get_dp().size > 1  # a data-parallel expert-parallel group's engine
         # Hidden states sent to the next stage and not yet known to have left (kept alive till then).
         self._pending_sends: deque[tuple[torch.distributed.Work, torch.Tensor]] = deque()
-        self.model, self.config = load_model(model_dir, self.dtype, self.device)
+        self.model, self.config = load_model(model_dir, self.dtype, self.device,
+                                             quantization=model_config.quantization)
         if self.lockstep and not self.model.moe_blocks():
             raise ValueError(f"{model_dir} is a dense model: data_parallel_size > 1 with enable_expert_parallel "
                              "needs a mixture-of-experts model (leave --enable-expert-parallel out for independent "

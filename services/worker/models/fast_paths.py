@@ -39,6 +39,10 @@ def use_fast_paths(model: nn.Module, attention_backend: str, compile_model: bool
     if _param(model).device.type == "cpu":
         c_steps = (attention_backend == "cpu" and not compile_model
                    and os.environ.get(CPU_DECODE_STEP_ENV, "1") != "0")
+        if c_steps and model.is_quantized():
+            # The C steps read dense weights; quantized layers run layer by layer (quant/ops.py).
+            logger.info("cpu decode steps off: the model keeps quantized weights; steps run layer by layer")
+            c_steps = False
         if c_steps:
             # Before packing: the small step keeps the row-major weights.
             use_cpu_decode_step(model, max_step_copy_bytes)
@@ -136,13 +140,14 @@ def use_cpu_decode_step(model: nn.Module, max_extra_bytes: int) -> bool:
 
 
 def pack_for_cpu(model: nn.Module) -> bool:
-    """Give every linear layer (and the LM head) oneDNN-prepacked weights (see cpu_linear.py);
+    """Give every linear layer (and the LM head) oneDNN-prepacked weights (see cpu_linear.py;
+    quantized layers and a quantized tied embedding are left as they are);
     False where this torch build or dtype has no such path (the layers stay as they are).
     Tensor-parallel ranks keep plain layers: a packed copy would drop the row-parallel
     all-reduce (RowParallelLinear's forward)."""
     if get_tp().size > 1 or not cpu_linear.available(_param(model).dtype):
         return False
     cpu_linear.pack_linears(model)
-    if model.tie_word_embeddings and model.is_last_stage:
+    if model.tie_word_embeddings and model.is_last_stage and isinstance(model.embed_tokens, nn.Embedding):
         model.tied_head = cpu_linear.PackedLinear(model.embed_tokens.weight, None)
     return True

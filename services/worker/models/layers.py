@@ -34,6 +34,8 @@ from services.worker.parallel import (
     stage_layers,
     vocab_range,
 )
+from services.worker.quant.ops import quant_matmul
+from services.worker.quant.weights import QuantWeights
 
 
 @dataclass
@@ -263,6 +265,10 @@ class DecoderForCausalLM(nn.Module):
         self.decode_step: CpuDecodeStep | None = None
         self.packed_step: PackedStep | None = None
 
+    def is_quantized(self) -> bool:
+        """Whether any of its weights are kept in quantized blocks (services/worker/quant)."""
+        return any(isinstance(m, QuantWeights) for m in self.modules())
+
     def _stage(self) -> Iterable[DecoderLayer]:
         return self.layers[self.layer_range.start:self.layer_range.stop]
 
@@ -308,6 +314,8 @@ class DecoderForCausalLM(nn.Module):
             logits = self.decode_step.lm_head(hidden)
         elif self.tied_head is not None:
             logits = self.tied_head(hidden)
+        elif self.tie_word_embeddings and isinstance(self.embed_tokens, QuantWeights):
+            logits = quant_matmul(hidden, self.embed_tokens)  # the embedding's own blocks
         elif self.tie_word_embeddings:
             logits = F.linear(hidden, self.embed_tokens.weight)
         else:

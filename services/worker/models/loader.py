@@ -16,12 +16,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from services.common.config import resolve_dtype_name
+from services.common.config import is_gguf_file, resolve_dtype_name
 from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
 from services.worker.models.layers import DecoderForCausalLM, DecoderLayer
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.parallel import get_ep, get_tp, vocab_range
+from services.worker.quant.int8 import quantize_linears_int8
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -60,9 +61,29 @@ def iterate_weights(model_dir: str, progress: bool = True) -> Iterator[tuple[str
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    """Build the architecture named in config.json and fill it from the checkpoint."""
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               quantization: str | None = None):
+    """Build the architecture named in config.json and fill it from the checkpoint; a .gguf file
+    (or `quantization` "gguf") loads with its weights kept in their GGUF blocks, "int8" quantizes
+    an HF checkpoint's linear layers to Q8_0 blocks at load."""
+    if quantization == "gguf" or is_gguf_file(model_dir):
+        # Here, not at module level: quant_loader builds on this module's helpers.
+        from services.worker.models.quant_loader import load_gguf_model
+
+        return load_gguf_model(model_dir, dtype, device)
+    if quantization not in (None, "int8"):
+        raise ValueError(f"unsupported quantization {quantization!r}; choose from gguf, int8")
     config = AutoConfig.from_pretrained(model_dir)
+    model = build_model(config).to_empty(device=device)
+    load_weights(model, iterate_weights(model_dir, progress))
+    if quantization == "int8":
+        quantize_linears_int8(model)
+    return finish_model(model, dtype, device), config
+
+
+def build_model(config) -> DecoderForCausalLM:
+    """The architecture `config` names, this rank's shard and stage of it, on the meta device
+    (`to_empty` gives it uninitialised weights)."""
     archs = getattr(config, "architectures", None) or [MODEL_TYPE_TO_ARCH.get(config.model_type, config.model_type)]
     arch = archs[0]
     if arch not in MODEL_REGISTRY:
@@ -71,11 +92,14 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progres
     check_tensor_parallel_shapes(config, get_tp().size, expert_parallel=get_ep().size > 1)
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch](config)
-    model = model.to_empty(device=device)
-    load_weights(model, iterate_weights(model_dir, progress))
+    return model
+
+
+def finish_model(model: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """The loaded model in `dtype` (quantized blocks stay uint8), ready to run."""
     model = model.to(dtype=dtype).eval()
     model.rotary_emb.reset_tables(device)  # meta buffers → real fp32 tables
-    return model, config
+    return model
 
 
 # HF checkpoint names → (our fused parameter, which shard of it).
@@ -88,6 +112,14 @@ _FUSED_SHARDS = {
 }
 
 
+def fused_target(name: str) -> tuple[str, int | None]:
+    """(our parameter, which shard of it) for checkpoint name `name` (None: loaded whole)."""
+    for hf_name, (fused, idx) in _FUSED_SHARDS.items():
+        if f".{hf_name}." in name:
+            return name.replace(hf_name, fused), idx
+    return name, None
+
+
 @torch.no_grad()
 def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into `model`'s parameters (this rank's shard and stage of them);
@@ -97,24 +129,20 @@ def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.T
     for name, tensor in weights:
         name = name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and model.tie_word_embeddings) \
-                or not _holds(model, name):
+                or not holds_weight(model, name):
             continue
         moe = _moe_block_of(model, name)
         if moe is not None:  # a router or expert tensor: the block puts it in place
             block, prefix, relative = moe
             loaded.update(prefix + key for key in block.load(relative, tensor))
             continue
-        target, shard = name, None
-        for hf_name, (fused, idx) in _FUSED_SHARDS.items():
-            if f".{hf_name}." in name:
-                target, shard = name.replace(hf_name, fused), idx
-                break
+        target, shard = fused_target(name)
         if target not in params:
             raise KeyError(f"unexpected weight {name!r} in checkpoint")
         param = params[target]
         tensor = _tp_slice(model, name, tensor)
         if shard is not None:
-            param = param.narrow(0, *_shard_range(model, target, shard))
+            param = param.narrow(0, *shard_range(model, target, shard))
         if tensor.shape[0] < param.shape[0]:  # the last vocabulary shard's padding rows
             param[tensor.shape[0]:].zero_()
             param = param[:tensor.shape[0]]
@@ -126,7 +154,7 @@ def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.T
         raise KeyError(f"checkpoint lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def _holds(model: DecoderForCausalLM, name: str) -> bool:
+def holds_weight(model: DecoderForCausalLM, name: str) -> bool:
     """Whether this pipeline stage holds checkpoint weight `name` (everything, with one stage)."""
     layer = re.match(r"layers\.(\d+)\.", name)
     if layer:
@@ -159,30 +187,40 @@ def _moe_block_of(model: DecoderForCausalLM, name: str) -> tuple[SparseMoeBlock,
 
 def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a checkpoint tensor (the whole tensor with one rank)."""
+    part = tp_range(model, name)
+    if part is None:
+        return tensor
+    dim, start, length = part
+    return tensor.narrow(dim, start, min(length, tensor.shape[dim] - start))
+
+
+def tp_range(model: DecoderForCausalLM, name: str) -> tuple[int, int, int] | None:
+    """(dim, start, length) of this rank's part of checkpoint tensor `name`, None for the whole
+    tensor (one rank; norms and row-parallel biases, which every rank holds whole). The last
+    vocabulary shard's range may run past the table: its padding rows."""
     tp = get_tp()
     if tp.size == 1:
-        return tensor
+        return None
     layer = _layer_of(model, name)
     attn, mlp = layer.self_attn, layer.mlp
     d = attn.head_dim
     if "embed_tokens." in name or "lm_head." in name:
-        start, rows = vocab_range(model.config.vocab_size, tp)
-        return tensor[start:start + rows]
+        return (0, *vocab_range(model.config.vocab_size, tp))
     if ".q_proj." in name:
-        return tensor.narrow(0, attn.head_start * d, attn.q_size)
+        return 0, attn.head_start * d, attn.q_size
     if ".k_proj." in name or ".v_proj." in name:
-        return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
+        return 0, attn.kv_head_start * d, attn.kv_size
     if ".o_proj.weight" in name:
-        return tensor.narrow(1, attn.head_start * d, attn.q_size)
+        return 1, attn.head_start * d, attn.q_size
     if attn.full_qk_norm and ".q_norm." in name:
-        return tensor.narrow(0, attn.head_start * d, attn.q_size)
+        return 0, attn.head_start * d, attn.q_size
     if attn.full_qk_norm and ".k_norm." in name:
-        return tensor.narrow(0, attn.kv_head_start * d, attn.kv_size)
+        return 0, attn.kv_head_start * d, attn.kv_size
     if ".gate_proj." in name or ".up_proj." in name:
-        return tensor.narrow(0, mlp.intermediate_start, mlp.intermediate_size)
+        return 0, mlp.intermediate_start, mlp.intermediate_size
     if ".down_proj.weight" in name:
-        return tensor.narrow(1, mlp.intermediate_start, mlp.intermediate_size)
-    return tensor  # norms and row-parallel biases: every rank holds them whole
+        return 1, mlp.intermediate_start, mlp.intermediate_size
+    return None
 
 
 def _shards_of(model: DecoderForCausalLM, name: str) -> tuple:
@@ -197,7 +235,7 @@ def _shards_of(model: DecoderForCausalLM, name: str) -> tuple:
     return (None,)
 
 
-def _shard_range(model: DecoderForCausalLM, name: str, shard: int) -> tuple[int, int]:
+def shard_range(model: DecoderForCausalLM, name: str, shard: int) -> tuple[int, int]:
     """(first row, rows) of piece `shard` in fused parameter `name`."""
     layer = _layer_of(model, name)
     if "qkv_proj" in name:

@@ -16,28 +16,19 @@ from pathlib import Path
 import torch
 
 from services.worker.cpu import cbuild
+from services.worker.quant import QUANT_TYPES, row_bytes
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_gemm.c")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 HIGHEST_ISA = "avx512_vnni"
-# gguf.GGMLQuantizationType value -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES
-BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 # Decode-sized calls (fewer than 8 rows of x) on Q4_0, Q4_1 and Q8_0 quantize x to int8 per block
 # and take integer dot products (quant_q8.h), as llama.cpp does: several times the fp32 path's speed
 # (quant_gemm.c's header), at the cost of x's rounding to 8 bits (tests/unit/worker/
 # test_quant_kernels.py states the bound). False keeps every call on the exact fp32 products.
 INT8_DOT = True
 _loaded: dict[str | None, QuantGemm | None] = {}
-
-
-def row_bytes(qtype: int, in_features: int) -> int:
-    """Bytes of one row of `in_features` values (a multiple of the type's block)."""
-    values, size = BLOCKS[qtype]
-    if in_features % values:
-        raise ValueError(f"in_features {in_features} is not a multiple of the block of type {qtype} ({values})")
-    return in_features // values * size
 
 
 class QuantGemm:
@@ -79,7 +70,7 @@ class QuantGemm:
         return bool(self.lib.qg_int8_dot(int(qtype)))
 
     def supports(self, qtype: int) -> bool:
-        return int(qtype) in BLOCKS and bool(self.lib.qg_supported(int(qtype)))
+        return int(qtype) in QUANT_TYPES and bool(self.lib.qg_supported(int(qtype)))
 
     def prepare(self, raw: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
         """The GGUF tensor's bytes [out_features, row bytes] in the layout the kernels read: the

@@ -27,7 +27,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from services.worker.cpu import cbuild
-from services.worker.quant.kernels import HIGHEST_ISA, QuantGemm, row_bytes
+from services.worker.quant import row_bytes
+from services.worker.quant.kernels import HIGHEST_ISA, QuantGemm
 
 U = 2.0 ** -24
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,

@@ -1,0 +1,48 @@
+"""Swap a built model's linear layers and embedding for quantized ones (before its weights load)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from services.worker.models.layers import DecoderForCausalLM, RowParallelLinear
+from services.worker.quant.embedding import QuantEmbedding
+from services.worker.quant.linear import QuantLinear
+
+# Our fused layers and the checkpoint names that fill them.
+_FUSED_SOURCES = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def quant_linear_like(linear: nn.Linear) -> QuantLinear:
+    """An empty QuantLinear of `linear`'s shape, bias and parallel kind."""
+    return QuantLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                       row_parallel=isinstance(linear, RowParallelLinear))
+
+
+def install_quant_modules(model: DecoderForCausalLM, quantized: set[str]) -> list[str]:
+    """Replace each of `model`'s layers that a quantized checkpoint tensor fills (HF names in
+    `quantized`, e.g. "model.layers.0.self_attn.q_proj.weight") by an empty quantized one;
+    returns the replaced modules' names."""
+    names = {n.removeprefix("model.").removesuffix(".weight") for n in quantized}
+    replaced = []
+    for i in model.layer_range:
+        layer = model.layers[i]
+        for ours, sources in _FUSED_SOURCES.items():
+            if any(f"layers.{i}.{source}" in names for source in sources):
+                parent_name, child = ours.split(".")
+                parent = getattr(layer, parent_name)
+                if not isinstance(getattr(parent, child, None), nn.Linear):
+                    continue  # an MoE block's experts: not handled here
+                setattr(parent, child, quant_linear_like(getattr(parent, child)))
+                replaced.append(f"layers.{i}.{ours}")
+    if model.embed_tokens is not None and "embed_tokens" in names:
+        model.embed_tokens = QuantEmbedding(model.config.vocab_size, model.config.hidden_size)
+        replaced.append("embed_tokens")
+    if getattr(model, "lm_head", None) is not None and "lm_head" in names:
+        model.lm_head = quant_linear_like(model.lm_head)
+        replaced.append("lm_head")
+    return replaced

