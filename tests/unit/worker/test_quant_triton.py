@@ -21,6 +21,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The reference; a bare GPU machine (scripts/gpu_check.py) may lack gguf-py: then nothing here runs.
+gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
