@@ -18,7 +18,8 @@ from services.entrypoints.bench.serve_levels import run_level
 from services.entrypoints.bench.workload import BenchRequest, SamplingKnobs
 
 # Answers /health, /v1/models, the native /completion (non-streamed) and a streamed
-# /v1/completions, one token per chunk, as llama-server does; records its argv beside itself.
+# /v1/completions, one token per chunk then a last one with the usage, as llama-server streams;
+# records its argv beside itself.
 FAKE_SERVER = '''#!{python}
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,8 +55,10 @@ class Handler(BaseHTTPRequestHandler):
         for _ in range(body["max_tokens"]):
             chunk = {{"choices": [{{"text": "x", "index": 0, "finish_reason": None}}]}}
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\\n\\n")
+        # llama-server's last chunk: no text, the finish reason, and the usage.
         usage = {{"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}}
-        self.wfile.write(b"data: " + json.dumps({{"choices": [], "usage": usage}}).encode() + b"\\n\\n")
+        last = {{"choices": [{{"text": "", "index": 0, "finish_reason": "length"}}], "usage": usage}}
+        self.wfile.write(b"data: " + json.dumps(last).encode() + b"\\n\\n")
         self.wfile.write(b"data: [DONE]\\n\\n")
 
 ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
