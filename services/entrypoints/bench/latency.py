@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import gc
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from services.common.bandwidth_floor import WeightFloor
 from services.entrypoints.bench.workload import (
     SPEC_PEER,
     BenchRequest,
@@ -26,8 +27,9 @@ from services.entrypoints.bench.workload import (
 )
 
 RATIO_LABEL = "ratio hf / my-vllm (inter-token latency)"
+LLAMA_SERVER_PEER = "llama.cpp server"
 # Ratios against the rivals come before the HF one (which stays the report's last line).
-RIVALS = ("llama.cpp", "vllm")
+RIVALS = ("llama.cpp", LLAMA_SERVER_PEER, "vllm")
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def benchmark(prompts: Sequence[list[int]], output_len: int, num_iters: int, kno
 
 
 # Peers that run in a process of their own (their runtime's threads may spin while idle).
-SUBPROCESS_PEERS = ("vllm",)
+SUBPROCESS_PEERS = ("vllm", LLAMA_SERVER_PEER)
 
 
 def _interleaved(specs: Sequence[PeerSpec], warmup: BenchRequest, knobs: SamplingKnobs, num_iters: int,
@@ -141,15 +143,22 @@ def spec_ratio(results: Sequence[LatencyResult]) -> float | None:
     return by_name["my-vllm"].mean_itl_s / by_name[SPEC_PEER].mean_itl_s
 
 
-def report(results: Sequence[LatencyResult]) -> str:
-    """The table (means over iterations), the ratios against llama.cpp and vLLM when they ran, then
-    (when HF ran) the HF ratio as the last line."""
+def report(results: Sequence[LatencyResult], floors: Mapping[str, WeightFloor] | None = None) -> str:
+    """The table (means over iterations), each peer's bandwidth floor and efficiency (`floors`, by
+    peer name), the ratios against llama.cpp and vLLM when they ran, then (when HF ran) the HF
+    ratio as the last line."""
     header = ["peer", "input len", "output len", "iters", "TTFT ms", "E2E ms", "ITL ms", "decode tok/s", "threads"]
     rows = [[r.peer, r.input_len, r.output_len, len(r.ttft_s), f"{r.mean_ttft_s * 1e3:.1f}",
              f"{r.mean_e2e_s * 1e3:.1f}", f"{r.mean_itl_s * 1e3:.2f}",
              f"{1 / r.mean_itl_s:.1f}" if r.mean_itl_s > 0 else "n/a", r.threads]
             for r in results]
     text = format_table(header, rows)
+    if floors:
+        bandwidth = next(iter(floors.values())).bandwidth_bytes_s
+        text += f"\nbandwidth floor: streaming read {bandwidth / 1e9:.1f} GB/s (best of a few sums over 1 GiB)"
+        for r in results:
+            if r.peer in floors:
+                text += f"\n  {r.peer}: {floors[r.peer].describe(r.mean_itl_s)}"
     speculative = spec_ratio(results)
     if speculative is not None:
         text += f"\nratio my-vllm / {SPEC_PEER} (inter-token latency): {speculative:.2f}"
@@ -161,3 +170,17 @@ def report(results: Sequence[LatencyResult]) -> str:
     if value is not None:
         text += f"\n{RATIO_LABEL}: {value:.2f}"
     return text
+
+
+def weight_floors(peers: Sequence[str], model: str, dtype_bytes: int, gguf: str | None,
+                  bandwidth_bytes_s: float) -> dict[str, WeightFloor]:
+    """Each peer's floor: the llama.cpp server reads `gguf`'s stored (quantized) weights, every
+    other peer `model`'s at `dtype_bytes` per element (a .gguf model at its stored sizes)."""
+    from services.common.bandwidth_floor import gguf_weight_bytes, weight_bytes_per_token
+
+    model_bytes = weight_bytes_per_token(model, dtype_bytes)
+    floors = {}
+    for peer in peers:
+        weights = gguf_weight_bytes(gguf) if peer == LLAMA_SERVER_PEER and gguf else model_bytes
+        floors[peer] = WeightFloor(weights, bandwidth_bytes_s)
+    return floors

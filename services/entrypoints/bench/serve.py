@@ -4,10 +4,12 @@ Starts `myvllm serve` (worker, scheduler, gateway as processes) unless `--base-u
 a running server, streams the random-token workload through `/v1/completions` at each
 concurrency level, and reports request throughput, output tok/s and TTFT / ITL / E2E
 p50 and p99. With `--vllm`, `vllm serve` (the peer venv of `make peer-vllm`, its threads bound
-to the same cores) gets the same workload at the same levels. Then, in the same run and on the
-same workload, the offline `LLM` (the mesh's cost is the gap between the two) and HF
-transformers' static batch; a PNG plots throughput against latency over the sweep. The last
-line is the ratio against vLLM (with --vllm), else against HF.
+to the same cores) gets the same workload at the same levels; with `--llamacpp-server`, so does
+llama.cpp's `llama-server` on the GGUF of the same weights, restarted with as many slots as
+clients for each level (services/entrypoints/bench/llamacpp_server.py). Then, in the same run
+and on the same workload, the offline `LLM` (the mesh's cost is the gap between the two) and HF
+transformers' static batch; a PNG plots throughput against latency over the sweep. The ratios
+against the server peers come last, after the HF one.
 
 `--workload multi-tenant` instead compares the gateway's routing policies over data-parallel
 replicas on tenants sharing system prompts (services/entrypoints/bench/multi_tenant.py); `--workload mixed`
@@ -60,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
     p.add_argument("--vllm", action="store_true",
                    help="also serve the workload with `vllm serve` (the .venv-vllm of `make peer-vllm`)")
+    p.add_argument("--llamacpp-server", action="store_true",
+                   help="also serve the workload with llama.cpp's llama-server (the .venv-llama of `make "
+                        "peer-llama`) on the model's GGUF (--model FILE.gguf, or the Q4_1 file the default model "
+                        "was converted from), restarted with -np CONCURRENCY slots for each level")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON")
     add_engine_args(p)
 
@@ -142,10 +148,13 @@ def run(args: argparse.Namespace) -> int:
         if proc is not None:
             stop_mesh(proc)  # free the CPU for the in-process peers below
     vllm_results, vllm_error = _serve_vllm(args, model_dir, requests, warmup, levels) if args.vllm else ([], None)
+    llama_results, llama_error = (_serve_llama(args, model_dir, requests, warmup, levels)
+                                  if args.llamacpp_server else ([], None))
+    peer_results = vllm_results + llama_results
     rows = [[f"{r.name} c={r.concurrency}", f"{r.request_s:.2f}", f"{r.output_tok_s:.1f}",
              f"{r.pct(r.ttft_s, 50):.0f}", f"{r.pct(r.ttft_s, 99):.0f}", f"{r.pct(r.itl_s, 50):.1f}",
              f"{r.pct(r.itl_s, 99):.1f}", f"{r.pct(r.e2e_s, 50):.0f}", f"{r.pct(r.e2e_s, 99):.0f}"]
-            for r in results + vllm_results]
+            for r in results + peer_results]
     knobs = SamplingKnobs()
     peers: dict[str, float] = {}
     total_out = sum(r.output_len for r in requests)
@@ -173,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         _plot(results, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        write_json(args.json, {"levels": [r.to_dict() for r in results + vllm_results], "peers_output_tok_s": peers})
+        write_json(args.json, {"levels": [r.to_dict() for r in results + peer_results], "peers_output_tok_s": peers})
     for name, tok_s in peers.items():
         if name.startswith("my-vllm offline"):
             print(f"mesh c={compared.concurrency} / offline LLM (output tok/s): {compared.output_tok_s / tok_s:.2f}")
@@ -183,10 +192,18 @@ def run(args: argparse.Namespace) -> int:
         if r.concurrency == compared.concurrency:
             print(f"ratio my-vllm serve / vllm serve c={r.concurrency} (output tok/s): "
                   f"{compared.output_tok_s / r.output_tok_s:.2f}")
+    for r in llama_results:
+        if r.concurrency == compared.concurrency:
+            print(f"ratio my-vllm serve / llama-server c={r.concurrency} (output tok/s): "
+                  f"{compared.output_tok_s / r.output_tok_s:.2f}")
+    failed = False
     if vllm_error is not None:
         print(f"vllm serve failed after {len(vllm_results)} of {len(levels)} levels: {vllm_error}")
-        return 1
-    return 0
+        failed = True
+    if llama_error is not None:
+        print(f"llama-server failed after {len(llama_results)} of {len(levels)} levels: {llama_error}")
+        failed = True
+    return 1 if failed else 0
 
 
 def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRequest], warmup: BenchRequest,
@@ -214,4 +231,35 @@ def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRe
     finally:
         if proc is not None:
             stop_mesh(proc)
+    return results, None
+
+
+def _serve_llama(args: argparse.Namespace, model_dir: str, requests: list[BenchRequest], warmup: BenchRequest,
+                 levels: list[int]) -> tuple[list[ServeResult], str | None]:
+    """llama-server on the GGUF of the same weights, started afresh for each level with as many
+    slots as clients (each slot holds the longest request), same threads; the levels it
+    completed, and its error if it failed."""
+    from services.entrypoints.bench import llamacpp_server
+    from services.entrypoints.launcher import free_port
+
+    gguf = llamacpp_server.gguf_for(model_dir)
+    if not llamacpp_server.available():
+        return [], "no llama-server (run `make peer-llama`, or set MYVLLM_LLAMA_BIN_DIR)"
+    if gguf is None:
+        return [], f"no GGUF known for {model_dir} (pass --model FILE.gguf)"
+    n_ctx = max(r.prompt_len + r.output_len for r in [*requests, warmup])
+    results: list[ServeResult] = []
+    for c in levels:
+        proc = None
+        try:
+            proc, base_url, _ = llamacpp_server.start_server(gguf, c, torch_threads(), n_ctx, free_port(), args.seed)
+            asyncio.run(run_level(base_url, [warmup], 1, llamacpp_server.SERVE_NAME))
+            log(f"llama-server -np {c}: {len(requests)} requests at concurrency {c}")
+            results.append(asyncio.run(run_level(base_url, requests, c, llamacpp_server.SERVE_NAME)))
+        except Exception as e:  # noqa: BLE001 - any failure of the peer is reported, not raised
+            log(f"llama-server failed: {type(e).__name__}: {e}")
+            return results, f"{type(e).__name__}: {str(e).strip()[-2000:]}"
+        finally:
+            if proc is not None:
+                llamacpp_server.stop_server(proc)
     return results, None

@@ -81,6 +81,27 @@ def test_bench_latency_tiny(smollm2_dir: str, capsys: pytest.CaptureFixture[str]
     last = out.strip().splitlines()[-1]
     match = re.fullmatch(rf"ratio hf / my-vllm \(inter-token latency\): (-?{NUMBER})", last)
     assert match
+    # The bandwidth floor of the model it ran, for each peer: bytes per token, floor, efficiency.
+    assert re.search(rf"bandwidth floor: streaming read {NUMBER} GB/s", out)
+    for peer in ("my-vllm", "hf"):
+        assert re.search(rf"^  {peer}: {NUMBER} MB of weights per token, floor {NUMBER} ms/token, "
+                         rf"efficiency \(floor / ITL\) {NUMBER}$", out, re.MULTILINE), peer
+
+
+def test_latency_weight_floors_give_the_llama_server_its_gguf(smollm2_dir: str) -> None:
+    from services.common.bandwidth_floor import gguf_weight_bytes, safetensors_weight_bytes
+    from services.entrypoints.bench.latency import LatencyResult, report, weight_floors
+    from services.entrypoints.bench.llamacpp_peer import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    floors = weight_floors(["my-vllm", "llama.cpp server"], smollm2_dir, 2, gguf, 10e9)
+    assert floors["my-vllm"].weight_bytes == safetensors_weight_bytes(smollm2_dir, 2)
+    assert floors["llama.cpp server"].weight_bytes == gguf_weight_bytes(gguf)
+    assert floors["llama.cpp server"].weight_bytes < floors["my-vllm"].weight_bytes / 2  # 4-bit against 16
+    results = [LatencyResult("my-vllm", 8, 3, [0.01], [0.05], 2), LatencyResult("hf", 8, 3, [0.01], [0.09], 2)]
+    text = report(results, {"my-vllm": floors["my-vllm"]})
+    assert "streaming read 10.0 GB/s" in text and "  my-vllm: " in text and "  hf: " not in text
+    assert text.splitlines()[-1].startswith("ratio hf / my-vllm")
 
 
 def test_bench_latency_interleaved(smollm2_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

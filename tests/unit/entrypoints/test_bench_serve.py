@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from support.fake_llama_server import write_fake_llama_server
+
 from services.entrypoints.cli import main
 
 
@@ -15,9 +17,12 @@ def test_bench_serve_reports_percentiles_ratio_and_plot_and_keeps_them_when_the_
     broken_python.write_text("#!/bin/sh\necho 'peer: ImportError: no module named vllm' >&2\nexit 3\n")
     broken_python.chmod(0o755)
     monkeypatch.setenv("MYVLLM_VLLM_PYTHON", str(broken_python))
+    # The llama.cpp server peer (a stand-in speaking its protocol): restarted per level, its rows kept.
+    write_fake_llama_server(tmp_path)
+    monkeypatch.setenv("MYVLLM_LLAMA_BIN_DIR", str(tmp_path))
     rc = main(["bench", "serve", "--model", smollm2_dir, "--num-prompts", "4", "--concurrency", "1,2",
                "--input-len-min", "8", "--input-len-max", "16", "--output-len-min", "4", "--output-len-max", "8",
-               "--no-hf", "--plot", str(plot), "--vllm"])
+               "--no-hf", "--plot", str(plot), "--vllm", "--llamacpp-server"])
     out = capsys.readouterr().out
     assert rc == 1
     assert re.search(r"^vllm serve failed after 0 of 2 levels: RuntimeError: vllm serve exited \(code 3\).*"
@@ -27,6 +32,9 @@ def test_bench_serve_reports_percentiles_ratio_and_plot_and_keeps_them_when_the_
     for row in rows:
         figures = [float(x) for x in row.split()[3:]]
         assert len(figures) == 8 and all(f > 0 for f in figures)
+    llama_rows = [line for line in out.splitlines() if line.startswith("llama-server c=")]
+    assert [row.split()[1] for row in llama_rows] == ["c=1", "c=2"]
+    assert re.search(r"^ratio my-vllm serve / llama-server c=2 \(output tok/s\): \d+\.\d\d$", out, re.M)
     assert re.search(r"my-vllm offline LLM \(max_num_seqs=2\)\s+\d+\.\d", out)
     assert re.search(r"^mesh c=2 / offline LLM \(output tok/s\): \d+\.\d\d$", out, re.M)
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
