@@ -106,7 +106,7 @@ def start_server(gguf_path: str, parallel: int, threads: int, n_ctx: int, port: 
     if server is None:
         raise FileNotFoundError("no llama-server (run `make peer-llama`, or set MYVLLM_LLAMA_BIN_DIR)")
     log_path = Path(tempfile.mkdtemp(prefix="myvllm-llama-server-")) / "llama-server.log"
-    cmd = server_command(server, gguf_path, port, parallel, threads, n_ctx, seed)
+    cmd = server_command(server, os.path.abspath(gguf_path), port, parallel, threads, n_ctx, seed)
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=log_path.parent)
     base_url = f"http://127.0.0.1:{port}"

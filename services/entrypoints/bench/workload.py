@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from services.common.config import is_gguf_file
 from services.common.sampling_params import SamplingParams
 
 # Random prompt ids are drawn from [SAFE_TOKEN_ID_MIN, vocab_size - 1): the low ids of the
@@ -52,7 +53,11 @@ class BenchRequest:
 
 
 def model_vocab_size(model_dir: str) -> int:
-    """The vocabulary size in the model directory's config.json."""
+    """The vocabulary size in the model directory's config.json, or a .gguf file's token list."""
+    if is_gguf_file(model_dir):
+        from gguf import GGUFReader
+
+        return len(GGUFReader(model_dir).fields["tokenizer.ggml.tokens"].data)
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(model_dir).vocab_size)
