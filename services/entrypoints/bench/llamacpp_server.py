@@ -26,6 +26,7 @@ from pathlib import Path
 
 from services.common.config import REPO_ROOT
 from services.entrypoints.bench.latency import LLAMA_SERVER_PEER
+from services.entrypoints.bench.peer_process import wait_until_ready
 from services.entrypoints.bench.workload import BenchRequest, SamplingKnobs, log
 
 __all__ = ["LlamaServerPeer", "available", "bin_dir", "binary", "completion_body", "gguf_for",
@@ -100,7 +101,6 @@ def start_server(gguf_path: str, parallel: int, threads: int, n_ctx: int, port: 
                  timeout_s: float = 300.0) -> tuple[subprocess.Popen, str, Path]:
     """Start `llama-server` and wait until its /health answers 200 (the model is loaded).
     Returns the process, its base URL and its log file."""
-    import httpx
 
     server = binary("llama-server")
     if server is None:
@@ -111,19 +111,12 @@ def start_server(gguf_path: str, parallel: int, threads: int, n_ctx: int, port: 
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=log_path.parent)
     base_url = f"http://127.0.0.1:{port}"
     log(f"starting {' '.join(cmd)}; its log: {log_path}")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited (code {proc.returncode}); end of its log:\n"
-                               f"{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return proc, base_url, log_path
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"llama-server did not come up in {timeout_s:.0f} s; see {log_path}")
+    try:
+        wait_until_ready(proc, f"{base_url}/health", log_path, "llama-server", timeout_s)
+    except RuntimeError:
+        stop_server(proc)
+        raise
+    return proc, base_url, log_path
 
 
 def stop_server(proc: subprocess.Popen) -> None:

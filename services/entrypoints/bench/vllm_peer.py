@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from services.common.config import REPO_ROOT
+from services.entrypoints.bench.peer_process import wait_until_ready
 from services.entrypoints.bench.workload import BenchRequest, SamplingKnobs, log
 
 __all__ = ["VllmPeer", "available", "cpu_bind_list", "peer_env", "vllm_python"]
@@ -171,9 +172,7 @@ def start_server(model_dir: str, dtype: str, threads: int, port: int, seed: int 
                  timeout_s: float = 900.0) -> tuple[subprocess.Popen, str, Path]:
     """Start `vllm serve` and wait until it answers /v1/models (its first start compiles the model).
     Returns the process, its base URL and its log file."""
-    import time
 
-    import httpx
 
     python = vllm_python()
     if python is None:
@@ -186,16 +185,9 @@ def start_server(model_dir: str, dtype: str, threads: int, port: int, seed: int 
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
     base_url = f"http://127.0.0.1:{port}"
     log(f"starting vllm serve on {base_url} (binds {env['VLLM_CPU_OMP_THREADS_BIND']}); its log: {log_path}")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited (code {proc.returncode}); end of its log:\n"
-                               f"{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/v1/models", timeout=2).status_code == 200:
-                return proc, base_url, log_path
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    proc.kill()
-    raise RuntimeError(f"vllm serve did not come up in {timeout_s:.0f} s; see {log_path}")
+    try:
+        wait_until_ready(proc, f"{base_url}/v1/models", log_path, "vllm serve", timeout_s, poll_s=2)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, base_url, log_path
