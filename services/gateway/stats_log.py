@@ -49,14 +49,18 @@ def format_stats_line(engine_index: int, prompt_throughput: float, generation_th
 class EngineStatLogger:
     """One replica's stats line: its token counters at the last line, and that line's throughputs."""
 
-    def __init__(self, engine_index: int) -> None:
+    def __init__(self, engine_index: int, since: float | None = None) -> None:
+        """`since`: when counting started (the gateway's start): a replica first read with tokens
+        already counted gets a line for them at once (a request answered before the first
+        reading would otherwise never show); None: the first reading is only a starting point."""
         self.engine_index = engine_index
-        self.last: tuple[float, int, int] | None = None  # (time, prompt tokens, generation tokens)
+        # (time, prompt tokens, generation tokens) at the last reading
+        self.last: tuple[float, int, int] | None = None if since is None else (since, 0, 0)
         self.last_throughputs = (0.0, 0.0)
 
     def line(self, stats: pb.Stats, now: float) -> tuple[int, str] | None:
-        """(level, text) of the line for `stats` read at `now`; None for the first reading (it
-        only sets the counters' starting point: they count from the scheduler's start)."""
+        """(level, text) of the line for `stats` read at `now`; None for the first reading without
+        a `since` (it only sets the counters' starting point: they count from the scheduler's start)."""
         last, self.last = self.last, (now, stats.prompt_tokens, stats.generation_tokens)
         if last is None:
             return None
@@ -82,13 +86,14 @@ class StatsLog:
     """The stats lines of every replica: an engine index per replica address, in the order they
     were first seen (Engine 000, 001, ...)."""
 
-    def __init__(self) -> None:
+    def __init__(self, since: float | None = None) -> None:
         self.engines: dict[str, EngineStatLogger] = {}
+        self.since = since  # see EngineStatLogger
 
     def lines(self, replica_stats: dict[str, pb.Stats], now: float) -> list[tuple[int, str]]:
         out = []
         for address, stats in replica_stats.items():
-            engine = self.engines.setdefault(address, EngineStatLogger(len(self.engines)))
+            engine = self.engines.setdefault(address, EngineStatLogger(len(self.engines), self.since))
             line = engine.line(stats, now)
             if line is not None:
                 out.append(line)
@@ -99,7 +104,7 @@ async def log_stats_forever(read_stats: Callable[[], Awaitable[dict[str, pb.Stat
                             clock: Callable[[], float] = time.monotonic) -> None:
     """Every `interval_s`: read each replica's stats (`read_stats`, the router's) and log their
     lines. Runs until cancelled."""
-    stats_log = StatsLog()
+    stats_log = StatsLog(since=clock())
     while True:
         for level, text in stats_log.lines(await read_stats(), clock()):
             logger.log(level, text)

@@ -52,6 +52,14 @@ def test_an_idle_engine_logs_at_debug_after_one_quiet_line() -> None:
     assert level == logging.DEBUG and "Avg prompt throughput: 0.0 tokens/s" in text
 
 
+def test_tokens_counted_before_the_first_reading_show_in_its_line() -> None:
+    """A request answered between the gateway's start and its first reading of the replica."""
+    engine = EngineStatLogger(0, since=0.0)
+    level, text = engine.line(stats(prompt=20, generation=40), now=2.0)
+    assert level == logging.INFO
+    assert "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 20.0 tokens/s" in text
+
+
 def test_a_restarted_scheduler_counts_from_zero() -> None:
     engine = EngineStatLogger(0)
     engine.line(stats(prompt=1000, generation=1000), now=0.0)
