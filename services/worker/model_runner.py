@@ -31,7 +31,8 @@ from services.worker.input_batch import InputBatch, runs_own_counts
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.fast_paths import c_step_for, use_fast_paths
-from services.worker.models.loader import load_model, resolve_dtype
+from services.worker.models.load import load_model
+from services.worker.models.loader import resolve_dtype
 from services.worker.parallel import (
     any_engine_unfinished,
     broadcast_from_first,

@@ -16,13 +16,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from services.common.config import is_gguf_file, resolve_dtype_name
+from services.common.config import resolve_dtype_name
 from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
 from services.worker.models.layers import DecoderForCausalLM, DecoderLayer
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.parallel import get_ep, get_tp, vocab_range
-from services.worker.quant.int8 import quantize_linears_int8
+from services.worker.models.quant_install import quantize_linears_int8
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -61,16 +61,10 @@ def iterate_weights(model_dir: str, progress: bool = True) -> Iterator[tuple[str
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               quantization: str | None = None):
-    """Build the architecture named in config.json and fill it from the checkpoint; a .gguf file
-    (or `quantization` "gguf") loads with its weights kept in their GGUF blocks, "int8" quantizes
-    an HF checkpoint's linear layers to Q8_0 blocks at load."""
-    if quantization == "gguf" or is_gguf_file(model_dir):
-        # Here, not at module level: quant_loader builds on this module's helpers.
-        from services.worker.models.quant_loader import load_gguf_model
-
-        return load_gguf_model(model_dir, dtype, device)
+def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
+                  quantization: str | None = None):
+    """Build the architecture named in config.json and fill it from the safetensors checkpoint;
+    `quantization` "int8" quantizes its linear layers to Q8_0 blocks at load."""
     if quantization not in (None, "int8"):
         raise ValueError(f"unsupported quantization {quantization!r}; choose from gguf, int8")
     config = AutoConfig.from_pretrained(model_dir)

@@ -29,7 +29,7 @@ from services.worker.parallel import get_tp
 from services.worker.quant import block_size, type_size
 from services.worker.quant.embedding import QuantEmbedding
 from services.worker.quant.gguf_model import GgufCheckpoint, QuantTensor
-from services.worker.quant.install import install_quant_modules
+from services.worker.models.quant_install import install_quant_modules
 from services.worker.quant.weights import QuantWeights
 
 logger = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.exponential import exponential_
 from services.worker.kv_memory import zeroed_kv_cache
 from services.worker.models.fast_paths import pack_for_cpu
-from services.worker.models.loader import load_model
+from services.worker.models.load import load_model
 from services.worker.parallel import broadcast_from_first, get_tp
 from services.worker.sampling_metadata import build_sampling_metadata
 from services.worker.spec_decode.proposer import SpecProposer, TargetRunner

@@ -23,7 +23,7 @@ def test_available_for_the_pinned_torch() -> None:
 
 def test_bf16_layers_stay_plain_where_onednn_cannot_pack_them(tiny_llama_dir: str) -> None:
     from services.worker.models.fast_paths import pack_for_cpu
-    from services.worker.models.loader import load_model
+    from services.worker.models.load import load_model
 
     model, _ = load_model(tiny_llama_dir, torch.bfloat16, torch.device("cpu"), progress=False)
     assert pack_for_cpu(model) == BF16_PACKABLE

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from support.gguf_fixtures import random_k_blocks, write_quantized_pair
 
-from services.worker.models.loader import load_model
+from services.worker.models.load import load_model
 from services.worker.quant import kernels
 from services.worker.quant.embedding import QuantEmbedding
 from services.worker.quant.int8 import quantize_q8_0

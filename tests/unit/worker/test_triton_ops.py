@@ -247,7 +247,7 @@ def test_tiny_model_logits_match_torch_ops(arch: str, dtype: torch.dtype, reques
     from services.worker.models.fast_paths import use_fused_ops
 
     if (ROOT / "models" / "SmolLM2-135M-Instruct" / "model.safetensors").is_file():
-        from services.worker.models.loader import load_model
+        from services.worker.models.load import load_model
 
         model, _ = load_model(request.getfixturevalue("tiny_model_dir")(arch), dtype, torch.device(DEVICE),
                               progress=False)

@@ -1,12 +1,23 @@
-"""Swap a built model's linear layers and embedding for quantized ones (before its weights load)."""
+"""Swap a built model's linear layers and embedding for quantized ones: empty, before a GGUF's
+blocks load, or made from the loaded weights (`--quantization int8`)."""
 
 from __future__ import annotations
 
+import logging
+
+import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from services.worker.models.layers import DecoderForCausalLM, RowParallelLinear
+from services.worker.quant import block_size
 from services.worker.quant.embedding import QuantEmbedding
+from services.worker.quant.int8 import quantize_q8_0
 from services.worker.quant.linear import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+Q8_0 = int(GGMLQuantizationType.Q8_0)
 
 # Our fused layers and the checkpoint names that fill them.
 _FUSED_SOURCES = {
@@ -46,3 +57,26 @@ def install_quant_modules(model: DecoderForCausalLM, quantized: set[str]) -> lis
         model.lm_head = quant_linear_like(model.lm_head)
         replaced.append("lm_head")
     return replaced
+
+
+@torch.no_grad()
+def quantize_linears_int8(model: nn.Module) -> int:
+    """Replace every decoder-layer nn.Linear of `model` (loaded weights) whose input size is a
+    whole number of 32-weight blocks by a Q8_0 QuantLinear; the LM head and embedding stay dense
+    (they set the logits' precision). Returns how many were replaced."""
+    swaps = [(parent, name, child) for parent in model.layers.modules() for name, child in parent.named_children()
+             if isinstance(child, nn.Linear)]
+    kept = 0
+    for parent, name, child in swaps:
+        if child.in_features % block_size(Q8_0):
+            kept += 1
+            continue
+        quant = quant_linear_like(child).to(child.weight.device)
+        quant.set_parts([(Q8_0, quantize_q8_0(child.weight))])
+        if child.bias is not None:
+            quant.bias.copy_(child.bias)
+        setattr(parent, name, quant)
+    if kept:
+        logger.warning("--quantization int8: %d linear layers stay dense (inputs not a multiple of %d)",
+                       kept, block_size(Q8_0))
+    return len(swaps) - kept
