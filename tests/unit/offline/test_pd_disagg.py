@@ -270,7 +270,7 @@ def test_a_producer_under_preemption_pressure_never_lets_a_save_read_reused_bloc
                                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
         outs = producer.generate(decodes + prefills, [greedy] * len(decodes) + [remote_decode] * len(prefills),
                                  use_tqdm=False)
-        assert producer.engine.scheduler.num_preemptions > 0  # there was pressure
+        assert producer.engine.scheduler.counters.num_preemptions > 0  # there was pressure
         assert token_ids(outs[:2]) == token_ids(colocated.generate(decodes, greedy, use_tqdm=False))
         params = [o.kv_transfer_params for o in outs[2:]]
         assert all(p["remote_handle"] for p in params)
