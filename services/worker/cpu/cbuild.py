@@ -6,16 +6,17 @@ keyed by the source and the headers it can include, the compiler and its version
 A kernel may live outside this folder (attention/, models/c_step/): it includes the shared
 headers here through -I, and its own from beside it.
 
-Instruction sets: each kernel is built for a fixed x86-64 *level*, never `-march=native`, so every
-machine of a level runs the same machine code and gets the same results. A kernel says the
+Instruction sets: each kernel is built for a fixed x86-64 *level*, never `-march=native`, so
+every machine of a level runs the same machine code and gets the same results. A kernel says the
 highest level it has code for (`highest`): the decode step stops at `avx2` (x86-64-v3, AVX2 +
-FMA), the fused ops at `avx512` (a 16-lane SiLU·up with the same bits as the 8-lane one), the
-attention kernels, the GEMM and the packed step (gemm.c's tiles) carry AVX-512 paths
-(`#ifdef __AVX512F__`, `__AVX512BF16__`) and are built at `avx512` or `avx512_bf16` where
-/proc/cpuinfo lists those flags (16-lane vectors, bf16 dot products: the fixed v3 build left half
-of an AVX-512 machine's vector width unused). `MYVLLM_CPU_ISA` caps the level for every kernel
-(for example `avx2` to run the v3 code on an AVX-512 machine); the tests build each kernel at
-every level this CPU can run. Without a compiler the caller falls back to torch.
+FMA; its quantized build at quant_gemm.c's `avx512_vnni`), the fused ops at `avx512` (a 16-lane
+SiLU·up with the same bits as the 8-lane one), the attention kernels, the GEMM and the packed
+step (gemm.c's tiles) carry AVX-512 paths (`#ifdef __AVX512F__`, `__AVX512BF16__`) and are built
+at `avx512` or `avx512_bf16` where /proc/cpuinfo lists those flags (16-lane vectors, bf16 dot
+products: the fixed v3 build left half of an AVX-512 machine's vector width unused).
+`MYVLLM_CPU_ISA` caps the level for every kernel (for example `avx2` to run the v3 code on an
+AVX-512 machine); the tests build each kernel at every level this CPU can run. Without a
+compiler the caller falls back to torch.
 """
 
 from __future__ import annotations
