@@ -39,9 +39,20 @@ def _gguf_name(hf: str) -> str:
             "lm_head.weight": "output.weight"}[hf]
 
 
-def write_quantized_pair(hf_dir: str, arch: str, out: Path) -> tuple[str, str]:
+# One block type per fused projection (q/k/v alike, gate/up alike): what the C decode step takes.
+UNIFORM_QTYPES = {"attn_q": GGMLQuantizationType.Q4_1, "attn_k": GGMLQuantizationType.Q4_1,
+                  "attn_v": GGMLQuantizationType.Q4_1, "attn_output": GGMLQuantizationType.Q8_0,
+                  "ffn_gate": GGMLQuantizationType.Q4_0, "ffn_up": GGMLQuantizationType.Q4_0,
+                  "ffn_down": GGMLQuantizationType.Q4_1, "token_embd": GGMLQuantizationType.Q8_0,
+                  "output": GGMLQuantizationType.Q4_0}
+
+
+def write_quantized_pair(hf_dir: str, arch: str, out: Path,
+                         qtypes: dict[str, GGMLQuantizationType] | None = None) -> tuple[str, str]:
     """(path of the .gguf, HF directory of its dequantized weights) for tiny `hf_dir` (qwen2/qwen3:
-    llama.cpp leaves their q/k rows unpermuted)."""
+    llama.cpp leaves their q/k rows unpermuted). `qtypes`: block type per llama.cpp tensor kind
+    (default: a mix, v differing from q/k)."""
+    qtypes = _QTYPES if qtypes is None else qtypes
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     weights = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
@@ -65,7 +76,7 @@ def write_quantized_pair(hf_dir: str, arch: str, out: Path) -> tuple[str, str]:
     for name, tensor in weights.items():
         gname = _gguf_name(name)
         data = tensor.float().numpy()
-        qtype = _QTYPES.get(gname.split(".")[-2]) if data.ndim == 2 else None
+        qtype = qtypes.get(gname.split(".")[-2]) if data.ndim == 2 else None
         if qtype is None:
             writer.add_tensor(gname, data)
             dense[name] = tensor.float()

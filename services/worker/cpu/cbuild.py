@@ -6,16 +6,17 @@ keyed by the source and the headers it can include, the compiler and its version
 A kernel may live outside this folder (attention/, models/c_step/): it includes the shared
 headers here through -I, and its own from beside it.
 
-Instruction sets: each kernel is built for a fixed x86-64 *level*, never `-march=native`, so every
-machine of a level runs the same machine code and gets the same results. A kernel says the
+Instruction sets: each kernel is built for a fixed x86-64 *level*, never `-march=native`, so
+every machine of a level runs the same machine code and gets the same results. A kernel says the
 highest level it has code for (`highest`): the decode step stops at `avx2` (x86-64-v3, AVX2 +
-FMA), the fused ops at `avx512` (a 16-lane SiLU·up with the same bits as the 8-lane one), the
-attention kernels, the GEMM and the packed step (gemm.c's tiles) carry AVX-512 paths
-(`#ifdef __AVX512F__`, `__AVX512BF16__`) and are built at `avx512` or `avx512_bf16` where
-/proc/cpuinfo lists those flags (16-lane vectors, bf16 dot products: the fixed v3 build left half
-of an AVX-512 machine's vector width unused). `MYVLLM_CPU_ISA` caps the level for every kernel
-(for example `avx2` to run the v3 code on an AVX-512 machine); the tests build each kernel at
-every level this CPU can run. Without a compiler the caller falls back to torch.
+FMA; its quantized build at quant_gemm.c's `avx512_vnni`), the fused ops at `avx512` (a 16-lane
+SiLU·up with the same bits as the 8-lane one), the attention kernels, the GEMM and the packed
+step (gemm.c's tiles) carry AVX-512 paths (`#ifdef __AVX512F__`, `__AVX512BF16__`) and are built
+at `avx512` or `avx512_bf16` where /proc/cpuinfo lists those flags (16-lane vectors, bf16 dot
+products: the fixed v3 build left half of an AVX-512 machine's vector width unused).
+`MYVLLM_CPU_ISA` caps the level for every kernel (for example `avx2` to run the v3 code on an
+AVX-512 machine); the tests build each kernel at every level this CPU can run. Without a
+compiler the caller falls back to torch.
 """
 
 from __future__ import annotations
@@ -96,16 +97,21 @@ def compiler_version(cc: str) -> str:
 INCLUDE_DIR = Path(__file__).parent  # vec.h, threads.h and the other headers the kernels share
 
 
-def headers_of(source: Path) -> list[Path]:
-    """The headers `source` can include: the shared ones here and those beside it."""
-    return sorted(set(INCLUDE_DIR.glob("*.h")) | set(source.parent.glob("*.h")))
+def headers_of(source: Path, include_dirs: list[Path] | None = None) -> list[Path]:
+    """The headers `source` can include: the shared ones here, those beside it and those in
+    `include_dirs`."""
+    found = set(INCLUDE_DIR.glob("*.h")) | set(source.parent.glob("*.h"))
+    for folder in include_dirs or []:
+        found |= set(folder.glob("*.h"))
+    return sorted(found)
 
 
-def build_key(source: Path, cc: str, flags: list[str], version: str | None = None) -> str:
+def build_key(source: Path, cc: str, flags: list[str], version: str | None = None,
+              include_dirs: list[Path] | None = None) -> str:
     """What a compiled library depends on: the source and the headers it can include, the
     compiler and its version, the flags."""
     version = compiler_version(cc) if version is None else version
-    key = source.read_bytes() + b"".join(h.read_bytes() for h in headers_of(source))
+    key = source.read_bytes() + b"".join(h.read_bytes() for h in headers_of(source, include_dirs))
     key += "\0".join([cc, version, *flags]).encode()
     return hashlib.sha256(key).hexdigest()[:16]
 
@@ -123,13 +129,15 @@ def find_compiler() -> str:
 
 
 def build(source: Path, extra_flags: list[str] | None = None, version: str | None = None, highest: str = "avx2",
-          level: str | None = None) -> ctypes.CDLL:
+          level: str | None = None, include_dirs: list[Path] | None = None) -> ctypes.CDLL:
     """Compile `source` (once per source, compiler and flags) and load it, built for `level` or
-    for the best level this CPU can run up to `highest` (see the module's docstring)."""
+    for the best level this CPU can run up to `highest` (see the module's docstring).
+    `include_dirs`: other folders whose headers it includes (searched with -I, part of the key)."""
     cc = find_compiler()
-    flags = [*BASE_FLAGS, *isa_flags(highest=highest, level=level), f"-I{INCLUDE_DIR}", *(extra_flags or []),
-             *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
-    target = cache_dir() / f"{source.stem}_{build_key(source, cc, flags, version)}.so"
+    includes = [f"-I{folder}" for folder in include_dirs or []]
+    flags = [*BASE_FLAGS, *isa_flags(highest=highest, level=level), f"-I{INCLUDE_DIR}", *includes,
+             *(extra_flags or []), *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
+    target = cache_dir() / f"{source.stem}_{build_key(source, cc, flags, version, include_dirs)}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

@@ -21,6 +21,7 @@ from torch import nn
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cpu.cpu_ops import CpuOps
 from services.worker.models import cpu_linear
+from services.worker.models.c_step import quant_step
 from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_library, load_packed_library
 from services.worker.models.layer_ops import FusedCpuOps, TritonOps
 from services.worker.parallel import get_tp
@@ -39,14 +40,15 @@ def use_fast_paths(model: nn.Module, attention_backend: str, compile_model: bool
     if _param(model).device.type == "cpu":
         c_steps = (attention_backend == "cpu" and not compile_model
                    and os.environ.get(CPU_DECODE_STEP_ENV, "1") != "0")
-        if c_steps and model.is_quantized():
-            # The C steps read dense weights; quantized layers run layer by layer (quant/ops.py).
-            logger.info("cpu decode steps off: the model keeps quantized weights; steps run layer by layer")
-            c_steps = False
         if c_steps:
             # Before packing: the small step keeps the row-major weights.
             use_cpu_decode_step(model, max_step_copy_bytes)
-        if pack_for_cpu(model) and c_steps:
+        packed_step = c_steps
+        if c_steps and model.is_quantized():
+            # packed_step.c reads gemm.c's packed dense weights only (quant/ops.py runs the rest).
+            logger.info("cpu packed step off: the model keeps quantized weights; larger steps run layer by layer")
+            packed_step = False
+        if pack_for_cpu(model) and packed_step:
             use_cpu_packed_step(model)  # on the packed weights: after packing
     use_fused_ops(model)
 
@@ -123,8 +125,14 @@ def use_cpu_decode_step(model: nn.Module, max_extra_bytes: int) -> bool:
     before `pack_for_cpu`: the step keeps the row-major weights, which costs their bytes again
     beside the packed copies, so it is left off when that exceeds `max_extra_bytes`; also off
     where it does not apply (not CPU, tensor or pipeline parallel, another dtype, no C compiler,
-    a layer it does not implement: routed experts, whole-projection q/k norms, clipped q/k/v)."""
+    a layer it does not implement: routed experts, whole-projection q/k norms, clipped q/k/v).
+    A quantized model's step reads its blocks in place, where every projection is one block type
+    (or a dense linear layer): the quantized build of the step (models/c_step/quant_step.py)."""
     if not c_steps_apply(model):
+        return False
+    quantized = model.is_quantized()
+    if quantized and (reason := quant_step.unsupported(model)) is not None:
+        logger.info("cpu decode step off: %s; decode steps run layer by layer", reason)
         return False
     extra = CpuDecodeStep.plain_weight_bytes(model)
     if extra > max_extra_bytes:
@@ -132,7 +140,7 @@ def use_cpu_decode_step(model: nn.Module, max_extra_bytes: int) -> bool:
                     extra / 1e9, max_extra_bytes / 1e9)
         return False
     try:
-        model.decode_step = CpuDecodeStep(model, load_library())
+        model.decode_step = CpuDecodeStep(model, quant_step.load_quant_library() if quantized else load_library())
     except (RuntimeError, OSError) as e:
         logger.warning("cpu decode step unavailable (%s); decode steps run layer by layer", e)
         return False

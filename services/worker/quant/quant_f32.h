@@ -2,7 +2,7 @@
  * in L1 or L2, then multiplied with fp32 activations by fused multiply-adds. The products are those
  * of x with the exact dequantized weights, so each output's error is that of an fp32 dot product.
  *
- * - gemv_rows: a few rows of x (1 .. GEMV_ROWS) against weight rows n0 .. n1: each weight row is
+ * - qf_gemv_rows: a few rows of x (1 .. GEMV_ROWS) against weight rows n0 .. n1: each weight row is
  *   dequantized a chunk of CHUNK values at a time onto the stack and multiplied with every row of
  *   x while the chunk sits in L1: the weights are read once per GEMV_ROWS rows of x.
  * - tile_rows: many rows of x against a group of NR weight rows: the group is dequantized once
@@ -48,7 +48,7 @@ static inline float v16_sum(v16f v) {
 }
 
 /* One output value: the sum, plus the bias, stored as fp32 or (bf16) rounded once to bf16. */
-static inline void store_out(void *y, int64_t at, float v, const float *bias, int n, int bf16) {
+static inline void qt_store_out(void *y, int64_t at, float v, const float *bias, int n, int bf16) {
     if (bias) v += bias[n];
     if (bf16)
         ((uint16_t *)y)[at] = f32_to_bf16(v);
@@ -56,12 +56,12 @@ static inline void store_out(void *y, int64_t at, float v, const float *bias, in
         ((float *)y)[at] = v;
 }
 
-#define CHUNK 256   /* weight values dequantized at a time by gemv_rows (a multiple of every block) */
-#define GEMV_ROWS 4 /* rows of x per pass over the weights in gemv_rows */
+#define CHUNK 256   /* weight values dequantized at a time by qf_gemv_rows (a multiple of every block) */
+#define GEMV_ROWS 4 /* rows of x per pass over the weights in qf_gemv_rows */
 
 /* y[0 .. R, n0 .. n1) for R rows of x (fp32, row stride ldx) and weight rows n0 .. n1 of `w`
  * (row_bytes bytes each); y has row stride N. */
-static inline __attribute__((always_inline)) void gemv_rows(int type, const float *x, int64_t ldx,
+static inline __attribute__((always_inline)) void qf_gemv_rows(int type, const float *x, int64_t ldx,
                                                             const uint8_t *w, int64_t row_bytes, int K, int N,
                                                             int n0, int n1, const float *bias, void *y, int bf16,
                                                             const int R) {
@@ -84,21 +84,23 @@ static inline __attribute__((always_inline)) void gemv_rows(int type, const floa
                 }
             }
         }
-        for (int r = 0; r < R; r++) store_out(y, (int64_t)r * N + n, v16_sum(acc[r][0] + acc[r][1]), bias, n, bf16);
+        for (int r = 0; r < R; r++) qt_store_out(y, (int64_t)r * N + n, v16_sum(acc[r][0] + acc[r][1]), bias, n, bf16);
     }
 }
 
-/* gemv_rows for any R up to GEMV_ROWS (a copy per count, so the accumulators stay in registers) */
-static void gemv_any(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int K, int N,
-                     int n0, int n1, const float *bias, void *y, int bf16, int R) {
+/* qf_gemv_rows for any R up to GEMV_ROWS (a copy per count, so the accumulators stay in registers) */
+static inline void qf_gemv_any(int type, const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int K, int N,
+                            int n0, int n1, const float *bias, void *y, int bf16, int R) {
     switch (R) {
-    case 1: gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 1); break;
-    case 2: gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 2); break;
-    case 3: gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 3); break;
-    default: gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 4); break;
+    case 1: qf_gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 1); break;
+    case 2: qf_gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 2); break;
+    case 3: qf_gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 3); break;
+    default: qf_gemv_rows(type, x, ldx, w, row_bytes, K, N, n0, n1, bias, y, bf16, 4); break;
     }
 }
 
+/* Rows of x from which products take the tiles (fewer: the row GEMVs, qf_gemv_rows or quant_q8.h's) */
+#define TILE_MIN_ROWS 8
 #define NR 16 /* weight rows per tile: one vector of outputs */
 #ifdef __AVX512F__
 #define MT 12 /* rows of x per pass over a tile: 12 zmm accumulators */
@@ -108,8 +110,8 @@ static void gemv_any(int type, const float *x, int64_t ldx, const uint8_t *w, in
 
 /* Weight rows n0 .. n0 + rows (rows <= NR) dequantized into tile[K][NR] (zeros past `rows`); `row`
  * holds K floats of scratch. */
-static void fill_tile(int type, const uint8_t *w, int64_t row_bytes, int K, int n0, int rows, float *tile,
-                      float *row) {
+static inline void fill_tile(int type, const uint8_t *w, int64_t row_bytes, int K, int n0, int rows, float *tile,
+                             float *row) {
     for (int r = 0; r < NR; r++) {
         if (r < rows) dequant_blocks(type, w + (int64_t)(n0 + r) * row_bytes, K / qt_block_values(type), row);
         for (int k = 0; k < K; k++) tile[(int64_t)k * NR + r] = r < rows ? row[k] : 0.f;
@@ -128,12 +130,12 @@ static inline __attribute__((always_inline)) void tile_pass(const float *x, int 
         for (int m = 0; m < mt; m++) acc[m] = v16_fma((v16f){0} + xr[(int64_t)m * K + k], wv, acc[m]);
     }
     for (int m = 0; m < mt; m++)
-        for (int r = 0; r < rows; r++) store_out(y, (int64_t)(m0 + m) * N + n0 + r, acc[m][r], bias, n0 + r, bf16);
+        for (int r = 0; r < rows; r++) qt_store_out(y, (int64_t)(m0 + m) * N + n0 + r, acc[m][r], bias, n0 + r, bf16);
 }
 
 /* All M rows of x against the tile of weight rows n0 .. n0 + rows. */
-static void tile_rows(const float *x, int M, int K, const float *tile, int n0, int rows, int N, const float *bias,
-                      void *y, int bf16) {
+static inline void tile_rows(const float *x, int M, int K, const float *tile, int n0, int rows, int N,
+                             const float *bias, void *y, int bf16) {
     int m0 = 0;
     for (; m0 + MT <= M; m0 += MT) tile_pass(x, K, tile, m0, MT, n0, rows, N, bias, y, bf16);
     switch (M - m0) {

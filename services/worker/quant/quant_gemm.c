@@ -9,7 +9,7 @@
  * (prefill) and used there.
  *
  * Paths, by the number of rows of x (quant_f32.h):
- * - M < TILE_MIN_ROWS (decode): gemv_rows, GEMV_ROWS rows of x per pass over the weight rows, or,
+ * - M < TILE_MIN_ROWS (decode): qf_gemv_rows, GEMV_ROWS rows of x per pass over the weight rows, or,
  *   where asked (int8_dot) and the build has it for the type, q8_gemv_rows (quant_q8.h);
  * - otherwise (prefill, batched decode): tile_rows, each weight byte read once per call.
  * Both are split over the threads by weight rows (OpenMP, torch's pool).
@@ -28,8 +28,6 @@
 #include "quant_f32.h"
 #include "quant_q8.h"
 #include "threads.h"
-
-#define TILE_MIN_ROWS 8
 
 int qg_supported(int type) { return qt_supported(type); }
 
@@ -106,7 +104,7 @@ void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t ro
             for (int r0 = 0; r0 < M; r0 += GEMV_ROWS) {
                 const int R = M - r0 < GEMV_ROWS ? M - r0 : GEMV_ROWS;
                 void *yr = x_bf16 ? (void *)((uint16_t *)y + (int64_t)r0 * N) : (void *)((float *)y + (int64_t)r0 * N);
-                gemv_any(type, xf + (int64_t)r0 * K, K, w, row_bytes, K, N, n0, n1, bias, yr, x_bf16, R);
+                qf_gemv_any(type, xf + (int64_t)r0 * K, K, w, row_bytes, K, N, n0, n1, bias, yr, x_bf16, R);
             }
         }
         return;

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "quant_blocks.h"
+#include "quant_f32.h" /* qt_store_out */
 
 /* A row of x quantized by 32-value blocks: K int8 values and, per block, dx, sum(x) and
  * 8 * dx * sum(qx) (for Q4_0's offset). */
@@ -35,7 +36,7 @@ static inline q8_row_t q8_row_at(void *base, int K) {
     return r;
 }
 
-static void q8_quantize_row(const float *x, int K, q8_row_t r) {
+static inline void q8_quantize_row(const float *x, int K, q8_row_t r) {
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f, sum = 0.f;
@@ -114,12 +115,12 @@ static inline __attribute__((always_inline)) void q8_gemv_rows(int type, const q
             }
         }
         for (int r = 0; r < R; r++)
-            store_out(y, (int64_t)r * N + n, hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + off[r], bias, n, bf16);
+            qt_store_out(y, (int64_t)r * N + n, hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + off[r], bias, n, bf16);
     }
 }
 
-static void q8_gemv_any(int type, const q8_row_t *xq, const uint8_t *w, int64_t row_bytes, int K, int N, int n0,
-                        int n1, const float *bias, void *y, int bf16, int R) {
+static inline void q8_gemv_any(int type, const q8_row_t *xq, const uint8_t *w, int64_t row_bytes, int K, int N, int n0,
+                               int n1, const float *bias, void *y, int bf16, int R) {
 #define Q8_CASE(T, RR) q8_gemv_rows(T, xq, w, row_bytes, K, N, n0, n1, bias, y, bf16, RR)
 #define Q8_TYPE(T)                      \
     switch (R) {                        \

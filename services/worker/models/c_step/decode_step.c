@@ -16,7 +16,11 @@
  *
  * Weights are the checkpoint's row-major [out, in] matrices (fp32 or bf16); products accumulate
  * in fp32 (8 lanes, fused multiply-adds, then a fixed pairwise lane sum) and are rounded to the
- * model's dtype once, as a linear layer's output is.
+ * model's dtype once, as a linear layer's output is. *
+ * Built with -DMYVLLM_QUANT_STEP (a library of its own, at quant_gemm.c's level) the step also
+ * takes projections kept in GGUF blocks (StepModel.wtypes), run by quant_gemm.c's decode kernels
+ * (quant_q8.h, quant_f32.h) on this thread's rows, so each output has the bits the layer-by-layer
+ * quantized forward gives it. The dense build is left as it was: its level and code are unchanged.
  */
 #include <stdlib.h>
 
@@ -127,6 +131,71 @@ static void gemv_share(const void *x, const void *W, const void *bias, void *y, 
     if (r0 < r1) gemv_rows(xf, W, bias, y, K, N, r0, r1, M, bf16);
 }
 
+#ifdef MYVLLM_QUANT_STEP
+#include "quant_q8.h"
+
+/* Bytes of per-thread scratch for M rows of x quantized to int8 (K at most `widest`). */
+#define XQ_BYTES(M, widest) ((size_t)(M) * (size_t)q8_row_bytes(widest))
+
+static inline void *out_rows(void *y, int m0, int N, int bf16) {
+    return (char *)y + (size_t)m0 * N * (bf16 ? 2 : 4);
+}
+
+/* This thread's share of a projection whose weight W is N rows of `type` blocks (row_bytes each):
+ * the same output rows as gemv_share, through the kernels qg_matmul runs at M < TILE_MIN_ROWS (the
+ * only row counts the quantized step takes): int8 dot products on x quantized per 32-value block
+ * where int8_dot and the build have them for the type, else the exact fp32 row GEMV. Every thread
+ * quantizes the few rows of x itself, as it widens them: cheaper than another barrier. bias: fp32
+ * or NULL. */
+static void quant_share(int type, int64_t row_bytes, int int8_dot, const void *x, const void *W, const float *bias,
+                        void *y, int K, int N, int M, int bf16, float *restrict xf, void *xq_mem, int tid, int nth) {
+    const int per = ((N + nth - 1) / nth + 7) / 8 * 8;
+    const int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
+    if (r0 >= r1) return;
+    load_f32(x, 0, M * K, bf16, xf);
+#ifdef __AVX2__
+    if (M < TILE_MIN_ROWS && int8_dot && q8_covers(type)) {
+        q8_row_t xq[MAX_ROWS];
+        for (int m = 0; m < M; m++) {
+            xq[m] = q8_row_at((char *)xq_mem + m * q8_row_bytes(K), K);
+            q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
+        }
+        for (int m0 = 0; m0 < M; m0 += GEMV_ROWS) {
+            const int R = M - m0 < GEMV_ROWS ? M - m0 : GEMV_ROWS;
+            q8_gemv_any(type, xq + m0, W, row_bytes, K, N, r0, r1, bias, out_rows(y, m0, N, bf16), bf16, R);
+        }
+        return;
+    }
+#endif
+    (void)xq_mem;
+    (void)int8_dot;
+    for (int m0 = 0; m0 < M; m0 += GEMV_ROWS) {
+        const int R = M - m0 < GEMV_ROWS ? M - m0 : GEMV_ROWS;
+        qf_gemv_any(type, xf + (int64_t)m0 * K, K, W, row_bytes, K, N, r0, r1, bias, out_rows(y, m0, N, bf16), bf16,
+                    R);
+    }
+}
+#else
+#define XQ_BYTES(M, widest) ((size_t)0)
+#endif
+
+/* This thread's share of layer l's projection `slot` (its bias in the next slot): x [M, K] -> y
+ * [M, N]; xq: the quantized build's int8 rows of x. */
+static inline void project(const StepModel *md, int l, int slot, const void *x, void *y, int K, int N, int M,
+                           float *restrict xf, void *xq, int tid, int nth) {
+    const void *const *w = md->layers + (size_t)l * LAYER_PTRS;
+#ifdef MYVLLM_QUANT_STEP
+    const int at = l * LAYER_PTRS + slot, type = md->wtypes ? md->wtypes[at] : 0;
+    if (type) {
+        quant_share(type, md->row_bytes[at], md->int8_dot, x, w[slot], w[slot + 1], y, K, N, M, md->bf16, xf, xq,
+                    tid, nth);
+        return;
+    }
+#else
+    (void)xq;
+#endif
+    gemv_share(x, w[slot], w[slot + 1], y, K, N, M, md->bf16, xf, tid, nth);
+}
 
 /* ---------------------------------------------------------------- the step */
 
@@ -147,7 +216,8 @@ int decode_step(const StepModel *md, int M, const void *x, const int64_t *positi
     /* per thread, fp32: a widened input row block and attention scratch */
     int widest = H > NH * D ? H : NH * D;
     widest = widest > I ? widest : I;
-    const size_t per_thread = (size_t)M * widest + (size_t)G * max_len + 2 * (size_t)G * D + (size_t)KVH * D + 16;
+    const size_t attend_floats = (size_t)G * max_len + 2 * (size_t)G * D + (size_t)KVH * D + 16;
+    const size_t per_thread = (size_t)M * widest + attend_floats + (XQ_BYTES(M, widest) + 3) / 4;
     const StepBuffers buf = step_buffers(md, M, x, per_thread, nthreads);
     if (buf.mem == NULL) return -2;
     void *const res = buf.res, *const h = buf.h, *const qkv = buf.qkv, *const att = buf.att, *const gu = buf.gu;
@@ -160,6 +230,7 @@ int decode_step(const StepModel *md, int M, const void *x, const int64_t *positi
         float *xf = thread_scratch(scratch, per_thread);
         float *scores = xf + (size_t)M * widest, *acc = scores + (size_t)G * max_len, *qrows = acc + (size_t)G * D;
         float *tmp = qrows + (size_t)G * D;
+        void *xq = scores + attend_floats;
         for (int l = 0; l < md->num_layers; l++) {
             const void *const *w = md->layers + (size_t)l * LAYER_PTRS;
             /* h = RMSNorm(residual), the previous layer's MLP output (in h) added first */
@@ -171,7 +242,7 @@ int decode_step(const StepModel *md, int M, const void *x, const int64_t *positi
                 else
                     add_rms_norm_row(hm, rm, w[W_IN_NORM], H, md->eps, bf16);
             }
-            gemv_share(h, w[W_QKV], w[B_QKV], qkv, H, QKV, M, bf16, xf, tid, nth);
+            project(md, l, W_QKV, h, qkv, H, QKV, M, xf, xq, tid, nth);
 #pragma omp barrier
             /* per-head norms (Qwen3), RoPE on the q and k heads, K/V into the cache */
 #pragma omp single
@@ -200,20 +271,20 @@ int decode_step(const StepModel *md, int M, const void *x, const int64_t *positi
                 attend(&a, b, kh, kh + 1, qrows, scores, acc, tmp);
                 store_from_f32(att, (int64_t)b * NH * D + (int64_t)kh * G * D, G * D, bf16, acc);
             }
-            gemv_share(att, w[W_O], w[B_O], h, NH * D, H, M, bf16, xf, tid, nth);
+            project(md, l, W_O, att, h, NH * D, H, M, xf, xq, tid, nth);
 #pragma omp barrier
 #pragma omp single
             for (int m = 0; m < M; m++)
                 add_rms_norm_row((char *)h + (size_t)m * H * es, (char *)res + (size_t)m * H * es, w[W_POST_NORM], H,
                                  md->eps, bf16);
-            gemv_share(h, w[W_GATE_UP], w[B_GATE_UP], gu, H, 2 * I, M, bf16, xf, tid, nth);
+            project(md, l, W_GATE_UP, h, gu, H, 2 * I, M, xf, xq, tid, nth);
 #pragma omp barrier
 #pragma omp single
             for (int m = 0; m < M; m++) {
                 const char *g = (const char *)gu + (size_t)m * 2 * I * es;
                 silu_mul_row(g, g + (size_t)I * es, (char *)act + (size_t)m * I * es, I, bf16);
             }
-            gemv_share(act, w[W_DOWN], w[B_DOWN], h, I, H, M, bf16, xf, tid, nth);
+            project(md, l, W_DOWN, act, h, I, H, M, xf, xq, tid, nth);
 #pragma omp barrier
         }
     }
@@ -238,5 +309,30 @@ int lm_head(const void *x, const void *W, void *y, int M, int K, int N, int bf16
     free(xf);
     return 0;
 }
+
+#ifdef MYVLLM_QUANT_STEP
+/* lm_head on a weight of `type` blocks (row_bytes per row): the LM head (or tied embedding) kept in
+ * GGUF blocks. */
+int lm_head_quant(int type, int64_t row_bytes, int int8_dot, const void *x, const void *W, void *y, int M, int K,
+                  int N, int bf16, int nthreads) {
+    if (M < 1 || M > MAX_ROWS) return -1;
+    if (nthreads < 1) nthreads = 1;
+    const size_t per_thread = (size_t)M * K + (XQ_BYTES(M, K) + 3) / 4;
+    float *scratch = malloc(sizeof(float) * per_thread * (size_t)nthreads);
+    if (scratch == NULL) return -2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *xf = thread_scratch(scratch, per_thread);
+        quant_share(type, row_bytes, int8_dot, x, W, NULL, y, K, N, M, bf16, xf, xf + (size_t)M * K, thread_id(),
+                    team_size());
+    }
+    free(scratch);
+    return 0;
+}
+
+/* Rows from which qg_matmul takes its tiles: the quantized step takes fewer (its products are
+ * the row GEMVs the layer-by-layer forward runs below that). */
+int quant_tile_min_rows(void) { return TILE_MIN_ROWS; }
+#endif
 
 int max_rows(void) { return MAX_ROWS; }

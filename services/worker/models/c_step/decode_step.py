@@ -15,6 +15,8 @@ The C code reads the checkpoint's row-major weights, while the eager path runs o
 prepacked copies (`cpu_linear.py`): the step keeps the row-major tensors too, which doubles
 the projections' memory. `fast_paths.use_cpu_decode_step` therefore turns it on only
 when that copy is small next to the available RAM, and `MYVLLM_CPU_DECODE_STEP=0` turns it off.
+Projections kept in GGUF blocks are read in place by the small step's quantized build
+(`quant_step.py`); the packed step takes dense models only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ import torch
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cpu import cbuild
 from services.worker.cpu.gemm import HIGHEST_ISA
+from services.worker.models.c_step import quant_step
+from services.worker.quant import kernels as quant_kernels
+from services.worker.quant.ops import quant_matmul
+from services.worker.quant.weights import QuantWeights
 
 _SOURCE = Path(__file__).with_name("decode_step.c")
 _PACKED_SOURCE = Path(__file__).with_name("packed_step.c")
@@ -42,7 +48,8 @@ MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
 class _StepModel(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I),
                 ("intermediate", _I), ("block_size", _I), ("bf16", _I), ("eps", _F), ("scale", _F),
-                ("layers", _P), ("kv", _P), ("final_norm", _P), ("cos", _P), ("sin", _P)]
+                ("layers", _P), ("kv", _P), ("final_norm", _P), ("cos", _P), ("sin", _P),
+                ("wtypes", _P), ("row_bytes", _P), ("int8_dot", _I)]
 
 
 def load_library() -> ctypes.CDLL:
@@ -141,27 +148,41 @@ class _CStep:
 
 
 class CpuDecodeStep(_CStep):
-    """Holds the row-major weights of one model and runs its small decode steps in C."""
+    """Holds the row-major weights of one model and runs its small decode steps in C. A model
+    whose projections stay in GGUF blocks needs the quantized build (`quant_step.
+    load_quant_library`); the step reads its blocks where they are."""
 
     def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        weights = []
+        weights, qtypes, row_bytes = [], [], []
         for layer in model._stage():
             attn, mlp = layer.self_attn, layer.mlp
-            slots = {**self._norms(layer), "qkv": attn.qkv_proj.weight, "qkv_bias": attn.qkv_proj.bias,
-                     "o": attn.o_proj.weight, "o_bias": attn.o_proj.bias, "gate_up": mlp.gate_up_proj.weight,
-                     "gate_up_bias": mlp.gate_up_proj.bias, "down": mlp.down_proj.weight,
-                     "down_bias": mlp.down_proj.bias}
-            # After the eager layers are packed for oneDNN these are the only references to the
-            # row-major weights.
-            weights.append([t.detach().contiguous() if (t := slots[name]) is not None else None
-                            for name in LAYER_SLOTS])
+            slots, types, sizes = {**self._norms(layer)}, dict.fromkeys(LAYER_SLOTS, 0), dict.fromkeys(LAYER_SLOTS, 0)
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                proj = quant_step.projection(module)
+                slots[name], slots[f"{name}_bias"], types[name], sizes[name] = (proj.weight, proj.bias, proj.qtype,
+                                                                                proj.row_bytes)
+            weights.append([slots[name] for name in LAYER_SLOTS])
+            qtypes += [types[name] for name in LAYER_SLOTS]
+            row_bytes += [sizes[name] for name in LAYER_SLOTS]
         super().__init__(model, weights)
-        # Up to these many rows the step beats the eager forward (forward + LM head); beyond
-        # them the projections stop being bound by the weights' bytes. Fewer for bf16: the step
-        # widens bf16 to fp32 for its AVX2 FMAs, where oneDNN has bf16 dot products.
-        self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
-        self.head_weight = (model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight).detach()
+        self.quantized = any(qtypes)
+        if self.quantized:
+            self._wtypes = (_I * len(qtypes))(*qtypes)
+            self._row_bytes = (_I64 * len(row_bytes))(*row_bytes)
+            self._model.wtypes = ctypes.addressof(self._wtypes)
+            self._model.row_bytes = ctypes.addressof(self._row_bytes)
+            # Below the row count where quant_gemm.c switches to its tiles, the layer-by-layer
+            # products are the same row GEMVs the step runs (and neither widens bf16 weights).
+            self.max_rows = min(int(lib.max_rows()), int(lib.quant_tile_min_rows()) - 1)
+        else:
+            # Up to these many rows the step beats the eager forward (forward + LM head); beyond
+            # them the projections stop being bound by the weights' bytes. Fewer for bf16: the
+            # step widens bf16 to fp32 for its AVX2 FMAs, where oneDNN has bf16 dot products.
+            self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
+        self.head = model.embed_tokens if model.tie_word_embeddings else model.lm_head
+        self.head_weight = None if isinstance(self.head, QuantWeights) else self.head.weight.detach()
 
     def applies(self, meta: AttentionMetadata) -> bool:
         """A step of at most `max_rows` requests, each bringing exactly one new token."""
@@ -169,6 +190,7 @@ class CpuDecodeStep(_CStep):
 
     def _call(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> int:
         bt = meta.block_table
+        self._model.int8_dot = int(quant_kernels.INT8_DOT)  # as the layer-by-layer kernels read it
         return self.lib.decode_step(ctypes.addressof(self._model), x.shape[0], x.data_ptr(), positions.data_ptr(),
                                     meta.slot_mapping.data_ptr(), bt.data_ptr(), bt.stride(0),
                                     meta.seq_lens.data_ptr(), out.data_ptr(), torch.get_num_threads())
@@ -185,10 +207,27 @@ class CpuDecodeStep(_CStep):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, hidden] → [M, vocabulary rows] logits in the model's dtype, for M <= max_rows."""
         hidden = hidden.contiguous()
+        if isinstance(self.head, QuantWeights):
+            return self._quant_lm_head(hidden)
         w = self.head_weight
         out = torch.empty((hidden.shape[0], w.shape[0]), dtype=w.dtype)
         rc = self.lib.lm_head(hidden.data_ptr(), w.data_ptr(), out.data_ptr(), hidden.shape[0], w.shape[1],
                               w.shape[0], int(w.dtype == torch.bfloat16), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"cpu LM head failed ({rc})")
+        return out
+
+    def _quant_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head (or tied embedding) in GGUF blocks: in C where the step's kernels take them,
+        else as the layer-by-layer forward runs it."""
+        head, bias = self.head, getattr(self.head, "bias", None)
+        if not (quant_step.takes_blocks(head) and bias is None and hasattr(self.lib, "lm_head_quant")):
+            return quant_matmul(hidden, head, bias)
+        qtype, rows = head.parts()[0]
+        out = torch.empty((hidden.shape[0], rows.shape[0]), dtype=hidden.dtype)
+        rc = self.lib.lm_head_quant(int(qtype), rows.shape[1], int(quant_kernels.INT8_DOT), hidden.data_ptr(),
+                                    rows.data_ptr(), out.data_ptr(), hidden.shape[0], head.in_features,
+                                    rows.shape[0], int(hidden.dtype == torch.bfloat16), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"cpu LM head failed ({rc})")
         return out

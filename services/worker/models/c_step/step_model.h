@@ -19,6 +19,13 @@ typedef struct {
     void *const *kv;           /* [num_layers * 2]: each layer's K and V cache [blocks, BS, KVH, D] */
     const void *final_norm;    /* [hidden] */
     const float *cos, *sin;    /* RoPE tables, fp32 [max_position, head_dim] */
+    /* Projections kept in GGUF blocks (read only by decode_step.c's quantized build; NULL for a
+     * dense model): per layer slot, its weight's block type (0: dense, in the model's dtype) and
+     * the bytes of one weight row; a quantized weight's bias is fp32, as quant_gemm.c takes it.
+     * int8_dot: decode-sized products on Q4_0/Q4_1/Q8_0 quantize x to int8 (quant_q8.h). */
+    const int *wtypes;        /* [num_layers * LAYER_PTRS] */
+    const int64_t *row_bytes; /* [num_layers * LAYER_PTRS] */
+    int int8_dot;
 } StepModel;
 
 /* A step's working memory, one allocation: shared, in the model's dtype, the residual stream, h
