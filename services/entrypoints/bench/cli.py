@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from services.common.config import is_gguf_file
 from services.common.param_errors import SamplingParamsError
 from services.entrypoints.bench.workload import (
     SPEC_PEER,
@@ -161,7 +162,9 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
         specs.append(PeerSpec(throughput.STRUCTURED, lambda: MyVllmPeer(kwargs, json_schema=schema)))
         notes.append(f"{throughput.STRUCTURED}: every request constrained to {args.json_schema}; its outputs may "
                      "end early (complete JSON), so it counts the tokens it generated")
-    if not args.no_hf:
+    if not args.no_hf and is_gguf_file(model):
+        notes.append("hf skipped: HF transformers runs checkpoint directories, not a .gguf file")
+    elif not args.no_hf:
         specs.append(PeerSpec("hf", lambda: HFPeer(model, args.dtype, args.seed)))
     if args.no_llamacpp:
         pass

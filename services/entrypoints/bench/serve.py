@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from services.common.config import is_gguf_file
 from services.entrypoints.bench.serve_levels import ServeResult, run_level, start_mesh, stop_mesh
 from services.entrypoints.bench.workload import (
     BenchRequest,
@@ -166,7 +167,9 @@ def run(args: argparse.Namespace) -> int:
         elapsed = run_peer(PeerSpec("my-vllm offline LLM", lambda: MyVllmPeer(kwargs)), warmup, knobs,
                            lambda peer: peer.generate(requests, knobs))
         peers[f"my-vllm offline LLM (max_num_seqs={kwargs['max_num_seqs']})"] = total_out / elapsed
-    if not args.no_hf:
+    if not args.no_hf and is_gguf_file(model_dir):
+        log("hf transformers skipped: it runs checkpoint directories, not a .gguf file")
+    elif not args.no_hf:
         from services.entrypoints.bench.hf_peer import HFPeer
 
         elapsed = run_peer(PeerSpec("hf transformers", lambda: HFPeer(model_dir, args.dtype, args.seed)),

@@ -64,7 +64,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
 
 async def run_level(base_url: str, requests: list[BenchRequest], concurrency: int,
                     name: str = "my-vllm serve") -> ServeResult:
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # A connection per request, for every peer alike: llama-server closes kept-alive connections on
+    # its own terms, and a request sent on one it has just closed fails ("Server disconnected").
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
         url = f"{base_url}/v1/completions"
