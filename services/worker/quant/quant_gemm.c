@@ -8,11 +8,15 @@
  * expanded to fp32 in memory: a chunk at a time is dequantized into L1 (decode) or a tile into L2
  * (prefill) and used there.
  *
- * Paths, by the number of rows of x (quant_f32.h):
- * - M < TILE_MIN_ROWS (decode): qf_gemv_rows, GEMV_ROWS rows of x per pass over the weight rows, or,
- *   where asked (int8_dot) and the build has it for the type, q8_gemv_rows (quant_q8.h);
- * - otherwise (prefill, batched decode): tile_rows, each weight byte read once per call.
- * Both are split over the threads by weight rows (OpenMP, torch's pool).
+ * Paths, by the number of rows of x:
+ * - where asked (int8_dot) and the build has it for the type (Q4_0, Q4_1, Q8_0 with AVX2), x is
+ *   quantized to int8 per 32-value block and the products are integer dot products: at one row
+ *   q8_gemv_rows (quant_q8.h), one stream over the weight rows; from X16_MIN_ROWS rows the packed
+ *   groups of 16 weight rows of quant_x16.h, compute-bound kernels that use each weight byte for
+ *   every row of x;
+ * - otherwise (quant_f32.h), exact fp32 products: below TILE_MIN_ROWS qf_gemv_rows, GEMV_ROWS rows of
+ *   x per pass over the weight rows; from there tile_rows, each weight byte read once per call.
+ * All are split over the threads by weight rows (OpenMP, torch's pool).
  *
  * Measured against each other (time per call at M = 1 and 128 for SmolLM2's Q4_1 576x1536 and its
  * Q8_0 49152x576 LM head, and a decode step's 210 Q4_1 products, bytes read per second against
@@ -23,20 +27,31 @@
  * at a fraction of the read bandwidth.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "quant_blocks.h"
 #include "quant_f32.h"
 #include "quant_q8.h"
+#include "quant_x16.h"
 #include "threads.h"
 
 int qg_supported(int type) { return qt_supported(type); }
 
 /* Floats of scratch qg_matmul needs for these sizes (the caller's buffer, reused across calls). */
+/* Floats of each thread's own scratch: the fp32 path's tile, or the int8 path's packed group (the
+ * widest type's, with room to align it to 64 bytes). */
+static int64_t tile_floats(int K) {
+    int64_t tile = (int64_t)K * NR + K;
+#ifdef __AVX2__
+    const int64_t packed = (x16_scratch_bytes(K) + 64 + 3) / 4;
+    tile = tile > packed ? tile : packed;
+#endif
+    return tile;
+}
+
 int64_t qg_scratch_floats(int M, int K, int x_bf16, int num_threads) {
-    int64_t n = x_bf16 ? (int64_t)M * K : 0;
-    if (M >= TILE_MIN_ROWS) n += (int64_t)num_threads * ((int64_t)K * NR + K);
-    else n += (int64_t)M * q8_row_bytes(K) / 4;
-    return n;
+    const int64_t converted = x_bf16 ? (int64_t)M * K : 0, quantized = (int64_t)M * q8_row_bytes(K) / 4;
+    return converted + quantized + (int64_t)num_threads * tile_floats(K);
 }
 
 /* Whether qg_matmul's int8_dot takes the int8 path for `type` in this build. */
@@ -74,9 +89,9 @@ void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t ro
         xf = conv;
         thread_scratch_base = scratch + total;
     }
-    if (M < TILE_MIN_ROWS && int8_dot && q8_covers(type)) {
+    if (M < X16_MIN_ROWS && int8_dot && q8_covers(type)) {
 #ifdef __AVX2__
-        q8_row_t xq[TILE_MIN_ROWS];
+        q8_row_t xq[X16_MIN_ROWS];
         for (int m = 0; m < M; m++) {
             xq[m] = q8_row_at((char *)thread_scratch_base + m * q8_row_bytes(K), K);
             q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
@@ -92,6 +107,34 @@ void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t ro
                 q8_gemv_any(type, xq + r0, w, row_bytes, K, N, n0, n1, bias, yr, x_bf16, R);
             }
         }
+#endif
+        return;
+    }
+    if (int8_dot && q8_covers(type)) { /* M >= X16_MIN_ROWS */
+#ifdef __AVX2__
+        q8_row_t *xq = malloc(sizeof(q8_row_t) * (size_t)M);
+        if (xq == NULL) return;
+        char *xq_mem = (char *)thread_scratch_base;
+        const int64_t xq_bytes = q8_row_bytes(K);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int m = 0; m < M; m++) {
+            xq[m] = q8_row_at(xq_mem + m * xq_bytes, K);
+            q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
+        }
+        float *packed_base = (float *)(xq_mem + (int64_t)M * xq_bytes);
+        const int groups = (N + X16 - 1) / X16, team = num_threads > groups ? groups : num_threads;
+#pragma omp parallel num_threads(team)
+        {
+            const uintptr_t at = (uintptr_t)(packed_base + (int64_t)thread_id() * tile_floats(K));
+            uint8_t *packed = (uint8_t *)((at + 63) & ~(uintptr_t)63);
+            int g0, g1;
+            share(groups, thread_id(), team_size(), &g0, &g1);
+            for (int g = g0; g < g1; g++) {
+                x16_pack(type, w, row_bytes, K, N, g * X16, packed);
+                x16_group_any(type, xq, M, packed, K, N, g * X16, bias, y, x_bf16);
+            }
+        }
+        free(xq);
 #endif
         return;
     }
@@ -113,7 +156,7 @@ void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t ro
     if (num_threads > groups) num_threads = groups;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *tile = thread_scratch_base + (int64_t)thread_id() * ((int64_t)K * NR + K), *row = tile + (int64_t)K * NR;
+        float *tile = thread_scratch_base + (int64_t)thread_id() * tile_floats(K), *row = tile + (int64_t)K * NR;
         int g0, g1;
         share(groups, thread_id(), team_size(), &g0, &g1);
         for (int g = g0; g < g1; g++) {

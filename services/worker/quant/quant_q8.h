@@ -19,20 +19,21 @@
 #include "quant_blocks.h"
 #include "quant_f32.h" /* qt_store_out */
 
-/* A row of x quantized by 32-value blocks: K int8 values and, per block, dx, sum(x) and
- * 8 * dx * sum(qx) (for Q4_0's offset). */
+/* A row of x quantized by 32-value blocks: K int8 values and, per block, dx, sum(x),
+ * 8 * dx * sum(qx) (for Q4_0's offset) and sum(qx) (quant_x16.h's integer offsets). */
 typedef struct {
     int8_t *q;
     float *dx, *sx, *off8;
+    int32_t *isum;
 } q8_row_t;
 
 /* Bytes one quantized row of K values takes in the scratch (a multiple of 64). */
-static inline int64_t q8_row_bytes(int K) { return ((int64_t)K + 3 * 4 * (K / QK) + 63) / 64 * 64; }
+static inline int64_t q8_row_bytes(int K) { return ((int64_t)K + 4 * 4 * (K / QK) + 63) / 64 * 64; }
 
 static inline q8_row_t q8_row_at(void *base, int K) {
     const int nb = K / QK;
     float *f = (float *)base;
-    q8_row_t r = {(int8_t *)(f + 3 * nb), f, f + nb, f + 2 * nb};
+    q8_row_t r = {(int8_t *)(f + 4 * nb), f, f + nb, f + 2 * nb, (int32_t *)(f + 3 * nb)};
     return r;
 }
 
@@ -54,6 +55,7 @@ static inline void q8_quantize_row(const float *x, int K, q8_row_t r) {
         r.dx[b] = dx;
         r.sx[b] = sum;
         r.off8[b] = 8.f * dx * (float)isum;
+        r.isum[b] = isum;
     }
 }
 

@@ -249,9 +249,12 @@ def _quantized_step(runner: ModelRunner) -> CpuDecodeStep:
 @pytest.mark.parametrize("int8_dot", [False, True], ids=["fp32-products", "int8-products"])
 def test_the_quantized_step_matches_the_layer_by_layer_forward(quantized_model, monkeypatch, model: str,
                                                                dtype: str, int8_dot: bool) -> None:
-    """The C step on GGUF blocks against the layer-by-layer quantized forward (quant_matmul), at 1,
-    3 and 7 rows (its most) and at 8, where the layer-by-layer products take quant_gemm.c's fp32
-    tiles (the step is made to take that many here; it runs the fp32 row GEMV there).
+    """The C step on GGUF blocks against the layer-by-layer quantized forward (quant_matmul). With
+    int8 products (every projection here of a type they cover) at 1, 3, 7, 8 and 16 rows (its
+    most): both sides run the same row kernel at one row and the same packed groups from two.
+    With fp32 products at 1, 3 and 7 rows (its most) and at 8, where the layer-by-layer products
+    take quant_gemm.c's fp32 tiles (the step is made to take that many here; it runs the fp32 row
+    GEMV there).
     fp32-products (INT8_DOT off: both sides multiply x by the exactly dequantized weights): the
     same hidden states and logits up to fp32 summation order (observed ~1e-6 of the scale in
     fp32; bounds as the dense step's). int8-products: each product has the layer kernels' bits
@@ -264,11 +267,14 @@ def test_the_quantized_step_matches_the_layer_by_layer_forward(quantized_model, 
     runner = runner_for(quantized_model(model), dtype=dtype, seed=0)
     runner.init_kv_cache(NUM_BLOCKS, BLOCK)
     step = _quantized_step(runner)
-    assert step.max_rows == 7
-    step.max_rows = 8
+    if int8_dot:
+        assert step.max_rows == 16
+    else:
+        assert step.max_rows == 7
+        step.max_rows = 8
     gen = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
-    for rows in (1, 3, 7, 8):
+    for rows in (1, 3, 7, 8, 16) if int8_dot else (1, 3, 7, 8):
         ctx, num_new = _decodes(rows)
         setup = np.maximum(ctx, 1)
         _forward(runner, torch.randint(0, vocab, (int(setup.sum()),), generator=gen), np.zeros(len(ctx), np.int64),
@@ -281,7 +287,7 @@ def test_the_quantized_step_matches_the_layer_by_layer_forward(quantized_model, 
         runner.model.decode_step = step
         for got, want in ((got_hidden, want_hidden), (got_logits, want_logits)):
             scale = float(want.float().abs().max())
-            if int8_dot and rows < 8:
+            if int8_dot:
                 torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.2 * scale)
             elif dtype == "float32":
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale)
@@ -299,13 +305,13 @@ def test_the_quantized_steps_int8_products_are_the_layer_kernels_bits(quantized_
     """With int8 activations (the default) each of the step's products has the bits quant_matmul
     gives the same input (the same quant_q8.h code at the same level, on x quantized the same
     way): the LM head (SmolLM2: the tied Q8_0 embedding; the tiny llama: a Q4_0 output matrix) at
-    1, 3 and 7 rows, bit for bit."""
+    1, 3, 7 and 16 rows, bit for bit."""
     runner = runner_for(quantized_model(model), dtype=dtype, seed=0)
     step = _quantized_step(runner)
     model_ = runner.model
     head = model_.embed_tokens if model_.tie_word_embeddings else model_.lm_head
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 3, 7):
+    for rows in (1, 3, 7, 16):
         hidden = (3 * torch.randn(rows, head.in_features, generator=gen)).to(step.dtype)
         assert torch.equal(step.lm_head(hidden), quant_matmul(hidden, head))
 
@@ -344,4 +350,4 @@ def test_a_layer_of_two_block_types_keeps_the_step_off(quantized_model, tiny_mod
 def test_the_quantized_step_builds_at_every_level(level: str | None) -> None:
     """Below AVX2 (no int8 path) the products are quant_f32.h's alone."""
     lib = load_quant_library(level)
-    assert lib.max_rows() == 8 and lib.quant_tile_min_rows() == 8
+    assert lib.max_rows() == 16 and lib.quant_tile_min_rows() == 8

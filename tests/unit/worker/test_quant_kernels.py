@@ -12,7 +12,7 @@ fp32 dot product of K terms, with at most a few more roundings from the per-bloc
 3: error <= g(K + 8) * sum_k |x_k w_k|, g(n) = n u / (1 - n u), u = 2^-24), plus one rounding for the
 bias; a bf16 output adds its rounding to bf16 (2^-9 of the value); bf16 inputs are exact in fp32.
 
-The int8 decode path (int8_dot, Q4_0, Q4_1, Q8_0 with AVX2 or better) replaces each 32-value block
+The int8 path (int8_dot, Q4_0, Q4_1, Q8_0 with AVX2 or better) replaces each 32-value block
 of x by dx * round(x / dx), dx = max|x| / 127: each value moves by at most dx / 2 (and a rounding of
 x / dx), and it multiplies d * q, whose size is at most |w| + |offset| (offset: Q4_0's -8 d, Q4_1's
 m: the value of a block whose quants are all 0). So that path's bound adds
@@ -139,10 +139,12 @@ def test_matmul_matches_exact_products(level: str | None, qtype: GGMLQuantizatio
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", sorted(QUANT_BYTES))
-@pytest.mark.parametrize("rows", [1, 3, 5, 7])
-def test_int8_decode_path_within_its_bound(level: str | None, qtype: GGMLQuantizationType, rows: int) -> None:
-    """Decode-sized calls with int8 activations, where the build has that path (else the fp32
-    path, within the tighter bound); 5 to 7 rows take a second pass over the weights."""
+@pytest.mark.parametrize("rows", [1, 3, 5, 7, 8, 17, 130])
+def test_int8_path_within_its_bound(level: str | None, qtype: GGMLQuantizationType, rows: int) -> None:
+    """Calls with int8 activations, where the build has that path (else the fp32 path, within the
+    tighter bound): 5 to 7 rows take a second pass over the weights in the row kernel; 8 or more
+    run on packed groups of 16 weight rows (37 outputs: a partial group), 4 rows of x at a time
+    and a tail."""
     gemm = QuantGemm.load(level)
     n, k = 37, 576
     raw = random_blocks(qtype, n, k, seed=rows)

@@ -29,9 +29,16 @@
 #include "step_model.h"
 #include "threads.h"
 
-/* Most rows (requests) a step may carry: beyond a few rows the projections stop being bound by
- * reading the weights and oneDNN's blocked GEMMs win. */
-#define MAX_ROWS 8
+/* Most rows (requests) a step may carry: beyond a few rows the dense projections stop being bound
+ * by reading the weights and oneDNN's blocked GEMMs win. The quantized build's int8 products on
+ * packed groups (quant_x16.h) are compute-bound kernels of their own, the same the layer-by-layer
+ * forward runs, so it takes more: what it saves is the forward's per-layer Python and torch calls. */
+#define DENSE_ROWS 8
+#ifdef MYVLLM_QUANT_STEP
+#define MAX_ROWS 16
+#else
+#define MAX_ROWS DENSE_ROWS
+#endif
 
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
@@ -65,7 +72,7 @@ static inline __attribute__((always_inline)) void gemv_impl(const float *restric
         const int64_t row = (int64_t)r * K;
         /* fixed-size arrays (not VLAs) with fully unrolled loops, so the accumulators live in
          * registers */
-        f32x8 acc[4][MAX_ROWS];
+        f32x8 acc[4][DENSE_ROWS];
 #pragma GCC unroll 4
         for (int j = 0; j < S; j++)
 #pragma GCC unroll 8
@@ -122,33 +129,65 @@ static void gemv_rows(const float *x, const void *W, const void *bias, void *y, 
 }
 
 /* This thread's share of a projection: x ([M, K], model dtype) widened into its own fp32
- * scratch xf, then its contiguous range of output rows (a multiple of 8 rows per thread). */
+ * scratch xf, then its contiguous range of output rows (a multiple of 8 rows per thread), at most
+ * DENSE_ROWS rows of x per pass. */
 static void gemv_share(const void *x, const void *W, const void *bias, void *y, int K, int N, int M, int bf16,
                        float *restrict xf, int tid, int nth) {
     load_f32(x, 0, M * K, bf16, xf);
     const int per = ((N + nth - 1) / nth + 7) / 8 * 8;
     const int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
-    if (r0 < r1) gemv_rows(xf, W, bias, y, K, N, r0, r1, M, bf16);
+    const size_t es = bf16 ? 2 : 4;
+    for (int m0 = 0; m0 < M && r0 < r1; m0 += DENSE_ROWS)
+        gemv_rows(xf + (size_t)m0 * K, W, bias, (char *)y + (size_t)m0 * N * es, K, N, r0, r1,
+                  M - m0 < DENSE_ROWS ? M - m0 : DENSE_ROWS, bf16);
 }
 
 #ifdef MYVLLM_QUANT_STEP
 #include "quant_q8.h"
+#include "quant_x16.h"
 
-/* Bytes of per-thread scratch for M rows of x quantized to int8 (K at most `widest`). */
-#define XQ_BYTES(M, widest) ((size_t)(M) * (size_t)q8_row_bytes(widest))
+/* Bytes of per-thread scratch for M rows of x quantized to int8 and a packed group of weights (K at
+ * most `widest`). */
+#define XQ_BYTES(M, widest) ((size_t)(M) * (size_t)q8_row_bytes(widest) + X16_SCRATCH(widest))
+#ifdef __AVX2__
+#define X16_SCRATCH(widest) ((size_t)x16_scratch_bytes(widest) + 64)
+#else
+#define X16_SCRATCH(widest) ((size_t)0)
+#endif
 
 static inline void *out_rows(void *y, int m0, int N, int bf16) {
     return (char *)y + (size_t)m0 * N * (bf16 ? 2 : 4);
 }
 
-/* This thread's share of a projection whose weight W is N rows of `type` blocks (row_bytes each):
- * the same output rows as gemv_share, through the kernels qg_matmul runs at M < TILE_MIN_ROWS (the
- * only row counts the quantized step takes): int8 dot products on x quantized per 32-value block
- * where int8_dot and the build have them for the type, else the exact fp32 row GEMV. Every thread
- * quantizes the few rows of x itself, as it widens them: cheaper than another barrier. bias: fp32
- * or NULL. */
+/* This thread's share of a projection whose weight W is N rows of `type` blocks (row_bytes each),
+ * through the kernels qg_matmul runs for the same M, so each output has its bits: where int8_dot
+ * and the build have them for the type, int8 dot products on x quantized per 32-value block (the
+ * row kernel at one row, packed groups of 16 weight rows from X16_MIN_ROWS, a share of the groups
+ * per thread); else the exact fp32 row GEMV, which qg_matmul runs below TILE_MIN_ROWS only (the
+ * step then takes fewer rows: decode_step.py). Every thread quantizes the few rows of x itself, as
+ * it widens them: cheaper than another barrier. bias: fp32 or NULL. */
 static void quant_share(int type, int64_t row_bytes, int int8_dot, const void *x, const void *W, const float *bias,
                         void *y, int K, int N, int M, int bf16, float *restrict xf, void *xq_mem, int tid, int nth) {
+#ifdef __AVX2__
+    if (M >= X16_MIN_ROWS && int8_dot && q8_covers(type)) { /* this thread's groups of 16 rows */
+        const int groups = (N + X16 - 1) / X16, per = (groups + nth - 1) / nth;
+        const int g0 = tid * per, g1 = g0 + per < groups ? g0 + per : groups;
+        if (g0 >= g1) return;
+        load_f32(x, 0, M * K, bf16, xf);
+        q8_row_t xq[MAX_ROWS];
+        for (int m = 0; m < M; m++) {
+            xq[m] = q8_row_at((char *)xq_mem + m * q8_row_bytes(K), K);
+            q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
+        }
+        const uintptr_t at = (uintptr_t)((char *)xq_mem + (size_t)M * q8_row_bytes(K));
+        uint8_t *packed = (uint8_t *)((at + 63) & ~(uintptr_t)63);
+        for (int g = g0; g < g1; g++) {
+            x16_pack(type, W, row_bytes, K, N, g * X16, packed);
+            x16_group_any(type, xq, M, packed, K, N, g * X16, bias, y, bf16);
+        }
+        return;
+    }
+#endif
     const int per = ((N + nth - 1) / nth + 7) / 8 * 8;
     const int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
     if (r0 >= r1) return;
@@ -333,6 +372,10 @@ int lm_head_quant(int type, int64_t row_bytes, int int8_dot, const void *x, cons
 /* Rows from which qg_matmul takes its tiles: the quantized step takes fewer (its products are
  * the row GEMVs the layer-by-layer forward runs below that). */
 int quant_tile_min_rows(void) { return TILE_MIN_ROWS; }
+
+/* Whether the int8 products (quant_q8.h below X16_MIN_ROWS rows, quant_x16.h from there, any row
+ * count) cover `type` in this build. */
+int quant_int8_dot(int type) { return q8_covers(type); }
 #endif
 
 int max_rows(void) { return MAX_ROWS; }

@@ -168,14 +168,17 @@ class CpuDecodeStep(_CStep):
             row_bytes += [sizes[name] for name in LAYER_SLOTS]
         super().__init__(model, weights)
         self.quantized = any(qtypes)
+        self._rows: int | None = None
         if self.quantized:
             self._wtypes = (_I * len(qtypes))(*qtypes)
             self._row_bytes = (_I64 * len(row_bytes))(*row_bytes)
             self._model.wtypes = ctypes.addressof(self._wtypes)
             self._model.row_bytes = ctypes.addressof(self._row_bytes)
-            # Below the row count where quant_gemm.c switches to its tiles, the layer-by-layer
-            # products are the same row GEMVs the step runs (and neither widens bf16 weights).
-            self.max_rows = min(int(lib.max_rows()), int(lib.quant_tile_min_rows()) - 1)
+            # The step's products have the layer-by-layer kernels' bits at every row count where
+            # both take the int8 products (every projection of a type they cover); the exact fp32
+            # products only below the row count where quant_gemm.c switches to its tiles.
+            self._int8_rows = int(lib.max_rows()) if all(lib.quant_int8_dot(q) for q in qtypes if q) else 0
+            self._fp32_rows = min(int(lib.max_rows()), int(lib.quant_tile_min_rows()) - 1)
         else:
             # Up to these many rows the step beats the eager forward (forward + LM head); beyond
             # them the projections stop being bound by the weights' bytes. Fewer for bf16: the
@@ -183,6 +186,18 @@ class CpuDecodeStep(_CStep):
             self.max_rows = min(int(lib.max_rows()), MAX_ROWS[self.dtype])
         self.head = model.embed_tokens if model.tie_word_embeddings else model.lm_head
         self.head_weight = None if isinstance(self.head, QuantWeights) else self.head.weight.detach()
+
+    @property
+    def max_rows(self) -> int:
+        """Most requests one step takes (the quantized step's depends on INT8_DOT, read per call
+        as the kernels read it)."""
+        if self._rows is not None:
+            return self._rows
+        return self._int8_rows if quant_kernels.INT8_DOT and self._int8_rows else self._fp32_rows
+
+    @max_rows.setter
+    def max_rows(self, rows: int) -> None:
+        self._rows = rows
 
     def applies(self, meta: AttentionMetadata) -> bool:
         """A step of at most `max_rows` requests, each bringing exactly one new token."""

@@ -44,6 +44,8 @@ def load_quant_library(level: str | None = None) -> ctypes.CDLL:
         lib.lm_head_quant.argtypes = [_I, _I64, _I, _P, _P, _P, _I, _I, _I, _I, _I]
         lib.max_rows.restype = _I
         lib.quant_tile_min_rows.restype = _I
+        lib.quant_int8_dot.restype = _I
+        lib.quant_int8_dot.argtypes = [_I]
         _libs[level] = lib
     return _libs[level]
 

@@ -1,0 +1,221 @@
+/* The int8 path of quant_gemm.c for many rows of x (prefill, batched decode) on Q4_0, Q4_1 and Q8_0
+ * weights: x quantized per 32-value block as in quant_q8.h, integer dot products on sixteen weight
+ * rows at once.
+ *
+ * Why sixteen at once: the row kernel of quant_q8.h sums one weight row's block in the lanes of
+ * a vector, then adds the lanes up, one block and one output at a time; that suits a GEMV, which
+ * waits on memory anyway, but with many rows of x it is compute-bound. Here a group of 16 weight
+ * rows is first rearranged ("packed", into the thread's scratch, which stays in L1/L2) so that one
+ * 64-byte vector holds 4 consecutive values of one block of each of the 16 rows: vpdpbusd against
+ * 4 bytes of x broadcast to every lane then adds 4 products into each of 16 outputs, and 8 of them
+ * give the 16 rows' block sums side by side, scaled by the 16 block scales in one multiply. The
+ * packing is paid once per group and used by every row of x.
+ *
+ * Packed block of a group (16 weight rows, one 32-value block each), in the scratch:
+ *   16 fp16 d | (Q4_1) 16 fp16 m | 8 chunks of 64 bytes: chunk c, lane j (4 bytes) = the unsigned
+ *   8-bit quants of values 4c .. 4c + 3 of row j's block.
+ * Unsigned: Q4_0 and Q4_1 nibbles are 0 .. 15 as stored; Q8_0 is stored q + 128 (the VNNI build;
+ * vpdpbusd multiplies unsigned by signed bytes) and the offsets come out of the integer sums:
+ * Q4_0's 8 * sum(qx), Q8_0's 128 * sum(qx) (exact, in int32); Q4_1's m * sum(x) in fp32 as in
+ * quant_q8.h. The AVX2 build keeps Q8_0 signed and multiplies |q| by x with q's sign (vpsignb), as
+ * quant_q8.h does, since vpmaddubsw's int16 pair sums could saturate on q + 128.
+ *
+ * The results differ from quant_q8.h's only in the order of the fp32 sums: the same int8 x, the
+ * same exact integer block sums.
+ */
+#ifndef MYVLLM_QUANT_X16_H
+#define MYVLLM_QUANT_X16_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "quant_blocks.h"
+#include "quant_f32.h" /* qt_store_out */
+#include "quant_q8.h"
+
+/* Rows of x from which quant_gemm.c (and the quantized decode step) take this path: at one row the
+ * row kernel's single stream over the weights reads a cold matrix faster than 16 rows' gathers. */
+#define X16_MIN_ROWS 2
+
+#ifdef __AVX2__
+#define X16 16 /* weight rows per group */
+#define X16_R 4 /* rows of x per pass over a packed group */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define X16_ZMM 1
+#endif
+
+/* Bytes of one packed block of a group, and of a whole packed group of K values. */
+static inline int x16_block_bytes(int type) { return X16 * 2 * (type == QT_Q4_1 ? 2 : 1) + 8 * 64; }
+static inline int64_t x16_group_bytes(int type, int K) { return (int64_t)(K / QK) * x16_block_bytes(type); }
+/* The scratch a packed group of any type takes (Q4_1's, with its two scales per block, is the widest). */
+static inline int64_t x16_scratch_bytes(int K) { return x16_group_bytes(QT_Q4_1, K); }
+
+#ifdef X16_ZMM
+/* x16_pack's AVX-512 form: each 4-byte word of the 16 rows' blocks fetched by one gather. */
+static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const uint8_t *w, int64_t row_bytes, int K,
+                                                               int N, int n0, uint8_t *out) {
+    const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
+    const uint8_t *base = w + (int64_t)n0 * row_bytes;
+    int32_t at[X16];
+    for (int j = 0; j < X16; j++) at[j] = (int32_t)((n0 + j < N ? j : N - 1 - n0) * row_bytes);
+    __m512i idx = _mm512_loadu_si512((const void *)at);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
+    for (int b = 0; b < nb; b++, out += x16_block_bytes(type), idx = _mm512_add_epi32(idx, _mm512_set1_epi32(bytes))) {
+        /* the scales: d (and Q4_1's m) are the block's first one (two) fp16 */
+        const __m512i head = _mm512_i32gather_epi32(idx, (const void *)base, 1);
+        _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(head));
+        if (type == QT_Q4_1) _mm256_storeu_si256((__m256i *)(out + 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+        uint8_t *q = out + scales;
+        if (type == QT_Q8_0) {
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_i32gather_epi32(idx, (const void *)(base + qs + 4 * c), 1);
+                _mm512_storeu_si512((void *)(q + 64 * c), _mm512_xor_si512(v, flip));
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_i32gather_epi32(idx, (const void *)(base + qs + 4 * c), 1);
+                _mm512_storeu_si512((void *)(q + 64 * c), _mm512_and_si512(v, low4));
+                _mm512_storeu_si512((void *)(q + 64 * (c + 4)), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+            }
+        }
+    }
+}
+#endif
+
+/* Pack weight rows n0 .. n0 + 15 (rows at or past N repeat row N - 1: their outputs are dropped). */
+static void x16_pack(int type, const uint8_t *w, int64_t row_bytes, int K, int N, int n0, uint8_t *out) {
+#ifdef X16_ZMM
+    if (type == QT_Q4_0) return x16_pack_zmm(QT_Q4_0, w, row_bytes, K, N, n0, out);
+    if (type == QT_Q4_1) return x16_pack_zmm(QT_Q4_1, w, row_bytes, K, N, n0, out);
+    return x16_pack_zmm(QT_Q8_0, w, row_bytes, K, N, n0, out);
+#endif
+    const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
+    const uint8_t *rows[X16];
+    for (int j = 0; j < X16; j++) rows[j] = w + (int64_t)(n0 + j < N ? n0 + j : N - 1) * row_bytes;
+    for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
+        uint8_t *q = out + X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
+        for (int j = 0; j < X16; j++) {
+            const uint8_t *blk = rows[j] + (int64_t)b * bytes;
+            memcpy(out + 2 * j, blk, 2);
+            if (type == QT_Q4_1) memcpy(out + X16 * 2 + 2 * j, blk + 2, 2);
+            if (type == QT_Q8_0) {
+                for (int c = 0; c < 8; c++)
+                    for (int i = 0; i < 4; i++) {
+#ifdef X16_ZMM
+                        q[c * 64 + j * 4 + i] = (uint8_t)(blk[qs + 4 * c + i] ^ 0x80);
+#else
+                        q[c * 64 + j * 4 + i] = blk[qs + 4 * c + i];
+#endif
+                    }
+            } else { /* byte i of a Q4 block: value i in the low nibble, value i + 16 in the high */
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t v = blk[qs + 4 * c + i];
+                        q[c * 64 + j * 4 + i] = v & 0x0f;
+                        q[(c + 4) * 64 + j * 4 + i] = v >> 4;
+                    }
+            }
+        }
+    }
+}
+
+/* y[r, n0 .. n0 + 15] for R rows of x (quantized) against a packed group; y row stride N, outputs at
+ * or past N not stored. */
+static inline __attribute__((always_inline)) void x16_rows(int type, const q8_row_t *xq, const uint8_t *packed,
+                                                           int K, int N, int n0, const float *bias, void *y, int bf16,
+                                                           const int R) {
+    const int nb = K / QK, step = x16_block_bytes(type), qoff = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
+    const int corr = type == QT_Q4_0 ? 8 : 0;
+    float out[X16_R][X16];
+#ifdef X16_ZMM
+    const int corr8 = type == QT_Q8_0 ? 128 : corr;
+    __m512 acc[X16_R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *pb = packed;
+    for (int b = 0; b < nb; b++, pb += step) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pb));
+        const __m512 m = type == QT_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pb + 32)))
+                                         : _mm512_setzero_ps();
+        __m512i wq[8];
+        for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(pb + qoff + 64 * c));
+        for (int r = 0; r < R; r++) {
+            const int32_t *xw = (const int32_t *)(xq[r].q + b * QK);
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], _mm512_set1_epi32(xw[0]));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[1], _mm512_set1_epi32(xw[1]));
+            for (int c = 2; c < 8; c += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, wq[c], _mm512_set1_epi32(xw[c]));
+                s1 = _mm512_dpbusd_epi32(s1, wq[c + 1], _mm512_set1_epi32(xw[c + 1]));
+            }
+            __m512i s = _mm512_add_epi32(s0, s1);
+            if (corr8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(corr8 * xq[r].isum[b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq[r].dx[b])), _mm512_cvtepi32_ps(s), acc[r]);
+            if (type == QT_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq[r].sx[b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+#else
+    /* two halves of 8 weight rows; int16 pair sums (vpmaddubsw) widened per chunk */
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[X16_R];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        const uint8_t *pb = packed;
+        for (int b = 0; b < nb; b++, pb += step) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 16 * h)));
+            const __m256 m = type == QT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pb + 32 + 16 * h)))
+                                             : _mm256_setzero_ps();
+            __m256i wq[8];
+            for (int c = 0; c < 8; c++) wq[c] = _mm256_loadu_si256((const __m256i *)(pb + qoff + 64 * c + 32 * h));
+            for (int r = 0; r < R; r++) {
+                const int32_t *xw = (const int32_t *)(xq[r].q + b * QK);
+                __m256i s = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c++) {
+                    __m256i u = wq[c], v = _mm256_set1_epi32(xw[c]);
+                    if (type == QT_Q8_0) {
+                        v = _mm256_sign_epi8(v, u);
+                        u = _mm256_sign_epi8(u, u);
+                    }
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones));
+                }
+                if (corr) s = _mm256_sub_epi32(s, _mm256_set1_epi32(corr * xq[r].isum[b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xq[r].dx[b])), _mm256_cvtepi32_ps(s), acc[r]);
+                if (type == QT_Q4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq[r].sx[b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
+    }
+#endif
+    const int cols = N - n0 < X16 ? N - n0 : X16;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < cols; j++) qt_store_out(y, (int64_t)r * N + n0 + j, out[r][j], bias, n0 + j, bf16);
+}
+
+/* Every row of x (M, quantized) against a packed group: X16_R rows per pass. */
+static inline __attribute__((always_inline)) void x16_group(int type, const q8_row_t *xq, int M, const uint8_t *packed, int K, int N, int n0,
+                      const float *bias, void *y, int bf16) {
+    const size_t es = bf16 ? 2 : 4;
+    int r0 = 0;
+    for (; r0 + X16_R <= M; r0 += X16_R)
+        x16_rows(type, xq + r0, packed, K, N, n0, bias, (char *)y + (size_t)r0 * N * es, bf16, X16_R);
+    char *yr = (char *)y + (size_t)r0 * N * es;
+    switch (M - r0) {
+    case 3: x16_rows(type, xq + r0, packed, K, N, n0, bias, yr, bf16, 3); break;
+    case 2: x16_rows(type, xq + r0, packed, K, N, n0, bias, yr, bf16, 2); break;
+    case 1: x16_rows(type, xq + r0, packed, K, N, n0, bias, yr, bf16, 1); break;
+    default: break;
+    }
+}
+
+static inline void x16_group_any(int type, const q8_row_t *xq, int M, const uint8_t *packed, int K, int N, int n0,
+                                 const float *bias, void *y, int bf16) {
+    if (type == QT_Q4_0)
+        x16_group(QT_Q4_0, xq, M, packed, K, N, n0, bias, y, bf16);
+    else if (type == QT_Q4_1)
+        x16_group(QT_Q4_1, xq, M, packed, K, N, n0, bias, y, bf16);
+    else
+        x16_group(QT_Q8_0, xq, M, packed, K, N, n0, bias, y, bf16);
+}
+#endif
+
+#endif
