@@ -33,16 +33,26 @@
 #include "quant_f32.h" /* qt_store_out */
 #include "quant_q8.h"
 
-/* Rows of x from which quant_gemm.c (and the quantized decode step) take this path: at one row the
- * row kernel's single stream over the weights reads a cold matrix faster than 16 rows' gathers. */
-#define X16_MIN_ROWS 2
-
 #ifdef __AVX2__
 #define X16 16 /* weight rows per group */
 #define X16_R 4 /* rows of x per pass over a packed group */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define X16_ZMM 1
 #endif
+#endif
+
+/* Rows of x from which quant_gemm.c (and the quantized decode step) take this path rather than
+ * quant_q8.h's row kernel. Measured on SmolLM2's Q4_1 decode (AVX-512 VNNI): even at one row the
+ * packed groups win inside a whole decode step (its 2 MB layers sit in the caches), and tie on the
+ * 28 MB LM head; with AVX2's 8-lane gathers and int16 pair sums the row kernel keeps the one-row
+ * products. */
+#ifdef X16_ZMM
+#define X16_MIN_ROWS 1
+#else
+#define X16_MIN_ROWS 2
+#endif
+
+#ifdef __AVX2__
 
 /* Bytes of one packed block of a group, and of a whole packed group of K values. */
 static inline int x16_block_bytes(int type) { return X16 * 2 * (type == QT_Q4_1 ? 2 : 1) + 8 * 64; }
@@ -81,43 +91,61 @@ static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const u
         }
     }
 }
+#else
+/* x16_pack's AVX2 form: each 4-byte word of 8 rows' blocks fetched by one gather, the scales copied. */
+static inline __attribute__((always_inline)) void x16_pack_ymm(int type, const uint8_t *w, int64_t row_bytes, int K,
+                                                               int N, int n0, uint8_t *out) {
+    const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
+    const uint8_t *base = w + (int64_t)n0 * row_bytes;
+    int32_t at[X16];
+    for (int j = 0; j < X16; j++) at[j] = (int32_t)((n0 + j < N ? j : N - 1 - n0) * row_bytes);
+    __m256i idx[2] = {_mm256_loadu_si256((const __m256i *)at), _mm256_loadu_si256((const __m256i *)(at + 8))};
+    const __m256i low4 = _mm256_set1_epi8(0x0f), step = _mm256_set1_epi32(bytes);
+    const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
+    for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
+        for (int j = 0; j < X16; j++) {
+            const uint8_t *blk = base + at[j] + (int64_t)b * bytes;
+            memcpy(out + 2 * j, blk, 2);
+            if (type == QT_Q4_1) memcpy(out + X16 * 2 + 2 * j, blk + 2, 2);
+        }
+        uint8_t *q = out + scales;
+        for (int h = 0; h < 2; h++) {
+            if (type == QT_Q8_0) {
+                for (int c = 0; c < 8; c++)
+                    _mm256_storeu_si256((__m256i *)(q + 64 * c + 32 * h),
+                                        _mm256_i32gather_epi32((const int *)(base + qs + 4 * c), idx[h], 1));
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_i32gather_epi32((const int *)(base + qs + 4 * c), idx[h], 1);
+                    _mm256_storeu_si256((__m256i *)(q + 64 * c + 32 * h), _mm256_and_si256(v, low4));
+                    _mm256_storeu_si256((__m256i *)(q + 64 * (c + 4) + 32 * h),
+                                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+                }
+            }
+            idx[h] = _mm256_add_epi32(idx[h], step);
+        }
+    }
+}
 #endif
 
 /* Pack weight rows n0 .. n0 + 15 (rows at or past N repeat row N - 1: their outputs are dropped). */
 static void x16_pack(int type, const uint8_t *w, int64_t row_bytes, int K, int N, int n0, uint8_t *out) {
+    /* the next group's rows (contiguous bytes) into the cache while this one is packed and used:
+     * the gathers touch 16 rows at once, more streams than the hardware prefetcher follows */
+    if (n0 + X16 < N) {
+        const uint8_t *next = w + (int64_t)(n0 + X16) * row_bytes;
+        const int64_t len = (int64_t)((N - n0 - X16 < X16 ? N - n0 - X16 : X16)) * row_bytes;
+        for (int64_t off = 0; off < len; off += 64) _mm_prefetch((const char *)next + off, _MM_HINT_T0);
+    }
 #ifdef X16_ZMM
     if (type == QT_Q4_0) return x16_pack_zmm(QT_Q4_0, w, row_bytes, K, N, n0, out);
     if (type == QT_Q4_1) return x16_pack_zmm(QT_Q4_1, w, row_bytes, K, N, n0, out);
     return x16_pack_zmm(QT_Q8_0, w, row_bytes, K, N, n0, out);
-#endif
-    const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
-    const uint8_t *rows[X16];
-    for (int j = 0; j < X16; j++) rows[j] = w + (int64_t)(n0 + j < N ? n0 + j : N - 1) * row_bytes;
-    for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
-        uint8_t *q = out + X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
-        for (int j = 0; j < X16; j++) {
-            const uint8_t *blk = rows[j] + (int64_t)b * bytes;
-            memcpy(out + 2 * j, blk, 2);
-            if (type == QT_Q4_1) memcpy(out + X16 * 2 + 2 * j, blk + 2, 2);
-            if (type == QT_Q8_0) {
-                for (int c = 0; c < 8; c++)
-                    for (int i = 0; i < 4; i++) {
-#ifdef X16_ZMM
-                        q[c * 64 + j * 4 + i] = (uint8_t)(blk[qs + 4 * c + i] ^ 0x80);
 #else
-                        q[c * 64 + j * 4 + i] = blk[qs + 4 * c + i];
+    if (type == QT_Q4_0) return x16_pack_ymm(QT_Q4_0, w, row_bytes, K, N, n0, out);
+    if (type == QT_Q4_1) return x16_pack_ymm(QT_Q4_1, w, row_bytes, K, N, n0, out);
+    return x16_pack_ymm(QT_Q8_0, w, row_bytes, K, N, n0, out);
 #endif
-                    }
-            } else { /* byte i of a Q4 block: value i in the low nibble, value i + 16 in the high */
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 4; i++) {
-                        const uint8_t v = blk[qs + 4 * c + i];
-                        q[c * 64 + j * 4 + i] = v & 0x0f;
-                        q[(c + 4) * 64 + j * 4 + i] = v >> 4;
-                    }
-            }
-        }
-    }
 }
 
 /* y[r, n0 .. n0 + 15] for R rows of x (quantized) against a packed group; y row stride N, outputs at
