@@ -38,6 +38,26 @@ static inline q8_row_t q8_row_at(void *base, int K) {
 }
 
 static inline void q8_quantize_row(const float *x, int K, q8_row_t r) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* the same values as the loop below but for sum(x), added in another order: every kernel
+     * takes its rows of x from this one function, so they agree with each other */
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int b = 0; b < K / QK; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        const float dx = amax / 127.f, id = dx != 0.f ? 1.f / dx : 0.f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(r.q + b * QK), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(r.q + b * QK + 16), _mm512_cvtsepi32_epi8(q1));
+        const int isum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        r.dx[b] = dx;
+        r.sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+        r.off8[b] = 8.f * dx * (float)isum;
+        r.isum[b] = isum;
+    }
+    return;
+#endif
     for (int b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f, sum = 0.f;
