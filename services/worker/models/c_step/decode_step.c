@@ -62,7 +62,9 @@ static inline void store_out(void *y, int64_t i, float v, const int bf16) {
  * a single sequential stream (four rows side by side stream slower: the hardware prefetcher
  * follows one stream best), each element multiplied into all M rows of x (read
  * from L1). S independent accumulators per x row over alternating 8-element chunks of K keep
- * enough FMAs in flight when M is small. */
+ * enough FMAs in flight when M is small. The software prefetch PREFETCH_BYTES ahead asks for the
+ * lines into every cache level (T0): a non-temporal prefetch (NTA) halved the stream's rate on a
+ * Xeon (SmolLM2 fp32 batch-1 decode 48.7 against 23.5 ms per token). */
 static inline __attribute__((always_inline)) void gemv_impl(const float *restrict x, const void *restrict W,
                                                             const void *restrict bias, void *restrict y, int K,
                                                             int N, int r0, int r1, const int M, const int S,
@@ -80,7 +82,7 @@ static inline __attribute__((always_inline)) void gemv_impl(const float *restric
         int k = 0;
         for (; k + step <= K; k += step) {
             const char *at = (const char *)W + (row + k) * es + PREFETCH_BYTES;
-            for (int b = 0; b < step * es; b += 64) __builtin_prefetch(at + b, 0, 0);
+            for (int b = 0; b < step * es; b += 64) __builtin_prefetch(at + b, 0, 3);
 #pragma GCC unroll 4
             for (int j = 0; j < S; j++) {
                 const f32x8 w = load8_any(W, row + k + 8 * j, bf16);
