@@ -125,3 +125,27 @@ def test_matmul_on_the_shipped_q4_1_checkpoint() -> None:
     got = triton_gemm.matmul(x.to(DEVICE), torch.from_numpy(raw).to(DEVICE), int(tensor.tensor_type), 48, k)
     want = reference(x, raw, tensor.tensor_type)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_device
+def test_quant_matmul_takes_the_triton_kernel_where_it_runs(monkeypatch) -> None:
+    """ops.quant_matmul on the device the kernel runs on (here the interpreter's CPU tensors stand in
+    for CUDA's): a layer of two block types and a bias, against the dequantized reference."""
+    from services.worker.quant import ops
+    from services.worker.quant.linear import QuantLinear
+
+    calls = []
+    original = triton_gemm.matmul
+    monkeypatch.setattr(triton_gemm, "matmul", lambda *a, **kw: calls.append(a[2]) or original(*a, **kw))
+    monkeypatch.setattr(ops, "uses_triton", lambda t: True)
+    k, parts = 64, [(GGMLQuantizationType.Q8_0, 16), (GGMLQuantizationType.Q4_1, 8)]
+    layer = QuantLinear(k, sum(n for _, n in parts), bias=True)
+    raws = [random_rows(q, n, k, seed=i) for i, (q, n) in enumerate(parts)]
+    layer.set_parts([(int(q), torch.from_numpy(raw).to(DEVICE)) for (q, _), raw in zip(parts, raws, strict=True)])
+    layer.bias.copy_(torch.randn(layer.out_features))
+    x = torch.randn(2, 3, k, generator=torch.Generator().manual_seed(2))
+    got = ops.quant_matmul(x.to(DEVICE), layer, layer.bias.to(DEVICE))
+    assert got.shape == (2, 3, layer.out_features) and calls == [int(q) for q, _ in parts]
+    want = torch.cat([reference(x.reshape(-1, k), raw, q) for (q, _), raw in zip(parts, raws, strict=True)], dim=1)
+    want = (want + layer.bias.double()).reshape(2, 3, -1)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
