@@ -16,7 +16,7 @@
  *   8-bit quants of values 4c .. 4c + 3 of row j's block.
  * Unsigned: Q4_0 and Q4_1 nibbles are 0 .. 15 as stored; Q8_0 is stored q + 128 (the VNNI build;
  * vpdpbusd multiplies unsigned by signed bytes) and the offsets come out of the integer sums:
- * Q4_0's 8 * sum(qx), Q8_0's 128 * sum(qx) (exact, in int32); Q4_1's m * sum(x) in fp32 as in
+ * Q4_0's 8 * sum(qx), Q8_0's 128 * sum(qx) (exact, in int32); Q4_1's m * dx * sum(qx) in fp32 as in
  * quant_q8.h. The AVX2 build keeps Q8_0 signed and multiplies |q| by x with q's sign (vpsignb), as
  * quant_q8.h does, since vpmaddubsw's int16 pair sums could saturate on q + 128.
  *
