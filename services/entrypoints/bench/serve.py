@@ -131,8 +131,12 @@ def run(args: argparse.Namespace) -> int:
 
         return mixed_workload.run(args, model_vocab_size(model_dir))
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    requests = random_requests(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len_min,
-                               args.output_len_max, model_vocab_size(model_dir), args.seed)
+    # Each level its own prompts (the same for every peer): a server that keeps a prefix cache
+    # would otherwise answer the later levels from the first one's prompts, and one restarted per
+    # level (llama-server) could not.
+    per_level = [random_requests(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len_min,
+                                 args.output_len_max, model_vocab_size(model_dir), args.seed + i)
+                 for i in range(len(levels))]
     warmup = warmup_request(model_vocab_size(model_dir), args.seed)
     proc = None
     base_url = args.base_url
@@ -142,14 +146,14 @@ def run(args: argparse.Namespace) -> int:
     results: list[ServeResult] = []
     try:
         asyncio.run(run_level(base_url, [warmup], 1))
-        for c in levels:
-            log(f"serving {len(requests)} requests at concurrency {c}")
-            results.append(asyncio.run(run_level(base_url, requests, c)))
+        for c, level_requests in zip(levels, per_level, strict=True):
+            log(f"serving {len(level_requests)} requests at concurrency {c}")
+            results.append(asyncio.run(run_level(base_url, level_requests, c)))
     finally:
         if proc is not None:
             stop_mesh(proc)  # free the CPU for the in-process peers below
-    vllm_results, vllm_error = _serve_vllm(args, model_dir, requests, warmup, levels) if args.vllm else ([], None)
-    llama_results, llama_error = (_serve_llama(args, model_dir, requests, warmup, levels)
+    vllm_results, vllm_error = _serve_vllm(args, model_dir, per_level, warmup, levels) if args.vllm else ([], None)
+    llama_results, llama_error = (_serve_llama(args, model_dir, per_level, warmup, levels)
                                   if args.llamacpp_server else ([], None))
     peer_results = vllm_results + llama_results
     rows = [[f"{r.name} c={r.concurrency}", f"{r.request_s:.2f}", f"{r.output_tok_s:.1f}",
@@ -158,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
             for r in results + peer_results]
     knobs = SamplingKnobs()
     peers: dict[str, float] = {}
-    total_out = sum(r.output_len for r in requests)
     compared = max(results, key=lambda r: r.concurrency)
+    requests = per_level[results.index(compared)]  # the offline peers run the most concurrent level's
+    total_out = sum(r.output_len for r in requests)
     if not args.no_offline:
         # Same requests, same engine flags, and at most as many in flight as the mesh had: the
         # gap between the two is what the gRPC hops and the gateway cost.
@@ -177,8 +182,9 @@ def run(args: argparse.Namespace) -> int:
         peers["hf transformers"] = total_out / elapsed
     for name, tok_s in peers.items():
         rows.append([name, "", f"{tok_s:.1f}", "", "", "", "", "", ""])
-    print(f"workload: {len(requests)} requests, prompts {args.input_len_min}-{args.input_len_max} tokens, "
-          f"outputs {args.output_len_min}-{args.output_len_max} tokens (ignore_eos, greedy), {total_out} output tokens")
+    print(f"workload: {len(requests)} requests a level (each level its own prompts), prompts "
+          f"{args.input_len_min}-{args.input_len_max} tokens, outputs {args.output_len_min}-{args.output_len_max} "
+          f"tokens (ignore_eos, greedy), {total_out} output tokens at c={compared.concurrency}")
     print(format_table(["run", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99", "ITL p50 ms", "ITL p99",
                         "E2E p50 ms", "E2E p99"], rows))
     if args.plot and results:
@@ -209,11 +215,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRequest], warmup: BenchRequest,
+def _serve_vllm(args: argparse.Namespace, model_dir: str, per_level: list[list[BenchRequest]], warmup: BenchRequest,
                 levels: list[int]) -> tuple[list[ServeResult], str | None]:
-    """vLLM's server on the same requests and levels, then stopped (before the in-process peers):
-    the levels it completed, and its error if it failed (which must not lose the rows measured
-    so far, ours or its own)."""
+    """vLLM's server on the same levels and each level's requests, then stopped (before the
+    in-process peers): the levels it completed, and its error if it failed (which must not lose
+    the rows measured so far, ours or its own)."""
     from services.common.config import DEFAULT_CPU_KV_CACHE_BYTES
     from services.entrypoints.bench import vllm_peer
     from services.entrypoints.launcher import free_port
@@ -225,7 +231,7 @@ def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRe
             model_dir, args.dtype, torch_threads(), free_port(), args.seed, args.max_num_seqs,
             args.max_num_batched_tokens, args.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
         asyncio.run(run_level(base_url, [warmup], 1, "vllm serve"))
-        for c in levels:
+        for c, requests in zip(levels, per_level, strict=True):
             log(f"vllm serve: {len(requests)} requests at concurrency {c}")
             results.append(asyncio.run(run_level(base_url, requests, c, "vllm serve")))
     except Exception as e:  # noqa: BLE001 - any failure of the peer is reported, not raised
@@ -237,8 +243,8 @@ def _serve_vllm(args: argparse.Namespace, model_dir: str, requests: list[BenchRe
     return results, None
 
 
-def _serve_llama(args: argparse.Namespace, model_dir: str, requests: list[BenchRequest], warmup: BenchRequest,
-                 levels: list[int]) -> tuple[list[ServeResult], str | None]:
+def _serve_llama(args: argparse.Namespace, model_dir: str, per_level: list[list[BenchRequest]],
+                 warmup: BenchRequest, levels: list[int]) -> tuple[list[ServeResult], str | None]:
     """llama-server on the GGUF of the same weights, started afresh for each level with as many
     slots as clients (each slot holds the longest request), same threads; the levels it
     completed, and its error if it failed."""
@@ -250,9 +256,9 @@ def _serve_llama(args: argparse.Namespace, model_dir: str, requests: list[BenchR
         return [], "no llama-server (run `make peer-llama`, or set MYVLLM_LLAMA_BIN_DIR)"
     if gguf is None:
         return [], f"no GGUF known for {model_dir} (pass --model FILE.gguf)"
-    n_ctx = max(r.prompt_len + r.output_len for r in [*requests, warmup])
+    n_ctx = max(r.prompt_len + r.output_len for r in [*(r for level in per_level for r in level), warmup])
     results: list[ServeResult] = []
-    for c in levels:
+    for c, requests in zip(levels, per_level, strict=True):
         proc = None
         try:
             proc, base_url, _ = llamacpp_server.start_server(gguf, c, torch_threads(), n_ctx, free_port(), args.seed)
