@@ -130,15 +130,83 @@ static void gemv_rows(const float *x, const void *W, const void *bias, void *y, 
     }
 }
 
+#ifdef __AVX512BF16__
+/* gemv_impl for bf16 weights and x (K a multiple of 32) with avx512_bf16: vdpbf16ps multiplies 32
+ * bf16 pairs of x and W exactly and adds them into 16 fp32 lanes, so neither is widened (widening
+ * the weights for fp32 FMAs held the bf16 decode well under the read bandwidth). Sums in another
+ * order than gemv_impl's, each product exact. */
+static inline __attribute__((always_inline)) void gemv_bf16_impl(const uint16_t *restrict x,
+                                                                 const uint16_t *restrict W,
+                                                                 const uint16_t *restrict bias, uint16_t *restrict y,
+                                                                 int K, int N, int r0, int r1, const int M) {
+    for (int r = r0; r < r1; r++) {
+        const uint16_t *w = W + (int64_t)r * K;
+        __m512 acc[DENSE_ROWS][2];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        int k = 0;
+        for (; k + 64 <= K; k += 64) {
+            const char *at = (const char *)(w + k) + PREFETCH_BYTES;
+            __builtin_prefetch(at, 0, 3);
+            __builtin_prefetch(at + 64, 0, 3);
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const uint16_t *xm = x + (int64_t)m * K + k;
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(xm), w0);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_loadu_si512(xm + 32), w1);
+            }
+        }
+        for (; k < K; k += 32) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
+            for (int m = 0; m < M; m++)
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + k), w0);
+        }
+        for (int m = 0; m < M; m++) {
+            float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+            if (bias) sum += bf16_to_f32(bias[r]);
+            y[(int64_t)m * N + r] = f32_to_bf16(sum);
+        }
+    }
+}
+
+static void gemv_bf16_rows(const uint16_t *x, const void *W, const void *bias, void *y, int K, int N, int r0, int r1,
+                           int M) {
+    switch (M) {
+#define GEMV_BF16_CASE(MM) \
+    case MM: gemv_bf16_impl(x, W, bias, y, K, N, r0, r1, MM); break;
+        GEMV_BF16_CASE(1)
+        GEMV_BF16_CASE(2)
+        GEMV_BF16_CASE(3)
+        GEMV_BF16_CASE(4)
+        GEMV_BF16_CASE(5)
+        GEMV_BF16_CASE(6)
+        GEMV_BF16_CASE(7)
+        GEMV_BF16_CASE(8)
+#undef GEMV_BF16_CASE
+    default:
+        break;
+    }
+}
+#endif
+
 /* This thread's share of a projection: x ([M, K], model dtype) widened into its own fp32
- * scratch xf, then its contiguous range of output rows (a multiple of 8 rows per thread), at most
- * DENSE_ROWS rows of x per pass. */
+ * scratch xf (bf16 with avx512_bf16: read as it is), then its contiguous range of output rows (a
+ * multiple of 8 rows per thread), at most DENSE_ROWS rows of x per pass. */
 static void gemv_share(const void *x, const void *W, const void *bias, void *y, int K, int N, int M, int bf16,
                        float *restrict xf, int tid, int nth) {
-    load_f32(x, 0, M * K, bf16, xf);
     const int per = ((N + nth - 1) / nth + 7) / 8 * 8;
     const int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
     const size_t es = bf16 ? 2 : 4;
+#ifdef __AVX512BF16__
+    if (bf16 && K % 32 == 0) {
+        for (int m0 = 0; m0 < M && r0 < r1; m0 += DENSE_ROWS)
+            gemv_bf16_rows((const uint16_t *)x + (size_t)m0 * K, W, bias, (char *)y + (size_t)m0 * N * es, K, N, r0,
+                           r1, M - m0 < DENSE_ROWS ? M - m0 : DENSE_ROWS);
+        return;
+    }
+#endif
+    load_f32(x, 0, M * K, bf16, xf);
     for (int m0 = 0; m0 < M && r0 < r1; m0 += DENSE_ROWS)
         gemv_rows(xf + (size_t)m0 * K, W, bias, (char *)y + (size_t)m0 * N * es, K, N, r0, r1,
                   M - m0 < DENSE_ROWS ? M - m0 : DENSE_ROWS, bf16);
