@@ -114,8 +114,14 @@ class ModelRunner:
             keep_triton_out()  # no Triton kernel runs here; importing it costs noise at exit
         torch.manual_seed(model_config.seed)
         self.seed = model_config.seed
-        self.dtype = resolve_dtype(model_config.dtype or "auto", self.device)
         self.model_dir = check_model_dir(model_dir)
+        # "auto" on CPU is settled by timing this model's GEMMs, a choice of this process alone:
+        # ranks of one model, or a KV producer and its consumer, must hold the same dtype, so
+        # they keep the instruction-flag rule; a quantized model's GEMMs are not the dense ones timed.
+        measured_alone = (num_ranks == 1 and vllm_config.kv_transfer_config is None
+                          and not model_config.quantization)
+        self.dtype = resolve_dtype(model_config.dtype or "auto", self.device,
+                                   measure_model=self.model_dir if measured_alone else None)
         if compile_model and pp_size > 1:
             raise ValueError("compile_model is not supported with pipeline_parallel_size > 1 (each stage's "
                              "forward takes the previous stage's hidden states); leave --compile out")

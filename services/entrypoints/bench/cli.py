@@ -256,7 +256,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     except (SamplingParamsError, ValueError) as e:
         return _fail(str(e))
     warmup = warmup_request(vocab, args.seed)
-    args.dtype = resolve_bench_dtype(args.dtype)
+    args.dtype = resolve_bench_dtype(args.dtype, _model_dir(args), args.quantization)
     try:
         specs, notes = _peer_specs(args, max(r.prompt_len + r.output_len for r in requests))
     except (FileNotFoundError, ValueError) as e:
@@ -305,7 +305,7 @@ def run_latency(args: argparse.Namespace) -> int:
     except (SamplingParamsError, ValueError) as e:
         return _fail(str(e))
     warmup = warmup_request(vocab, args.seed)
-    args.dtype = resolve_bench_dtype(args.dtype)
+    args.dtype = resolve_bench_dtype(args.dtype, _model_dir(args), args.quantization)
     try:
         specs, notes = _peer_specs(args, max(len(p) for p in prompt_ids) + args.output_len)
     except FileNotFoundError as e:

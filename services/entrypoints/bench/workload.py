@@ -222,15 +222,17 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def resolve_bench_dtype(dtype: str) -> str:
+def resolve_bench_dtype(dtype: str, model: str | None = None, quantization: str | None = None) -> str:
     """Fix "auto" once, before any peer loads, so every peer (and the report) runs the dtype
-    my-vllm picks on this machine."""
+    my-vllm picks on this machine: on a CPU with bf16 instructions by timing `model`'s GEMMs
+    as its worker would (not for a quantized model, whose GEMMs are not the dense ones)."""
     import torch
 
     from services.common.config import resolve_dtype_name
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_dtype_name(dtype, device, cuda_bf16=device == "cuda" and torch.cuda.is_bf16_supported())
+    return resolve_dtype_name(dtype, device, cuda_bf16=device == "cuda" and torch.cuda.is_bf16_supported(),
+                              measure_model=None if quantization else model)
 
 
 def same_model(model_dir: str, other: str) -> bool:

@@ -28,14 +28,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
-    """A torch dtype for `dtype`; "auto" picks by `device` (bf16 on CPUs with bf16 instructions,
-    see services.common.config.resolve_dtype_name)."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu",
+                  measure_model: str | None = None) -> torch.dtype:
+    """A torch dtype for `dtype`; "auto" picks by `device` (on a CPU with bf16 instructions by
+    timing `measure_model`'s GEMMs when given, see services.common.config.resolve_dtype_name)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     device_type = torch.device(device).type
     cuda_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
-    dtype = resolve_dtype_name(dtype, device_type, cuda_bf16=cuda_bf16)
+    dtype = resolve_dtype_name(dtype, device_type, cuda_bf16=cuda_bf16, measure_model=measure_model)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose from float32, bfloat16, float16")
     return DTYPES[dtype]

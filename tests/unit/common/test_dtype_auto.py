@@ -1,4 +1,5 @@
-"""`--dtype auto`: bf16 where the CPU has bf16 instructions, fp32 elsewhere, and it says why."""
+"""`--dtype auto`: fp32 on a CPU without bf16 instructions; with them bf16, or with a checkpoint
+to time, whichever of bf16 and fp32 its GEMMs run faster; and it says why."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import logging
 
 import pytest
 
-from services.common.config import VllmConfig, choose_cpu_dtype, resolve_dtype_name
+from services.common.config import VllmConfig, choose_cpu_dtype, default_model_path, resolve_dtype_name
+from services.common.cpu_dtype_probe import GemmTimings, choose_dtype_by_timings, gemm_shape, measure_gemm_timings
 
 AVX2_EPYC = {"fpu", "sse4_2", "avx", "avx2", "fma", "f16c"}           # no bf16 instructions
 AVX512_BF16_EPYC = AVX2_EPYC | {"avx512f", "avx512bw", "avx512_bf16"}
@@ -77,3 +79,77 @@ def test_engine_default_is_auto_as_in_vllm() -> None:
     add_model_args(parser)
     assert parser.parse_args([]).dtype == "auto"
     assert parser.parse_args(["--dtype", "float32"]).dtype == "float32"
+
+
+# --------------------------------------------------------------------------- measured on CPU
+
+
+def _timings(fp32_m1: float, bf16_m1: float, fp32_m64: float, bf16_m64: float) -> GemmTimings:
+    return GemmTimings(hidden=576, intermediate=1536, fp32_m1=fp32_m1, bf16_m1=bf16_m1, fp32_m64=fp32_m64,
+                       bf16_m64=bf16_m64)
+
+
+@pytest.mark.parametrize(("timings", "expected"), [
+    # AMX: bf16 products faster at both sizes.
+    (_timings(40e-6, 25e-6, 400e-6, 100e-6), "bfloat16"),
+    # AVX-512 bf16 without AMX: half the fp32 rate batched outweighs a modest M=1 gain.
+    (_timings(40e-6, 30e-6, 400e-6, 800e-6), "float32"),
+    # ... while halved bytes that double M=1's speed balance it (a tie keeps bf16's smaller memory).
+    (_timings(40e-6, 20e-6, 400e-6, 800e-6), "bfloat16"),
+    # bf16 converted in software: slower everywhere.
+    (_timings(40e-6, 90e-6, 400e-6, 2000e-6), "float32"),
+])
+def test_choose_dtype_by_timings(timings: GemmTimings, expected: str) -> None:
+    chosen, why = choose_dtype_by_timings(timings)
+    assert chosen == expected
+    assert "M=1" in why and "M=64" in why and "geometric mean" in why and "576x1536" in why
+
+
+def test_auto_measures_on_a_bf16_cpu_and_logs_the_figures(monkeypatch: pytest.MonkeyPatch,
+                                                           dtype_log: pytest.LogCaptureFixture) -> None:
+    import services.common.config as config
+
+    shapes = []
+
+    def fake_measure(hidden: int, intermediate: int) -> GemmTimings:
+        shapes.append((hidden, intermediate))
+        return _timings(40e-6, 30e-6, 400e-6, 800e-6)
+
+    monkeypatch.setattr(config, "measure_gemm_timings", fake_measure)
+    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS, measure_model=default_model_path()) == "float32"
+    assert shapes == [(576, 1536)]  # the default model's hidden x intermediate
+    [record] = dtype_log.records
+    assert record.levelno == logging.INFO and "dtype auto -> float32" in record.getMessage()
+    assert "0.50x at M=64" in record.getMessage()
+
+
+def test_auto_measures_nothing_without_bf16_instructions_or_a_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.common.config as config
+
+    def no_measure(hidden: int, intermediate: int) -> GemmTimings:
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(config, "measure_gemm_timings", no_measure)
+    assert resolve_dtype_name("auto", "cpu", AVX2_EPYC, measure_model=default_model_path()) == "float32"
+    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS) == "bfloat16"
+    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS, measure_model="model.Q4_1.gguf") == "bfloat16"
+    assert resolve_dtype_name("float32", "cpu", SAPPHIRE_RAPIDS, measure_model=default_model_path()) == "float32"
+    assert resolve_dtype_name("auto", "cuda", measure_model=default_model_path()) == "bfloat16"
+
+
+def test_gemm_shape(tmp_path) -> None:
+    assert gemm_shape(default_model_path()) == (576, 1536)
+    assert gemm_shape(None) is None
+    assert gemm_shape(str(tmp_path)) is None  # no config.json
+    (tmp_path / "config.json").write_text('{"text_config": {"hidden_size": 8, "intermediate_size": 16}}')
+    assert gemm_shape(str(tmp_path)) == (8, 16)
+
+
+def test_measure_gemm_timings_is_quick_and_positive() -> None:
+    import time
+
+    start = time.perf_counter()
+    timings = measure_gemm_timings(64, 96, repeats=2)
+    assert time.perf_counter() - start < 5  # well under a second on an idle machine
+    assert (timings.hidden, timings.intermediate) == (64, 96)
+    assert min(timings.fp32_m1, timings.bf16_m1, timings.fp32_m64, timings.bf16_m64) > 0
