@@ -53,7 +53,7 @@ class EngineWorkload:
     @classmethod
     def quick(cls, batch: int) -> EngineWorkload:
         return cls(latency_input_len=8, latency_output_len=4, latency_iters=1, batch=batch, batch_input_len=8,
-                   batch_short_output=2, batch_long_output=6, batch_repeats=1)
+                   batch_short_output=2, batch_long_output=10, batch_repeats=2)
 
 
 def measure_machine(thread_counts: Iterable[int], dtypes: Sequence[str], parts: Iterable[str],
