@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.common.config_fields import flag, flag_dest, flag_dests, flag_fields, from_proto, to_proto
-from services.common.cpu_dtype_probe import choose_dtype_by_timings, gemm_shape, measure_gemm_timings
+from services.common.cpu_dtype_probe import GemmTimings, choose_dtype_by_timings
 from services.common.cudagraph_config import CUDAGRAPH_MODES, check_cudagraph_mode, parse_capture_sizes
 from services.common.flag_values import DTYPE_ALIASES, dtype_name, max_model_len_value
 from services.common.kv_transfer_config import KVTransferConfig
@@ -130,21 +130,21 @@ def choose_cpu_dtype(flags: Iterable[str]) -> tuple[str, str]:
 
 
 def resolve_dtype_name(dtype: str, device_type: str, flags: Iterable[str] | None = None,
-                       cuda_bf16: bool = True, measure_model: str | None = None) -> str:
+                       cuda_bf16: bool = True, probe: Callable[[], GemmTimings | None] | None = None) -> str:
     """The dtype a worker on `device_type` runs for the requested `dtype` ("auto" included),
     logging the automatic choice and warning when bf16 is asked of a CPU that lacks it.
 
-    `measure_model`: a checkpoint directory whose projection GEMMs are timed in fp32 and bf16 to
-    settle "auto" on a CPU with bf16 instructions (services/common/cpu_dtype_probe.py); None keeps
-    the instruction-flag rule (a choice every process makes alike)."""
+    `probe`: times the model's projection GEMMs in fp32 and bf16 (None: nothing to time) to
+    settle "auto" on a CPU with bf16 instructions (services/common/cpu_dtype_probe.py); without
+    one the instruction-flag rule decides (a choice every process makes alike)."""
     if device_type == "cpu":
         flags = cpu_flags() if flags is None else set(flags)
         if dtype == "auto":
             chosen, why = choose_cpu_dtype(flags)
             # Without bf16 instructions every bf16 GEMM converts in software: nothing to measure.
-            shape = gemm_shape(measure_model) if chosen == "bfloat16" else None
-            if shape is not None:
-                chosen, why = choose_dtype_by_timings(measure_gemm_timings(*shape))
+            timings = probe() if probe is not None and chosen == "bfloat16" else None
+            if timings is not None:
+                chosen, why = choose_dtype_by_timings(timings)
             dtype_logger.info("dtype auto -> %s: %s", chosen, why)
             return chosen
         if dtype in ("bfloat16", "bf16") and choose_cpu_dtype(flags)[0] != "bfloat16":

@@ -229,10 +229,11 @@ def resolve_bench_dtype(dtype: str, model: str | None = None, quantization: str 
     import torch
 
     from services.common.config import resolve_dtype_name
+    from services.worker.models.cpu_linear import dtype_probe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return resolve_dtype_name(dtype, device, cuda_bf16=device == "cuda" and torch.cuda.is_bf16_supported(),
-                              measure_model=None if quantization else model)
+                              probe=dtype_probe(model) if model and not quantization else None)
 
 
 def same_model(model_dir: str, other: str) -> bool:

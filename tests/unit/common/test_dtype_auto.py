@@ -8,7 +8,13 @@ import logging
 import pytest
 
 from services.common.config import VllmConfig, choose_cpu_dtype, default_model_path, resolve_dtype_name
-from services.common.cpu_dtype_probe import GemmTimings, choose_dtype_by_timings, gemm_shape, measure_gemm_timings
+from services.common.cpu_dtype_probe import (
+    GemmTimings,
+    choose_dtype_by_timings,
+    gemm_shape,
+    measure_gemm_timings,
+    probe_model,
+)
 
 AVX2_EPYC = {"fpu", "sse4_2", "avx", "avx2", "fma", "f16c"}           # no bf16 instructions
 AVX512_BF16_EPYC = AVX2_EPYC | {"avx512f", "avx512bw", "avx512_bf16"}
@@ -105,36 +111,39 @@ def test_choose_dtype_by_timings(timings: GemmTimings, expected: str) -> None:
     assert "M=1" in why and "M=64" in why and "geometric mean" in why and "576x1536" in why
 
 
-def test_auto_measures_on_a_bf16_cpu_and_logs_the_figures(monkeypatch: pytest.MonkeyPatch,
-                                                           dtype_log: pytest.LogCaptureFixture) -> None:
-    import services.common.config as config
+def test_auto_measures_on_a_bf16_cpu_and_logs_the_figures(dtype_log: pytest.LogCaptureFixture) -> None:
+    calls = []
 
-    shapes = []
-
-    def fake_measure(hidden: int, intermediate: int) -> GemmTimings:
-        shapes.append((hidden, intermediate))
+    def probe() -> GemmTimings:
+        calls.append(1)
         return _timings(40e-6, 30e-6, 400e-6, 800e-6)
 
-    monkeypatch.setattr(config, "measure_gemm_timings", fake_measure)
-    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS, measure_model=default_model_path()) == "float32"
-    assert shapes == [(576, 1536)]  # the default model's hidden x intermediate
+    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS, probe=probe) == "float32"
+    assert calls == [1]
     [record] = dtype_log.records
     assert record.levelno == logging.INFO and "dtype auto -> float32" in record.getMessage()
-    assert "0.50x at M=64" in record.getMessage()
+    assert "0.50x at M=64" in record.getMessage() and "M=1 fp32 40 us, bf16 30 us" in record.getMessage()
 
 
-def test_auto_measures_nothing_without_bf16_instructions_or_a_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.common.config as config
-
-    def no_measure(hidden: int, intermediate: int) -> GemmTimings:
+def test_auto_measures_nothing_without_bf16_instructions_or_timings(dtype_log: pytest.LogCaptureFixture) -> None:
+    def no_probe() -> GemmTimings:
         raise AssertionError("measured")
 
-    monkeypatch.setattr(config, "measure_gemm_timings", no_measure)
-    assert resolve_dtype_name("auto", "cpu", AVX2_EPYC, measure_model=default_model_path()) == "float32"
-    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS) == "bfloat16"
-    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS, measure_model="model.Q4_1.gguf") == "bfloat16"
-    assert resolve_dtype_name("float32", "cpu", SAPPHIRE_RAPIDS, measure_model=default_model_path()) == "float32"
-    assert resolve_dtype_name("auto", "cuda", measure_model=default_model_path()) == "bfloat16"
+    assert resolve_dtype_name("auto", "cpu", AVX2_EPYC, probe=no_probe) == "float32"
+    assert resolve_dtype_name("float32", "cpu", SAPPHIRE_RAPIDS, probe=no_probe) == "float32"
+    assert resolve_dtype_name("auto", "cuda", probe=no_probe) == "bfloat16"
+    # Nothing to time (a GGUF file, a config without the sizes): the flag rule.
+    assert resolve_dtype_name("auto", "cpu", SAPPHIRE_RAPIDS, probe=lambda: None) == "bfloat16"
+    assert "bf16 instructions (avx512_bf16, amx_bf16)" in dtype_log.text
+    assert probe_model("model.Q4_1.gguf") is None
+
+
+def test_the_worker_probe_times_its_own_linear_kernel(smollm2_dir: str) -> None:
+    from services.worker.models.cpu_linear import dtype_probe
+
+    timings = dtype_probe(smollm2_dir)()
+    assert (timings.hidden, timings.intermediate) == (576, 1536)
+    assert min(timings.fp32_m1, timings.bf16_m1, timings.fp32_m64, timings.bf16_m64) > 0
 
 
 def test_gemm_shape(tmp_path) -> None:
