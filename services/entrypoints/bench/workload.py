@@ -224,16 +224,10 @@ def torch_threads() -> int:
 
 def resolve_bench_dtype(dtype: str, model: str | None = None, quantization: str | None = None) -> str:
     """Fix "auto" once, before any peer loads, so every peer (and the report) runs the dtype
-    my-vllm picks on this machine: on a CPU with bf16 instructions by timing `model`'s GEMMs
-    as its worker would (not for a quantized model, whose GEMMs are not the dense ones)."""
-    import torch
+    my-vllm picks on this machine for `model` (services/offline/engine_dtype.py)."""
+    from services.offline.engine_dtype import engine_dtype
 
-    from services.common.config import resolve_dtype_name
-    from services.worker.models.cpu_linear import dtype_probe
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_dtype_name(dtype, device, cuda_bf16=device == "cuda" and torch.cuda.is_bf16_supported(),
-                              probe=dtype_probe(model) if model and not quantization else None)
+    return engine_dtype(dtype, model, quantization)
 
 
 def same_model(model_dir: str, other: str) -> bool:
