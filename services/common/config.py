@@ -195,8 +195,8 @@ class ModelConfig:
              ".gguf path); int8: the linear layers quantized to Q8_0 blocks at load (a scale per 32 inputs)"))
     # "auto", as in vLLM: bf16 on CUDA, fp32 on a CPU without bf16 instructions; on a CPU with
     # them (avx512_bf16 / AMX) the worker times the model's projection GEMMs in both dtypes at
-    # start-up and keeps the faster overall (services/common/cpu_dtype_probe.py): AVX-512 bf16
-    # without AMX runs bf16 GEMMs at about half the fp32 rate.
+    # start-up and keeps the faster overall (services/common/cpu_dtype_probe.py): bf16 instructions
+    # alone do not make bf16 faster (without AMX a bf16 GEMM may run at half the fp32 rate).
     # vLLM's spellings half and float are read as float16 and float32 (flag_values.DTYPE_ALIASES).
     dtype: str = field(default="auto", metadata=flag(
         choices=("float32", "bfloat16", "float16", "auto"), type=dtype_name,
