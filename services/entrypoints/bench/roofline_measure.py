@@ -9,6 +9,7 @@ output-length difference (loading, prefill and the ramp-up are the same in both 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -133,6 +134,8 @@ def measure_engine(engine_kwargs: dict[str, Any], dtype: str, parts: Iterable[st
         step = _batched_step_s(peer, knobs, workload, vocab_size, seed) if "batch" in parts else None
     finally:
         peer.close()
+        del peer
+        gc.collect()  # the next dtype's engine gets the memory to itself
     step_flops = None
     if step is not None:
         # Each differenced step attends over the prompt and the outputs so far: their midpoint.
