@@ -399,9 +399,15 @@ def run_roofline(args: argparse.Namespace) -> int:
             figures = roofline_measure.measure_engine(kwargs, dtype, engine_parts, workload, vocab, args.seed)
             engine.append(roofline.engine_efficiency(figures, limits))
     print(f"model: {model}  threads: {threads}  seed: {args.seed}" + ("  (--quick: tiny sizes)" if args.quick else ""))
-    print(f"workload: batch-1 decode of {workload.latency_input_len} prompt + {workload.latency_output_len} output "
-          f"tokens; a {workload.batch}-request decode step from {workload.batch_input_len}-token prompts, timed "
-          f"as the difference of {workload.batch_long_output}- and {workload.batch_short_output}-token runs")
+    runs = []
+    if "latency" in engine_parts:
+        runs.append(f"batch-1 decode of {workload.latency_input_len} prompt + {workload.latency_output_len} output "
+                    "tokens")
+    if "batch" in engine_parts:
+        runs.append(f"a {workload.batch}-request decode step from {workload.batch_input_len}-token prompts, timed as "
+                    f"the difference of {workload.batch_long_output}- and {workload.batch_short_output}-token runs")
+    if runs:
+        print("workload: " + "; ".join(runs))
     print(roofline.report(limits, engine, dtypes), flush=True)
     if args.json:
         write_json(args.json, {"benchmark": "roofline", "model": model, "seed": args.seed, "threads": threads,
