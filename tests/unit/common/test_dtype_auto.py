@@ -162,3 +162,23 @@ def test_measure_gemm_timings_is_quick_and_positive() -> None:
     assert time.perf_counter() - start < 5  # well under a second on an idle machine
     assert (timings.hidden, timings.intermediate) == (64, 96)
     assert min(timings.fp32_m1, timings.bf16_m1, timings.fp32_m64, timings.bf16_m64) > 0
+
+
+def test_a_cpu_worker_settles_auto_by_measuring(smollm2_dir: str, dtype_log: pytest.LogCaptureFixture) -> None:
+    """The offline LLM's single-rank worker times its model's GEMMs where the CPU has bf16
+    instructions, and runs the dtype it logged."""
+    from services.common.config import cpu_flags
+    from services.offline import LLM
+
+    llm = LLM(model=smollm2_dir, max_model_len=64)
+    try:
+        [line] = [r.getMessage() for r in dtype_log.records if "dtype auto ->" in r.getMessage()]
+        chosen = line.split("dtype auto -> ", 1)[1].split(":", 1)[0]
+        assert chosen in ("float32", "bfloat16")
+        if choose_cpu_dtype(cpu_flags())[0] == "bfloat16":
+            assert "576x1536 products" in line and "geometric mean" in line
+        else:
+            assert "no bf16 instructions" in line
+        assert llm.engine.model_info.dtype == chosen
+    finally:
+        llm.close()
