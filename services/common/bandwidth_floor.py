@@ -7,7 +7,8 @@ measured inter-token latency); a kernel benchmark can hold a GEMM against the sa
 Bytes per token: every tensor's stored size (quantized sizes for a GGUF), except the input
 embedding, of which a token reads one row (negligible); a tied embedding is read whole once, as
 the LM head. Bandwidth: a streaming read (a sum) of a buffer far larger than any last-level
-cache, best of a few runs, on the thread count the bench uses.
+cache (`streaming_buffer_bytes`: at least 1 GiB and four times the L3), best of a few runs, on
+the thread count the bench uses.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["WeightFloor", "gguf_weight_bytes", "read_bandwidth_bytes_s", "safetensors_weight_bytes",
-           "weight_bytes_per_token"]
+__all__ = ["WeightFloor", "gguf_weight_bytes", "last_level_cache_bytes", "read_bandwidth_bytes_s",
+           "safetensors_weight_bytes", "streaming_buffer_bytes", "weight_bytes_per_token"]
 
 DEFAULT_BUFFER_BYTES = 1 << 30
+# A buffer this many times the last-level cache is read from memory, whatever the cache keeps.
+CACHE_MULTIPLE = 4
+_CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SAFETENSORS_HEADER_LEN = 8  # a little-endian u64: the JSON header's length
 _GGUF_EMBEDDING = "token_embd.weight"
 _GGUF_LM_HEAD = "output.weight"
@@ -49,13 +54,44 @@ class WeightFloor:
         return text
 
 
-def read_bandwidth_bytes_s(threads: int, buffer_bytes: int = DEFAULT_BUFFER_BYTES, repeats: int = 3) -> float:
-    """Bytes per second of a streaming read over `buffer_bytes` of fp32 (`torch.sum`) with
-    `threads` intra-op threads, best of `repeats` (the machine's other load only slows a run)."""
+def last_level_cache_bytes(cache_dir: Path = _CPU_CACHES) -> int:
+    """The size of CPU 0's largest-level data or unified cache from sysfs (0 where it cannot be
+    read: not Linux, or a container without /sys)."""
+    best_level, best_size = 0, 0
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or level < best_level:
+            continue
+        number, unit = (size[:-1], size[-1]) if size[-1:] in _SIZE_UNITS else (size, "")
+        try:
+            best_level, best_size = level, int(number) * _SIZE_UNITS.get(unit, 1)
+        except ValueError:
+            continue
+    return best_size
+
+
+def streaming_buffer_bytes(cache_bytes: int | None = None) -> int:
+    """The buffer a bandwidth measurement reads: 1 GiB, or four times the last-level cache when
+    that is larger (a VM may report hundreds of MiB of L3), rounded up to a whole GiB."""
+    cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    needed = max(DEFAULT_BUFFER_BYTES, CACHE_MULTIPLE * cache_bytes)
+    return -(-needed // DEFAULT_BUFFER_BYTES) * DEFAULT_BUFFER_BYTES
+
+
+def read_bandwidth_bytes_s(threads: int, buffer_bytes: int | None = None, repeats: int = 3) -> float:
+    """Bytes per second of a streaming read over `buffer_bytes` of fp32 (`torch.sum`; default
+    `streaming_buffer_bytes()`) with `threads` intra-op threads, best of `repeats` (the
+    machine's other load only slows a run)."""
     import time
 
     import torch
 
+    buffer_bytes = streaming_buffer_bytes() if buffer_bytes is None else buffer_bytes
     if threads < 1 or repeats < 1 or buffer_bytes < 4:
         raise ValueError(f"threads, repeats and buffer_bytes must be positive, got {threads}, {repeats}, "
                          f"{buffer_bytes}")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.common.config_fields import flag, flag_dest, flag_dests, flag_fields, from_proto, to_proto
+from services.common.cpu_dtype_probe import GemmTimings, choose_dtype_by_timings
 from services.common.cudagraph_config import CUDAGRAPH_MODES, check_cudagraph_mode, parse_capture_sizes
 from services.common.flag_values import DTYPE_ALIASES, dtype_name, max_model_len_value
 from services.common.kv_transfer_config import KVTransferConfig
@@ -129,13 +130,21 @@ def choose_cpu_dtype(flags: Iterable[str]) -> tuple[str, str]:
 
 
 def resolve_dtype_name(dtype: str, device_type: str, flags: Iterable[str] | None = None,
-                       cuda_bf16: bool = True) -> str:
+                       cuda_bf16: bool = True, probe: Callable[[], GemmTimings | None] | None = None) -> str:
     """The dtype a worker on `device_type` runs for the requested `dtype` ("auto" included),
-    logging the automatic choice and warning when bf16 is asked of a CPU that lacks it."""
+    logging the automatic choice and warning when bf16 is asked of a CPU that lacks it.
+
+    `probe`: times the model's projection GEMMs in fp32 and bf16 (None: nothing to time) to
+    settle "auto" on a CPU with bf16 instructions (services/common/cpu_dtype_probe.py); without
+    one the instruction-flag rule decides (a choice every process makes alike)."""
     if device_type == "cpu":
         flags = cpu_flags() if flags is None else set(flags)
         if dtype == "auto":
             chosen, why = choose_cpu_dtype(flags)
+            # Without bf16 instructions every bf16 GEMM converts in software: nothing to measure.
+            timings = probe() if probe is not None and chosen == "bfloat16" else None
+            if timings is not None:
+                chosen, why = choose_dtype_by_timings(timings)
             dtype_logger.info("dtype auto -> %s: %s", chosen, why)
             return chosen
         if dtype in ("bfloat16", "bf16") and choose_cpu_dtype(flags)[0] != "bfloat16":
@@ -184,14 +193,17 @@ class ModelConfig:
         aliases=("-q",), choices=QUANTIZATION_METHODS, type=quantization_method,
         help="gguf: a .gguf file's weights kept in their blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; implied by a "
              ".gguf path); int8: the linear layers quantized to Q8_0 blocks at load (a scale per 32 inputs)"))
-    # "auto", as in vLLM: bf16 on a CPU with bf16 instructions (avx512_bf16 / AMX: faster than our
-    # fp32 there, BENCHMARKS.md), fp32 on other CPUs, bf16 on CUDA.
+    # "auto", as in vLLM: bf16 on CUDA, fp32 on a CPU without bf16 instructions; on a CPU with
+    # them (avx512_bf16 / AMX) the worker times the model's projection GEMMs in both dtypes at
+    # start-up and keeps the faster overall (services/common/cpu_dtype_probe.py): bf16 instructions
+    # alone do not make bf16 faster (without AMX a bf16 GEMM may run at half the fp32 rate).
     # vLLM's spellings half and float are read as float16 and float32 (flag_values.DTYPE_ALIASES).
     dtype: str = field(default="auto", metadata=flag(
         choices=("float32", "bfloat16", "float16", "auto"), type=dtype_name,
         metavar="{auto,bfloat16,float16,half,float32,float}",
-        help="default auto: bfloat16 on a CPU with bf16 instructions (avx512_bf16 / AMX) or CUDA, float32 on other "
-             "CPUs (logged with the reason); half = float16, float = float32"))
+        help="default auto: bfloat16 on CUDA; on a CPU with bf16 instructions (avx512_bf16 / AMX) whichever of "
+             "bfloat16 and float32 runs the model's GEMMs faster, measured at start-up; float32 on other CPUs "
+             "(logged with the figures and the reason); half = float16, float = float32"))
     # CPU: run the forward through torch.compile (services/worker/models/compiled.py). Off by
     # default: it compiles for minutes at start-up for a modestly faster step (BENCHMARKS.md, CPU kernels).
     compile_model: bool = field(default=False, metadata=flag(

@@ -29,6 +29,7 @@ from services.worker.cuda_graphs import StaticDecode, build_static_decode, resol
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch, runs_own_counts
 from services.worker.kv_memory import zeroed_kv_cache
+from services.worker.models import cpu_linear
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.fast_paths import c_step_for, use_fast_paths
 from services.worker.models.load import load_model
@@ -114,8 +115,14 @@ class ModelRunner:
             keep_triton_out()  # no Triton kernel runs here; importing it costs noise at exit
         torch.manual_seed(model_config.seed)
         self.seed = model_config.seed
-        self.dtype = resolve_dtype(model_config.dtype or "auto", self.device)
         self.model_dir = check_model_dir(model_dir)
+        # "auto" on CPU is settled by timing this model's GEMMs, a choice of this process alone:
+        # ranks of one model, or a KV producer and its consumer, must hold the same dtype, so
+        # they keep the instruction-flag rule; a quantized model's GEMMs are not the dense ones timed.
+        measured_alone = (num_ranks == 1 and vllm_config.kv_transfer_config is None
+                          and not model_config.quantization)
+        self.dtype = resolve_dtype(model_config.dtype or "auto", self.device,
+                                   probe=cpu_linear.dtype_probe(self.model_dir) if measured_alone else None)
         if compile_model and pp_size > 1:
             raise ValueError("compile_model is not supported with pipeline_parallel_size > 1 (each stage's "
                              "forward takes the previous stage's hidden states); leave --compile out")

@@ -18,6 +18,7 @@ from typing import Any
 
 from services.common.config import is_gguf_file
 from services.common.param_errors import SamplingParamsError
+from services.entrypoints.bench import roofline
 from services.entrypoints.bench.workload import (
     SPEC_PEER,
     PeerSpec,
@@ -36,7 +37,7 @@ AddEngineArgs = Callable[[argparse.ArgumentParser], None]
 
 
 def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
-    """Register `bench` (with `throughput`, `latency` and, if its module exists, `serve`)."""
+    """Register `bench` (with `throughput`, `latency`, `roofline` and, if its module exists, `serve`)."""
     bench = sub.add_parser("bench", help="benchmark my-vllm against HF transformers (and llama.cpp, vLLM)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -74,6 +75,24 @@ def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineAr
     _add_common_args(lat)
     add_engine_args(lat)
     lat.set_defaults(func=run_latency)
+
+    roof = bench_sub.add_parser(
+        "roofline", help="this machine's read bandwidth and GEMM peak, and the engine's efficiency against them",
+        description="The machine's limits (streaming read bandwidth, GEMM peak per dtype, with 1 and N threads) and "
+                    "my-vllm's efficiency against them, per dtype: batch-1 decode ITL against the bandwidth floor "
+                    "(weight bytes / bandwidth), and a batched decode step's FLOP/s against the GEMM peak. "
+                    "--dtype auto (the default) runs float32 and bfloat16; another --dtype runs that one.")
+    roof.add_argument("--skip", action="append", choices=roofline.PARTS, default=[],
+                      help="leave a part out (repeatable): bandwidth, gemm (the machine's limits), latency "
+                           "(batch-1 ITL), batch (the batched decode step)")
+    roof.add_argument("--batch-size", type=int, default=64,
+                      help="running requests of the batched decode step (default 64)")
+    roof.add_argument("--quick", action="store_true",
+                      help="tiny sizes (a 64 MiB read, 256x256 GEMMs, a few tokens): checks the command, not the "
+                           "machine")
+    roof.add_argument("--json", metavar="PATH", default=None, help="also write the figures to PATH as JSON")
+    add_engine_args(roof)
+    roof.set_defaults(func=run_roofline)
 
     _add_serve_hook(bench_sub)
 
@@ -256,7 +275,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     except (SamplingParamsError, ValueError) as e:
         return _fail(str(e))
     warmup = warmup_request(vocab, args.seed)
-    args.dtype = resolve_bench_dtype(args.dtype)
+    args.dtype = resolve_bench_dtype(args.dtype, _model_dir(args), args.quantization)
     try:
         specs, notes = _peer_specs(args, max(r.prompt_len + r.output_len for r in requests))
     except (FileNotFoundError, ValueError) as e:
@@ -305,7 +324,7 @@ def run_latency(args: argparse.Namespace) -> int:
     except (SamplingParamsError, ValueError) as e:
         return _fail(str(e))
     warmup = warmup_request(vocab, args.seed)
-    args.dtype = resolve_bench_dtype(args.dtype)
+    args.dtype = resolve_bench_dtype(args.dtype, _model_dir(args), args.quantization)
     try:
         specs, notes = _peer_specs(args, max(len(p) for p in prompt_ids) + args.output_len)
     except FileNotFoundError as e:
@@ -352,3 +371,46 @@ def _latency_floors(args: argparse.Namespace, peers: list[str]) -> dict[str, Any
     gguf = llamacpp_server.gguf_for(model) if latency.LLAMA_SERVER_PEER in peers else None
     log("measuring the read bandwidth")
     return latency.weight_floors(peers, model, dtype_bytes, gguf, read_bandwidth_bytes_s(torch_threads()))
+
+
+def run_roofline(args: argparse.Namespace) -> int:
+    """`myvllm bench roofline`: measure the machine's limits, then the engine per dtype; print the table."""
+    from services.entrypoints.bench import roofline_measure
+    from services.entrypoints.engine_args import engine_kwargs
+
+    model = _model_dir(args)
+    skip = set(args.skip)
+    engine_parts = {"latency", "batch"} - skip
+    if args.batch_size < 1:
+        return _fail(f"--batch-size must be at least 1, got {args.batch_size}")
+    if engine_parts and (is_gguf_file(model) or args.quantization):
+        return _fail("bench roofline counts a checkpoint directory's dense parameters: give --model DIR without "
+                     "--quantization, or --skip latency --skip batch")
+    dtypes = ["float32", "bfloat16"] if args.dtype == "auto" else [args.dtype]
+    threads = torch_threads()
+    limits = roofline_measure.measure_machine({1, threads}, dtypes, {"bandwidth", "gemm"} - skip, args.quick)
+    workload = (roofline_measure.EngineWorkload.quick(args.batch_size) if args.quick
+                else roofline_measure.EngineWorkload(batch=args.batch_size))
+    kwargs = {**engine_kwargs(args), "model": model}
+    engine = []
+    if engine_parts:
+        vocab = model_vocab_size(model)
+        for dtype in dtypes:
+            figures = roofline_measure.measure_engine(kwargs, dtype, engine_parts, workload, vocab, args.seed)
+            engine.append(roofline.engine_efficiency(figures, limits))
+    print(f"model: {model}  threads: {threads}  seed: {args.seed}" + ("  (--quick: tiny sizes)" if args.quick else ""))
+    runs = []
+    if "latency" in engine_parts:
+        runs.append(f"batch-1 decode of {workload.latency_input_len} prompt + {workload.latency_output_len} output "
+                    "tokens")
+    if "batch" in engine_parts:
+        runs.append(f"a {workload.batch}-request decode step from {workload.batch_input_len}-token prompts, timed as "
+                    f"the difference of {workload.batch_long_output}- and {workload.batch_short_output}-token runs")
+    if runs:
+        print("workload: " + "; ".join(runs))
+    print(roofline.report(limits, engine, dtypes), flush=True)
+    if args.json:
+        write_json(args.json, {"benchmark": "roofline", "model": model, "seed": args.seed, "threads": threads,
+                               "quick": args.quick, "workload": dataclasses.asdict(workload),
+                               **roofline.to_json(limits, engine)})
+    return 0

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.common.bandwidth_floor import WeightFloor
+from services.common.bandwidth_floor import WeightFloor, streaming_buffer_bytes
 from services.entrypoints.bench.workload import (
     SPEC_PEER,
     BenchRequest,
@@ -155,7 +155,8 @@ def report(results: Sequence[LatencyResult], floors: Mapping[str, WeightFloor] |
     text = format_table(header, rows)
     if floors:
         bandwidth = next(iter(floors.values())).bandwidth_bytes_s
-        text += f"\nbandwidth floor: streaming read {bandwidth / 1e9:.1f} GB/s (best of a few sums over 1 GiB)"
+        text += (f"\nbandwidth floor: streaming read {bandwidth / 1e9:.1f} GB/s (best of a few sums over "
+                 f"{streaming_buffer_bytes() >> 30} GiB)")
         for r in results:
             if r.peer in floors:
                 text += f"\n  {r.peer}: {floors[r.peer].describe(r.mean_itl_s)}"

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"the server at {args.base_url} runs dtype {server_dtype}")
         args.dtype = server_dtype
     else:
-        args.dtype = resolve_bench_dtype(args.dtype)
+        args.dtype = resolve_bench_dtype(args.dtype, model_dir, args.quantization)
     if args.workload == "multi-tenant":
         from services.entrypoints.bench import multi_tenant
 

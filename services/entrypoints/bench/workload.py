@@ -222,15 +222,12 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def resolve_bench_dtype(dtype: str) -> str:
+def resolve_bench_dtype(dtype: str, model: str | None = None, quantization: str | None = None) -> str:
     """Fix "auto" once, before any peer loads, so every peer (and the report) runs the dtype
-    my-vllm picks on this machine."""
-    import torch
+    my-vllm picks on this machine for `model` (services/offline/engine_dtype.py)."""
+    from services.offline.engine_dtype import engine_dtype
 
-    from services.common.config import resolve_dtype_name
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_dtype_name(dtype, device, cuda_bf16=device == "cuda" and torch.cuda.is_bf16_supported())
+    return engine_dtype(dtype, model, quantization)
 
 
 def same_model(model_dir: str, other: str) -> bool:

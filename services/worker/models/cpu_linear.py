@@ -18,10 +18,12 @@ output size is a multiple of its 32-column blocks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from services.common.cpu_dtype_probe import GemmTimings, probe_model
 from services.worker import opaque_ops
 from services.worker.cpu.gemm import PanelGemm
 
@@ -72,6 +74,21 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def linear_kernel(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight.T as a single-rank CPU worker's linear layer computes it: packed (gemm.c or
+    oneDNN) where the dtype packs, else `F.linear`. A step of a few rows runs the C decode step's
+    row GEMVs instead, which stream the weights as the packed GEMM does at M=1."""
+    if available(weight.dtype):
+        return PackedLinear(weight, None).matmul
+    return lambda x: nn.functional.linear(x, weight)
+
+
+def dtype_probe(model_dir: str) -> Callable[[], GemmTimings | None]:
+    """`--dtype auto`'s measurement for a CPU worker of `model_dir`: its projection's products
+    timed through `linear_kernel` in fp32 and bf16 (services/common/cpu_dtype_probe.py)."""
+    return lambda: probe_model(model_dir, linear_kernel)
 
 
 def pack_linears(model: nn.Module) -> int:

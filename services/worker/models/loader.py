@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -17,6 +17,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from services.common.config import resolve_dtype_name
+from services.common.cpu_dtype_probe import GemmTimings
 from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
 from services.worker.models.layers import DecoderForCausalLM, DecoderLayer
@@ -28,14 +29,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
-    """A torch dtype for `dtype`; "auto" picks by `device` (bf16 on CPUs with bf16 instructions,
-    see services.common.config.resolve_dtype_name)."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu",
+                  probe: Callable[[], GemmTimings | None] | None = None) -> torch.dtype:
+    """A torch dtype for `dtype`; "auto" picks by `device` (on a CPU with bf16 instructions by
+    the GEMM timings `probe` measures, when given; see services.common.config.resolve_dtype_name)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     device_type = torch.device(device).type
     cuda_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
-    dtype = resolve_dtype_name(dtype, device_type, cuda_bf16=cuda_bf16)
+    dtype = resolve_dtype_name(dtype, device_type, cuda_bf16=cuda_bf16, probe=probe)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose from float32, bfloat16, float16")
     return DTYPES[dtype]

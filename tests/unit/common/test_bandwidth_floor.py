@@ -16,8 +16,10 @@ from safetensors.torch import save_file
 from services.common.bandwidth_floor import (
     WeightFloor,
     gguf_weight_bytes,
+    last_level_cache_bytes,
     read_bandwidth_bytes_s,
     safetensors_weight_bytes,
+    streaming_buffer_bytes,
     weight_bytes_per_token,
 )
 
@@ -83,3 +85,28 @@ def test_read_bandwidth_is_measured_and_restores_the_thread_count() -> None:
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError):
         read_bandwidth_bytes_s(0)
+
+
+def _cache(root: Path, index: int, level: int, kind: str, size: str) -> None:
+    d = root / f"index{index}"
+    d.mkdir()
+    (d / "level").write_text(f"{level}\n")
+    (d / "type").write_text(f"{kind}\n")
+    (d / "size").write_text(f"{size}\n")
+
+
+def test_last_level_cache_from_sysfs(tmp_path: Path) -> None:
+    _cache(tmp_path, 0, 1, "Data", "48K")
+    _cache(tmp_path, 1, 1, "Instruction", "64K")
+    _cache(tmp_path, 2, 2, "Unified", "2048K")
+    assert last_level_cache_bytes(tmp_path) == 2048 << 10
+    _cache(tmp_path, 3, 3, "Unified", "491520K")
+    assert last_level_cache_bytes(tmp_path) == 491520 << 10
+    assert last_level_cache_bytes(tmp_path / "missing") == 0
+
+
+def test_streaming_buffer_is_four_caches_at_least_a_gib() -> None:
+    assert streaming_buffer_bytes(0) == 1 << 30
+    assert streaming_buffer_bytes(32 << 20) == 1 << 30
+    assert streaming_buffer_bytes(480 << 20) == 2 << 30  # 4 x 480 MiB, rounded up to whole GiB
+    assert streaming_buffer_bytes(1 << 30) == 4 << 30
