@@ -294,8 +294,10 @@ class StaticDecode:
 
 def build_static_decode(runner) -> StaticDecode | None:
     """The runner's padded decode path for its mode, made after its KV cache exists (graphs
-    captured now); None for mode "none". In automatic mode a failed capture is logged and the
-    worker runs eager (the explicit mode raises)."""
+    captured now); None for mode "none". In automatic mode a failed capture is logged at WARNING
+    with its reason and counted (`runner.unreported_capture_failures`, which the next step's
+    output reports for /metrics' cudagraph_capture_failures), and the worker runs eager; the
+    explicit mode raises."""
     mode = runner.cudagraph_mode
     if mode == NONE:
         return None
@@ -314,7 +316,9 @@ def build_static_decode(runner) -> StaticDecode | None:
     except Exception as e:
         if runner.cudagraph_mode_explicit:
             raise
-        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eager", type(e).__name__, e)
+        runner.unreported_capture_failures += 1
+        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eager (counted in "
+                       "myvllm:cudagraph_capture_failures_total)", type(e).__name__, e)
         return None
     logger.info("captured %d CUDA graphs for decode steps of %s rows", len(static.graphs),
                 ", ".join(map(str, static.sizes)))

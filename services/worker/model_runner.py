@@ -153,6 +153,9 @@ class ModelRunner:
         self.cudagraph_mode_explicit = bool(model_config.cudagraph_mode)
         self.cuda_graph_sizes = list(model_config.cuda_graph_sizes) if model_config.cuda_graph_sizes else None
         self.static_decode: StaticDecode | None = None
+        # CUDA graph captures that failed (automatic mode) and the next step's output has not yet
+        # reported to the scheduler, which counts them for /metrics.
+        self.unreported_capture_failures = 0
         # Pooling runner (pooler_config set): every request is pooled after the final norm, none
         # sampled; the per-row pooling state lives with the persistent batch (reset_batch).
         self.pooler_config = pooler_config
@@ -434,6 +437,7 @@ class ModelRunner:
             return self._sample(*pending, so)
         rows, num_scheduled = self._apply_scheduler_output(so)
         out = pb.ModelRunnerOutput(step_id=so.step_id)
+        out.cudagraph_capture_failures, self.unreported_capture_failures = self.unreported_capture_failures, 0
         if self.lockstep:  # every engine's ranks, once per step: does the group go on after it?
             out.dp_global_unfinished = any_engine_unfinished(so.dp_local_unfinished)
         if rows.size == 0:

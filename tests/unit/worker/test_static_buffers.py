@@ -376,3 +376,48 @@ def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_d
     assert got == want
     assert graphs.replays == sum(graphs.padded_steps.values()) > 0
     assert 4 in graphs.padded_steps and graphs.padding_rows > 0  # 3 live rows replayed the graph of 4
+
+
+# --------------------------------------------------------------------------- a failed capture
+
+
+class FailingCapture(EagerReplay):
+    """A graph whose capture fails, as a host sync inside torch.cuda.graph does."""
+
+    def capture(self, forward) -> torch.Tensor:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def _graph_runner(explicit: bool) -> SimpleNamespace:
+    from services.worker.attention.triton_backend import TritonAttentionBackend
+
+    return SimpleNamespace(cudagraph_mode="full_decode_only", cudagraph_mode_explicit=explicit, max_num_seqs=2,
+                           cuda_graph_sizes=None, model=_Echo(), attn_backend=TritonAttentionBackend(),
+                           max_model_len=32, block_size=B, device=torch.device("cpu"),
+                           unreported_capture_failures=0)
+
+
+def test_a_failed_capture_is_a_warning_with_its_reason_and_counted(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(StaticDecode, "graph_type", FailingCapture)
+    runner = _graph_runner(explicit=False)
+    with caplog.at_level("WARNING", logger="myvllm.worker"):
+        assert cuda_graphs.build_static_decode(runner) is None  # automatic mode: eager from here
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "operation not permitted when stream is capturing" in warned[0].getMessage()
+    assert "RuntimeError" in warned[0].getMessage()
+    assert runner.unreported_capture_failures == 1
+    with pytest.raises(RuntimeError, match="stream is capturing"):  # an explicit mode stops the worker
+        cuda_graphs.build_static_decode(_graph_runner(explicit=True))
+
+
+def test_the_next_step_reports_a_failed_capture_once(monkeypatch, tiny_model_dir) -> None:
+    """The failure travels in the next step's output to the scheduler's counters (the gateway's
+    myvllm:cudagraph_capture_failures_total), once."""
+    with LLM(tiny_model_dir("llama"), dtype="float32", max_num_seqs=2, max_model_len=64,
+             kv_cache_memory_bytes=4 << 20, seed=0) as llm:
+        llm.worker.runner.unreported_capture_failures = 1  # as build_static_decode leaves it
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5, 6, 8]}], params, use_tqdm=False)
+        assert llm.stats()["cudagraph_capture_failures"] == 1
+        assert llm.worker.runner.unreported_capture_failures == 0
