@@ -332,6 +332,24 @@ class StaticDecode:
             torch.cuda.synchronize(self.device)
 
 
+def speculative_tokens(runner) -> int:
+    """Drafts per row the runner's proposer makes (0: no speculative decoding)."""
+    proposer = getattr(runner, "proposer", None)
+    return proposer.config.num_speculative_tokens if proposer is not None else 0
+
+
+def graph_extent(runner) -> tuple[int, int]:
+    """(tokens of the largest graph, number of graphs) the runner will capture; (0, 0) without
+    graphs. For the memory profile's estimate of the graphs' pool, before they exist."""
+    if runner.cudagraph_mode != FULL_DECODE_ONLY:
+        return 0, 0
+    sizes = capture_sizes(runner.max_num_seqs, runner.cuda_graph_sizes)
+    if not sizes:
+        return 0, 0
+    k = speculative_tokens(runner)
+    return sizes[-1] * (1 + k), len(sizes) * (2 if k else 1)
+
+
 def build_static_decode(runner) -> StaticDecode | None:
     """The runner's padded decode path for its mode, made after its KV cache exists (graphs
     captured now); None for mode "none". In automatic mode a failed capture is logged at WARNING
@@ -346,10 +364,8 @@ def build_static_decode(runner) -> StaticDecode | None:
         logger.warning("no --cuda-graph-sizes at most twice max_num_seqs (%d): decode steps run plain",
                        runner.max_num_seqs)
         return None
-    proposer = getattr(runner, "proposer", None)
-    num_spec = proposer.config.num_speculative_tokens if proposer is not None else 0
     static = StaticDecode(runner.model, runner.attn_backend, mode, sizes, runner.max_model_len, runner.block_size,
-                          runner.device, num_speculative_tokens=num_spec)
+                          runner.device, num_speculative_tokens=speculative_tokens(runner))
     if mode != FULL_DECODE_ONLY:
         logger.info("decode steps padded to %s rows on static buffers (eager)", ", ".join(map(str, static.sizes)))
         return static
