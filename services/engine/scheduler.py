@@ -376,7 +376,6 @@ class Scheduler:
         """Append sampled tokens, check token-level stops, free finished requests."""
         outputs: list[pb.RequestOutput] = self.grammar.take_failed_outputs()
         outputs += self.kv.update_from_output(runner_output)
-        self.counters.cudagraph_capture_failures += runner_output.cudagraph_capture_failures
         outputs += finish_pooled(runner_output.pooler_output, self.requests, self._end_pooled)
         self._gather_prompt_logprobs(runner_output.prompt_logprobs)
         # Speculative decoding: a request may produce several tokens (accepted drafts + one).
