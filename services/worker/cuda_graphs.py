@@ -310,6 +310,9 @@ class StaticDecode:
             buffers = self.buffers_of[q]
             buffers.pad(0, size)
             meta = buffers.metadata(size, np.full(size, q, dtype=np.int64), np.zeros(size, dtype=np.int64))
+            # The graph serves every later context: the backend plans (e.g. splits the keys of
+            # long decodes) for the longest one the block table holds.
+            meta.max_seq_len = buffers.max_blocks * buffers.block_size
             meta.backend_data = self.backend.prepare(meta)
             stray = plan_reads_only(meta.backend_data, buffers)
             if stray:

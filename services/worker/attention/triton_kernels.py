@@ -274,4 +274,18 @@ def compile_for_gpu(arch: int = 90) -> list[str]:
                       PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False)
         shared = compile_one(_paged_attention_kernel, ptrs, consts)
         lines.append(f"paged_attention {dt} gqa={qpk} block_m={block_m} head_dim={dim}: ok, shared {shared} B")
+    from services.worker.attention import split_kv  # (it imports this module)
+
+    for dt, qpk, dim, splits in (("bf16", 4, 128, 8), ("fp32", 7, 80, 3)):
+        ptrs = {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+        ptrs.update(block_table_ptr="*i32", query_start_loc_ptr="*i32", context_lens_ptr="*i32",
+                    part_out_ptr="*fp32", part_ml_ptr="*fp32")
+        dim_pad = max(16, triton.next_power_of_2(dim))
+        consts = dict(NUM_SPLITS=splits, HEAD_DIM=dim, BLOCK_SIZE=16, QUERIES_PER_KV=qpk,
+                      BLOCK_M=max(16, triton.next_power_of_2(qpk)), TILE_N=32, DIM_PAD=dim_pad,
+                      PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False)
+        shared = compile_one(split_kv._split_kv_kernel, ptrs, consts)
+        compile_one(split_kv._combine_kernel, ptrs, dict(NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                                                         HEAD_DIM=dim, DIM_PAD=dim_pad))
+        lines.append(f"split_kv_decode {dt} gqa={qpk} splits={splits} head_dim={dim}: ok, shared {shared} B")
     return lines

@@ -350,11 +350,13 @@ def test_static_buffers_on_smollm2(smollm2_dir: str) -> None:
     assert any(size == 8 for _, size in padded) and any(n < size for n, size in padded)
 
 
-def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_dir) -> None:
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_dir, num_splits: int | None) -> None:
     """The full_decode_only order on the CPU: graphs captured (the stand-in) per size at start-up
     over all-padding buffers, then each pure-decode step copied into the buffers and replayed
     with the capture's metadata and plan. One engine, its decode steps first plain, then replayed
-    (prefix caching off: the second run computes everything again)."""
+    (prefix caching off: the second run computes everything again). With num_splits the decode
+    steps' attention runs split-KV (3 partitions) in the graphs."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1")
     prompts = _workload(49152)[0][:4]
@@ -366,6 +368,7 @@ def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_d
         static = runner.static_decode
         runner.static_decode = None
         want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner.attn_backend.num_splits = num_splits
         graphs = StaticDecode(runner.model, runner.attn_backend, "full_decode_only", static.sizes, runner.max_model_len,
                               runner.block_size, runner.device)
         graphs.graph_type = EagerReplay
