@@ -211,11 +211,13 @@ def stage_pd(args: argparse.Namespace) -> int:
         with LLM(model_dir, enforce_eager=True, **engine) as colocated:
             outs = colocated.generate(prompts, greedy, use_tqdm=False)
             want, gaps = [list(o.outputs[0].token_ids) for o in outs], top2_gaps(outs)
-        with LLM(model_dir, kv_transfer_config=kv("kv_producer"), enforce_eager=True, **engine) as producer:
+        # The producer stays up until the consumer has loaded: it owns the segments it saved.
+        graphs = _engine_flags(device, True)
+        with LLM(model_dir, kv_transfer_config=kv("kv_producer"), enforce_eager=True, **engine) as producer, \
+                LLM(model_dir, kv_transfer_config=kv("kv_consumer"), **graphs, **engine) as consumer:
             first = SamplingParams(temperature=0.0, max_tokens=1,
                                    extra_args={"kv_transfer_params": {"do_remote_decode": True}})
             params = [o.kv_transfer_params for o in producer.generate(prompts, first, use_tqdm=False)]
-        with LLM(model_dir, kv_transfer_config=kv("kv_consumer"), **_engine_flags(device, True), **engine) as consumer:
             outs = consumer.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                                                               extra_args={"kv_transfer_params": p}) for p in params],
                                      use_tqdm=False)
