@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.attention.triton_kernels import check_device, default_block_m, dot, is_interpreted
+from services.worker.attention.triton_kernels import (
+    check_device,
+    compile_kernel,
+    default_block_m,
+    dot,
+    is_interpreted,
+)
 
 # Contexts shorter than this decode fast enough in one program per (request, KV head).
 MIN_SPLIT_CONTEXT = 1024
@@ -179,3 +185,22 @@ def split_kv_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DIM_PAD=dim_pad,
     )
     return out
+
+
+def compile_for_gpu(arch: int = 90) -> list[str]:
+    """Both kernels compiled ahead of time for compute capability `arch` in two variants (see
+    triton_kernels.compile_for_gpu); one line per variant."""
+    lines = []
+    for dt, qpk, dim, splits in (("bf16", 4, 128, 8), ("fp32", 7, 80, 3)):
+        ptrs = {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+        ptrs.update(block_table_ptr="*i32", query_start_loc_ptr="*i32", context_lens_ptr="*i32",
+                    part_out_ptr="*fp32", part_ml_ptr="*fp32")
+        dim_pad = max(16, triton.next_power_of_2(dim))
+        consts = dict(NUM_SPLITS=splits, HEAD_DIM=dim, BLOCK_SIZE=16, QUERIES_PER_KV=qpk,
+                      BLOCK_M=max(16, triton.next_power_of_2(qpk)), TILE_N=32, DIM_PAD=dim_pad,
+                      PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False)
+        shared = compile_kernel(_split_kv_kernel, ptrs, consts, arch)
+        compile_kernel(_combine_kernel, ptrs, dict(NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                                                   HEAD_DIM=dim, DIM_PAD=dim_pad), arch)
+        lines.append(f"split_kv_decode {dt} gqa={qpk} splits={splits} head_dim={dim}: ok, shared {shared} B")
+    return lines

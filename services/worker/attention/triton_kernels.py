@@ -241,22 +241,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def compile_for_gpu(arch: int = 90) -> list[str]:
-    """Compile the kernels ahead of time for an NVIDIA GPU of compute capability `arch` (90: Hopper) in
-    the variants the engine launches, through triton's bundled ptxas. Needs no GPU, but triton imported
-    without TRITON_INTERPRET: it catches code that the interpreter runs but the compiler rejects.
-    Returns one line per variant (shared memory used)."""
+def compile_kernel(fn, ptr_types: dict[str, str], consts: dict, arch: int) -> int:
+    """Compile `fn` ahead of time for compute capability `arch` (pointer arguments typed by
+    `ptr_types`, the constexprs `consts`, scale_log2 fp32, every other argument i32); returns the
+    shared memory it uses. Needs triton imported without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if is_interpreted():
         raise RuntimeError("compile_for_gpu needs triton imported without TRITON_INTERPRET")
-    target = GPUTarget("cuda", arch, 32)
+    sig = {name: "constexpr" if name in consts else ptr_types.get(name, "fp32" if name == "scale_log2" else "i32")
+           for name in fn.arg_names}
+    return getattr(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32)).metadata,
+                   "shared", -1)
 
+
+def compile_for_gpu(arch: int = 90) -> list[str]:
+    """Compile the kernels ahead of time for an NVIDIA GPU of compute capability `arch` (90: Hopper) in
+    the variants the engine launches, through triton's bundled ptxas. Needs no GPU, but triton imported
+    without TRITON_INTERPRET: it catches code that the interpreter runs but the compiler rejects.
+    Returns one line per variant (shared memory used)."""
     def compile_one(fn, ptr_types: dict[str, str], consts: dict) -> int:
-        sig = {name: "constexpr" if name in consts else ptr_types.get(name, "fp32" if name == "scale_log2" else "i32")
-               for name in fn.arg_names}
-        return getattr(triton.compile(ASTSource(fn, sig, consts), target=target).metadata, "shared", -1)
+        return compile_kernel(fn, ptr_types, consts, arch)
 
     lines = []
     for dt, heads, dim in (("bf16", 8, 128), ("fp32", 3, 80)):
@@ -274,18 +280,4 @@ def compile_for_gpu(arch: int = 90) -> list[str]:
                       PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False)
         shared = compile_one(_paged_attention_kernel, ptrs, consts)
         lines.append(f"paged_attention {dt} gqa={qpk} block_m={block_m} head_dim={dim}: ok, shared {shared} B")
-    from services.worker.attention import split_kv  # (it imports this module)
-
-    for dt, qpk, dim, splits in (("bf16", 4, 128, 8), ("fp32", 7, 80, 3)):
-        ptrs = {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
-        ptrs.update(block_table_ptr="*i32", query_start_loc_ptr="*i32", context_lens_ptr="*i32",
-                    part_out_ptr="*fp32", part_ml_ptr="*fp32")
-        dim_pad = max(16, triton.next_power_of_2(dim))
-        consts = dict(NUM_SPLITS=splits, HEAD_DIM=dim, BLOCK_SIZE=16, QUERIES_PER_KV=qpk,
-                      BLOCK_M=max(16, triton.next_power_of_2(qpk)), TILE_N=32, DIM_PAD=dim_pad,
-                      PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False)
-        shared = compile_one(split_kv._split_kv_kernel, ptrs, consts)
-        compile_one(split_kv._combine_kernel, ptrs, dict(NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                                                         HEAD_DIM=dim, DIM_PAD=dim_pad))
-        lines.append(f"split_kv_decode {dt} gqa={qpk} splits={splits} head_dim={dim}: ok, shared {shared} B")
     return lines

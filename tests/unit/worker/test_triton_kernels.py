@@ -244,8 +244,8 @@ if pytest is not None:
         triton's bundled ptxas, in a fresh process without TRITON_INTERPRET. Needs no GPU."""
         pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        code = ("from services.worker.attention.triton_kernels import compile_for_gpu; "
-                "print('\\n'.join(compile_for_gpu(90)))")
+        code = ("from services.worker.attention import split_kv, triton_kernels; "
+                "print('\\n'.join(triton_kernels.compile_for_gpu(90) + split_kv.compile_for_gpu(90)))")
         proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=Path(__file__).resolve().parents[3],
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
