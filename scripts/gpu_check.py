@@ -17,7 +17,8 @@ Stages (python scripts/gpu_check.py STAGE [options]); exit 0 pass, 1 fail, 77 sk
               random Qwen3 written on the fly.
   cudagraphs  the engine with CUDA graphs for pure-decode steps (cudagraph_mode full_decode_only, graphs
               captured at start-up per padded batch size) against --enforce-eager, greedy token for
-              token on a tiny random Qwen3 (or SmolLM2 with --smollm2), batches that pad (3 -> 4,
+              token (a mismatch counts only where eager's top-2 logprob gap exceeds 1e-3) on a tiny
+              random Qwen3 (or SmolLM2 with --smollm2), batches that pad (3 -> 4,
               5 -> 8) and shrink as requests finish, with mixed prefill steps; prints the decode
               time per token of each at batch 1 and 8. `--device cpu` smoke-runs the stage's code
               with the eager "static" buffers instead of graphs.
@@ -25,11 +26,14 @@ Stages (python scripts/gpu_check.py STAGE [options]); exit 0 pass, 1 fail, 77 sk
               top-p and min-p rows in one batch sample without a single host sync (the one copy of
               the sampled ids per step happens after it, in the model runner).
   throughput  a Qwen3-0.6B-shaped random-weight model (written on the fly; needs the engine,
-              hence transformers) in bf16: 256 requests, input and output lengths uniform in
-              100..1024, ignore_eos, once with --enforce-eager and once with CUDA graphs; prints
-              output tok/s of each. Then, per mode, a torch-profiler run of a decode-bound batch
-              (64 requests, 16 prompt tokens, 48 outputs): GPU kernel time over wall time and
-              kernel launches per engine step.
+              hence transformers) in bf16: 64 requests (--num-requests), input and output lengths
+              uniform in 100..1024 (--max-len), ignore_eos, once with --enforce-eager and once with
+              CUDA graphs; prints output tok/s of each. With --profile, per mode, a torch-profiler
+              run of a decode-bound batch (64 requests, 16 prompt tokens, 48 outputs): GPU kernel
+              time over wall time and kernel launches per engine step.
+  bf16, moe_graphs, spec_graphs, pd
+              scripts/gpu_check_stages.py: bf16 closeness to HF fp32, and CUDA graphs against eager
+              with an MoE model, with speculative decoding, and on a P/D consumer.
   report      merges the stages' figures (kept as JSON under $GPU_CHECK_RESULTS) with the verdicts
               scripts/gpu_check.sh collected into gpu_check.json and a table, gpu_check.md, under
               --out (the device tool's $OUT when set).
@@ -558,7 +562,9 @@ def stage_cudagraphs(args: argparse.Namespace) -> int:
     from services.common.sampling_params import SamplingParams
     from services.offline.llm import LLM
     torch.set_float32_matmul_precision("highest")  # no TF32: greedy equality in fp32
+    import gpu_check_stages as stages
     graphs_mode = "full_decode_only" if device == "cuda" else "static"  # cpu: a smoke run of this code
+    gaps: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         if args.smollm2 and (SMOLLM2_DIR / "model.safetensors").is_file():
             model_dir, label = str(SMOLLM2_DIR), "SmolLM2-135M-Instruct"
@@ -590,8 +596,13 @@ def stage_cudagraphs(args: argparse.Namespace) -> int:
                 if name == "graphs" and device == "cuda" and (static is None or not static.graphs):
                     say("  graphs: FAIL, no CUDA graph was captured")
                     ok = False
-                got[name] = [list(o.outputs[0].token_ids)
-                             for o in llm.generate(prompts, params, use_tqdm=False)]
+                asked = params if name == "graphs" else [
+                    SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=True, logprobs=2)
+                    for p in params]  # the eager run's top-2 gaps judge near ties
+                outs = llm.generate(prompts, asked, use_tqdm=False)
+                got[name] = [list(o.outputs[0].token_ids) for o in outs]
+                if name == "eager":
+                    gaps = stages.top2_gaps(outs)
                 lines = []
                 for what, batch, n_tok in (("batch 1", single, 128), ("batch 8", batch8, 64)):
                     p = SamplingParams(temperature=0.0, max_tokens=n_tok, ignore_eos=True)
@@ -616,7 +627,7 @@ def stage_cudagraphs(args: argparse.Namespace) -> int:
             finally:
                 llm.close()
             say(f"  {name}: {timing.get(name, '')}")
-        equal = compare_greedy("graphs vs eager", got["graphs"], got["eager"], None)
+        equal = stages.compare_with_ties("graphs vs eager", got["graphs"], got["eager"], gaps)
         say(f"  {label}: {len(prompts)} prompts, greedy with {graphs_mode} {'equal to' if equal else 'DIFFERENT from'} "
             "--enforce-eager")
     ok = ok and equal
@@ -719,7 +730,7 @@ def throughput_run(args: argparse.Namespace, model_dir: str, device: str, config
         elapsed = time.perf_counter() - t0
         if static is not None:
             figures["graph_replays"] = static.replays
-        if device == "cuda" and not args.no_profile:
+        if device == "cuda" and args.profile and not args.no_profile:
             figures.update(profile_decode(llm, vocab, rng))
         return sum(len(o.outputs[0].token_ids) for o in outs), elapsed, figures
     finally:
@@ -844,8 +855,9 @@ def stage_report(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    import gpu_check_stages
     ap.add_argument("stage", choices=["probe", "kernels", "greedy", "tp2", "cudagraphs", "sampling", "throughput",
-                                      "report"])
+                                      "report", *gpu_check_stages.STAGES])
     ap.add_argument("--device", default=None, help="force a device (e.g. cpu with TRITON_INTERPRET=1, for testing)")
     ap.add_argument("--interpret", action="store_true", help="kernels: run under TRITON_INTERPRET=1 even with CUDA")
     ap.add_argument("--quick", action="store_true", help="greedy: fewer, shorter prompts")
@@ -854,21 +866,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="cudagraphs: SmolLM2 (when models/ holds it), not the tiny model")
     ap.add_argument("--tiny", action="store_true", help="throughput: a tiny model shape (smoke run)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-gib", type=int, default=64)
     ap.add_argument("--modes", default="eager,graphs", help="throughput: the engine modes to run, in order")
-    ap.add_argument("--no-profile", action="store_true", help="throughput: skip the profiled decode run")
+    ap.add_argument("--profile", action="store_true", help="throughput: a profiled decode run after each mode")
+    ap.add_argument("--no-profile", action="store_true", help="throughput: no profiled run (the default)")
     ap.add_argument("--verdicts", default=None, help="report: the stages' verdicts (name, verdict, seconds per line)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO_ROOT / "build" / "gpu-check"),
                     help="report: where gpu_check.json and gpu_check.md go (default $OUT, else build/gpu-check)")
     args = ap.parse_args(argv)
     stage = {"probe": stage_probe, "kernels": stage_kernels, "greedy": stage_greedy, "tp2": stage_tp2,
              "cudagraphs": stage_cudagraphs, "sampling": stage_sampling, "throughput": stage_throughput,
-             "report": stage_report}[args.stage]
+             "report": stage_report, **gpu_check_stages.STAGES}[args.stage]
     try:
         return stage(args)
     except Exception:  # noqa: BLE001 - a stage that raises fails with its traceback

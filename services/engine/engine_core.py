@@ -154,6 +154,7 @@ class EngineCore:
         if runner_output.error:
             raise RuntimeError(f"worker failed: {runner_output.error}")
         self.num_steps += 1
+        self.scheduler.counters.cudagraph_capture_failures += runner_output.cudagraph_capture_failures
         return self.scheduler.update_from_output(so, runner_output)
 
     def stats(self) -> pb.Stats:

@@ -15,6 +15,8 @@ class EngineCounters:
     # out, and every token generated.
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # CUDA graph captures that failed in automatic mode (the worker reports each once).
+    cudagraph_capture_failures: int = 0
 
     def count_output(self, request: Request, new_token_ids: Sequence[int]) -> None:
         """Count the tokens a step appended to `request` (already in its output)."""

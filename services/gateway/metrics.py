@@ -290,6 +290,8 @@ class GatewayMetrics:
         # (ours alone: vLLM serves no such metric) what `bench serve --base-url` reports the server runs
         scrape.add_info("model_config_info", "The engine's model configuration.", {
             "dtype": stats.dtype, "attention_backend": stats.attention_backend}, vllm=False)
+        scrape.add("counter", "cudagraph_capture_failures", "CUDA graph captures that failed at start-up in "
+                   "automatic mode (the worker then ran its decode steps eager).", stats.cudagraph_capture_failures)
         scrape.add("counter", "dp_dummy_steps", "Steps an engine of a data-parallel expert-parallel group ran with "
                    "nothing scheduled, so the group's MoE exchanges matched.", stats.num_dummy_steps)
         scrape.add("gauge", "dp_wave", "The data-parallel expert-parallel group's current wave (0 without such a "

@@ -383,6 +383,7 @@ class ReplicaRouter:
             total.grammar_compile_timeouts += s.grammar_compile_timeouts
             total.grammar_row_waits += s.grammar_row_waits
             total.num_dummy_steps += s.num_dummy_steps
+            total.cudagraph_capture_failures += s.cudagraph_capture_failures
             for name in KV_TRANSFER_STATS:
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.dp_wave = max(total.dp_wave, s.dp_wave)

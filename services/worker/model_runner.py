@@ -25,10 +25,17 @@ from services.worker.attention.base import AttentionMetadata, forward_context
 from services.worker.attention.selector import get_attention_backend
 from services.worker.cpu.malloc_tuning import keep_freed_memory
 from services.worker.cpu.triton_off import keep_triton_out
-from services.worker.cuda_graphs import StaticDecode, build_static_decode, resolve_cudagraph_mode
+from services.worker.cuda_graphs import StaticDecode, build_static_decode, graph_extent, resolve_cudagraph_mode
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch, runs_own_counts
 from services.worker.kv_memory import zeroed_kv_cache
+from services.worker.memory_profile import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    MemoryProfile,
+    kv_cache_budget,
+    measure_cuda,
+    profile_forward,
+)
 from services.worker.models import cpu_linear
 from services.worker.models.compiled import CompiledForward, Forward
 from services.worker.models.fast_paths import c_step_for, use_fast_paths
@@ -160,6 +167,9 @@ class ModelRunner:
         self.cudagraph_mode_explicit = bool(model_config.cudagraph_mode)
         self.cuda_graph_sizes = list(model_config.cuda_graph_sizes) if model_config.cuda_graph_sizes else None
         self.static_decode: StaticDecode | None = None
+        # CUDA graph captures that failed (automatic mode) and the next step's output has not yet
+        # reported to the scheduler, which counts them for /metrics.
+        self.unreported_capture_failures = 0
         # Pooling runner (pooler_config set): every request is pooled after the final norm, none
         # sampled; the per-row pooling state lives with the persistent batch (reset_batch).
         self.pooler_config = pooler_config
@@ -187,6 +197,8 @@ class ModelRunner:
         self.forward: Forward = self.compiled or self.model
         # Speculative decoding (None: off): proposes drafts after each step's sampling.
         self.proposer: SpecProposer | None = make_proposer(vllm_config.speculative_config, self)
+        # The largest step the scheduler sends: the memory profile's dummy forward.
+        self.max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.set_max_num_seqs(vllm_config.scheduler_config.max_num_seqs)
 
     def batch_state_bytes(self, max_num_seqs: int, block_size: int = 1) -> int:
@@ -248,11 +260,13 @@ class ModelRunner:
     def num_blocks_for_budget(self, block_size: int, kv_cache_memory_bytes: int | None,
                               gpu_memory_utilization: float | None = None) -> int:
         """KV blocks that fit `kv_cache_memory_bytes`, else this device's own budget: on CUDA
-        `gpu_memory_utilization` of the GPU less what this process holds besides its KV cache
-        (vLLM's rule), or without it 80% of the free memory; on CPU DEFAULT_CPU_KV_CACHE_BYTES."""
+        `gpu_memory_utilization` (default 0.9) of the GPU less the peak of a profiled max-size
+        forward and the CUDA graphs' estimated pool (vLLM's rule, memory_profile.py); where no
+        profile runs (parallel ranks), that share less what this process holds besides its KV
+        cache, or without it 80% of the free memory; on CPU DEFAULT_CPU_KV_CACHE_BYTES."""
         if kv_cache_memory_bytes is None:
             if self.device.type == "cuda":
-                kv_cache_memory_bytes = self._gpu_kv_budget(gpu_memory_utilization)
+                kv_cache_memory_bytes = self._gpu_kv_budget(gpu_memory_utilization, block_size)
             else:
                 if gpu_memory_utilization is not None:
                     logger.warning("--gpu-memory-utilization does not apply on CPU: the KV cache takes "
@@ -260,7 +274,10 @@ class ModelRunner:
                 kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         return max(int(kv_cache_memory_bytes // self.kv_bytes_per_block(block_size)), 0)
 
-    def _gpu_kv_budget(self, gpu_memory_utilization: float | None) -> int:
+    def _gpu_kv_budget(self, gpu_memory_utilization: float | None, block_size: int) -> int:
+        profile = self.profile_memory(block_size)
+        if profile is not None:
+            return kv_cache_budget(profile, gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
         if gpu_memory_utilization is None:
             return int(self._free_bytes_for_kv() * 0.8)
         _, total = torch.cuda.mem_get_info(self.device)
@@ -268,6 +285,21 @@ class ModelRunner:
         # cached blocks) counts against its share; never more than is free.
         besides_kv = torch.cuda.memory_reserved(self.device) - self._held_kv_bytes()
         return max(min(int(total * gpu_memory_utilization) - besides_kv, self._free_bytes_for_kv()), 0)
+
+    def profile_memory(self, block_size: int) -> MemoryProfile | None:
+        """The memory profile of a max-size dummy forward on CUDA; None elsewhere, and on parallel
+        ranks (every rank would have to join the forward's collectives at once)."""
+        if self.device.type != "cuda" or get_tp().size > 1 or not (self.pp.is_first and self.pp.is_last) \
+                or self.lockstep:
+            return None
+        tokens = max(int(self.max_num_batched_tokens), 1)
+        graph_tokens, num_graphs = graph_extent(self)
+
+        def run() -> None:
+            profile_forward(self.model, self.attn_backend, tokens, self.max_num_seqs, block_size, self.dtype,
+                            self.device)
+
+        return measure_cuda(run, self.device, self._held_kv_bytes(), graph_tokens, num_graphs, tokens)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate [2, num_blocks, block_size, kv_heads, head_dim] per layer and bind it."""
@@ -441,6 +473,7 @@ class ModelRunner:
             return self._sample(*pending, so)
         rows, num_scheduled = self._apply_scheduler_output(so)
         out = pb.ModelRunnerOutput(step_id=so.step_id)
+        out.cudagraph_capture_failures, self.unreported_capture_failures = self.unreported_capture_failures, 0
         if self.lockstep:  # every engine's ranks, once per step: does the group go on after it?
             out.dp_global_unfinished = any_engine_unfinished(so.dp_local_unfinished)
         if rows.size == 0:

@@ -241,22 +241,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def compile_for_gpu(arch: int = 90) -> list[str]:
-    """Compile the kernels ahead of time for an NVIDIA GPU of compute capability `arch` (90: Hopper) in
-    the variants the engine launches, through triton's bundled ptxas. Needs no GPU, but triton imported
-    without TRITON_INTERPRET: it catches code that the interpreter runs but the compiler rejects.
-    Returns one line per variant (shared memory used)."""
+def compile_kernel(fn, ptr_types: dict[str, str], consts: dict, arch: int) -> int:
+    """Compile `fn` ahead of time for compute capability `arch` (pointer arguments typed by
+    `ptr_types`, the constexprs `consts`, scale_log2 fp32, every other argument i32); returns the
+    shared memory it uses. Needs triton imported without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if is_interpreted():
         raise RuntimeError("compile_for_gpu needs triton imported without TRITON_INTERPRET")
-    target = GPUTarget("cuda", arch, 32)
+    sig = {name: "constexpr" if name in consts else ptr_types.get(name, "fp32" if name == "scale_log2" else "i32")
+           for name in fn.arg_names}
+    return getattr(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32)).metadata,
+                   "shared", -1)
 
+
+def compile_for_gpu(arch: int = 90) -> list[str]:
+    """Compile the kernels ahead of time for an NVIDIA GPU of compute capability `arch` (90: Hopper) in
+    the variants the engine launches, through triton's bundled ptxas. Needs no GPU, but triton imported
+    without TRITON_INTERPRET: it catches code that the interpreter runs but the compiler rejects.
+    Returns one line per variant (shared memory used)."""
     def compile_one(fn, ptr_types: dict[str, str], consts: dict) -> int:
-        sig = {name: "constexpr" if name in consts else ptr_types.get(name, "fp32" if name == "scale_log2" else "i32")
-               for name in fn.arg_names}
-        return getattr(triton.compile(ASTSource(fn, sig, consts), target=target).metadata, "shared", -1)
+        return compile_kernel(fn, ptr_types, consts, arch)
 
     lines = []
     for dt, heads, dim in (("bf16", 8, 128), ("fp32", 3, 80)):

@@ -3,8 +3,12 @@
 `align_block_size` sorts the (token, slot) pairs by expert and pads each expert's group to a
 multiple of BLOCK_M, so every BLOCK_M-row tile of the sorted list belongs to one expert; the
 kernel's program (tile, column block) multiplies its rows by that expert's weight matrix. The
-layout is computed with tensor ops only (no host sync, fixed buffer sizes), so a step stays
-capturable. Tiles past the padded total exit at once.
+layout is computed with device tensor ops only, in buffers whose sizes depend on the shapes
+alone: expert counts by `scatter_add_` (torch.bincount reads its maximum back to the host on
+CUDA), no `.item()`/`.tolist()`, no nonzero/unique/masked_select, no tensor built from a Python
+list. So an MoE decode step stays capturable in a CUDA graph; tests/unit/worker/test_moe_no_host_sync.py
+records the aten ops of the routing and grouping path and checks none of them syncs. Tiles
+past the padded total exit at once.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on CPU tensors (tests/unit/worker/test_fused_moe_triton.py),
 like the attention kernels (services/worker/attention/triton_kernels.py, whose `dot`
@@ -22,6 +26,12 @@ from services.worker.attention.triton_kernels import check_device, dot, is_inter
 BLOCK_M = 16
 
 
+def expert_counts(key: torch.Tensor, size: int) -> torch.Tensor:
+    """How many entries of `key` (int64 in [0, size)) hold each value, [size] int64: a scatter-add
+    on the key's device, where torch.bincount would sync with the host to size its output."""
+    return torch.zeros(size, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+
+
 def align_block_size(ids: torch.Tensor, num_experts: int,
                      block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] → (sorted_pairs [P], expert_of_tile [P // block_m], num_padded [1]).
@@ -36,7 +46,7 @@ def align_block_size(ids: torch.Tensor, num_experts: int,
     held = (flat >= 0) & (flat < num_experts)
     key = torch.where(held, flat, num_experts)  # not held: after every expert
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)
+    counts = expert_counts(key, num_experts + 1)
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     tile_ends = torch.cumsum(padded, 0)
     group_starts = tile_ends - padded  # where each expert's padded group starts
@@ -44,7 +54,7 @@ def align_block_size(ids: torch.Tensor, num_experts: int,
     sorted_key = key[order]
     rank_in_group = torch.arange(num_pairs, device=ids.device) - first_of[sorted_key]
     # Pairs not held go to a spare slot past the end, dropped below.
-    starts = torch.cat((group_starts, group_starts.new_tensor([capacity])))
+    starts = torch.nn.functional.pad(group_starts, (0, 1), value=capacity)  # a fill, not a host copy
     dest = torch.where(sorted_key < num_experts, starts[sorted_key] + rank_in_group, capacity)
     sorted_pairs = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=ids.device)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
@@ -125,10 +135,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     hidden = (torch.nn.functional.silu(gate) * up).contiguous()
     down = torch.zeros(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)  # pairs not held stay 0
     _grouped_gemm(hidden, w2, down, flat_weights, layout, rows_per_a=1, mul_weight=True)
-    # Each token's k outputs summed in ascending expert order (HF's order; exact in fp32).
-    by_expert = down.view(num_tokens, top_k, -1).gather(
-        1, torch.argsort(ids, dim=1, stable=True)[:, :, None].expand(-1, -1, x.shape[1]))
-    out = torch.zeros_like(x)
-    for slot in range(top_k):  # k is small (2-8): a loop over slots, not tokens
+    return sum_in_expert_order(down.view(num_tokens, top_k, -1), ids)
+
+
+def sum_in_expert_order(down: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """down [T, k, H] (each pair's weighted expert output) → [T, H]: each token's k outputs summed
+    in ascending expert order (HF's order; exact in fp32)."""
+    by_expert = down.gather(1, torch.argsort(ids, dim=1, stable=True)[:, :, None].expand(-1, -1, down.shape[2]))
+    out = torch.zeros_like(down[:, 0])
+    for slot in range(ids.shape[1]):  # k is small (2-8): a loop over slots, not tokens
         out = out + by_expert[:, slot]
     return out

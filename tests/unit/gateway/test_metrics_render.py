@@ -87,3 +87,10 @@ def test_per_request_preemptions_and_computed_prompt_tokens() -> None:
     timer.on_prompt(30)
     timer.on_finish("abort")
     assert sum(metrics.request_num_preemptions.counts) == 1
+
+
+def test_cudagraph_capture_failures_are_a_counter() -> None:
+    text = GatewayMetrics("m").render(pb.Stats(cudagraph_capture_failures=2))
+    assert "myvllm:cudagraph_capture_failures_total" in text
+    assert [line for line in text.splitlines()
+            if line.startswith("myvllm:cudagraph_capture_failures_total{")][0].endswith(" 2.0")

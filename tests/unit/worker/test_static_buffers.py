@@ -350,11 +350,13 @@ def test_static_buffers_on_smollm2(smollm2_dir: str) -> None:
     assert any(size == 8 for _, size in padded) and any(n < size for n, size in padded)
 
 
-def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_dir) -> None:
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_dir, num_splits: int | None) -> None:
     """The full_decode_only order on the CPU: graphs captured (the stand-in) per size at start-up
     over all-padding buffers, then each pure-decode step copied into the buffers and replayed
     with the capture's metadata and plan. One engine, its decode steps first plain, then replayed
-    (prefix caching off: the second run computes everything again)."""
+    (prefix caching off: the second run computes everything again). With num_splits the decode
+    steps' attention runs split-KV (3 partitions) in the graphs."""
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1")
     prompts = _workload(49152)[0][:4]
@@ -366,6 +368,7 @@ def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_d
         static = runner.static_decode
         runner.static_decode = None
         want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner.attn_backend.num_splits = num_splits
         graphs = StaticDecode(runner.model, runner.attn_backend, "full_decode_only", static.sizes, runner.max_model_len,
                               runner.block_size, runner.device)
         graphs.graph_type = EagerReplay
@@ -376,3 +379,133 @@ def test_replayed_graphs_equal_the_plain_path_on_the_triton_backend(tiny_model_d
     assert got == want
     assert graphs.replays == sum(graphs.padded_steps.values()) > 0
     assert 4 in graphs.padded_steps and graphs.padding_rows > 0  # 3 live rows replayed the graph of 4
+
+
+# --------------------------------------------------------------------------- a failed capture
+
+
+class FailingCapture(EagerReplay):
+    """A graph whose capture fails, as a host sync inside torch.cuda.graph does."""
+
+    def capture(self, forward) -> torch.Tensor:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def _graph_runner(explicit: bool) -> SimpleNamespace:
+    from services.worker.attention.triton_backend import TritonAttentionBackend
+
+    return SimpleNamespace(cudagraph_mode="full_decode_only", cudagraph_mode_explicit=explicit, max_num_seqs=2,
+                           cuda_graph_sizes=None, model=_Echo(), attn_backend=TritonAttentionBackend(),
+                           max_model_len=32, block_size=B, device=torch.device("cpu"),
+                           unreported_capture_failures=0)
+
+
+def test_a_failed_capture_is_a_warning_with_its_reason_and_counted(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(StaticDecode, "graph_type", FailingCapture)
+    runner = _graph_runner(explicit=False)
+    with caplog.at_level("WARNING", logger="myvllm.worker"):
+        assert cuda_graphs.build_static_decode(runner) is None  # automatic mode: eager from here
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "operation not permitted when stream is capturing" in warned[0].getMessage()
+    assert "RuntimeError" in warned[0].getMessage()
+    assert runner.unreported_capture_failures == 1
+    with pytest.raises(RuntimeError, match="stream is capturing"):  # an explicit mode stops the worker
+        cuda_graphs.build_static_decode(_graph_runner(explicit=True))
+
+
+def test_the_next_step_reports_a_failed_capture_once(monkeypatch, tiny_model_dir) -> None:
+    """The failure travels in the next step's output to the scheduler's counters (the gateway's
+    myvllm:cudagraph_capture_failures_total), once."""
+    with LLM(tiny_model_dir("llama"), dtype="float32", max_num_seqs=2, max_model_len=64,
+             kv_cache_memory_bytes=4 << 20, seed=0) as llm:
+        llm.worker.runner.unreported_capture_failures = 1  # as build_static_decode leaves it
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5, 6, 8]}], params, use_tqdm=False)
+        assert llm.stats()["cudagraph_capture_failures"] == 1
+        assert llm.worker.runner.unreported_capture_failures == 0
+
+
+# --------------------------------------------------------------------------- speculative steps
+
+
+def test_speculative_steps_replay_graphs_of_one_plus_k_tokens_per_row(tiny_model_dir) -> None:
+    """With k drafts per row, a step whose every row verifies k drafts runs padded at 1 + k tokens
+    per row (here replayed from the stand-in graphs, captured per size for both query lengths),
+    giving the plain path's tokens. The draft model is the target itself: every row always
+    carries k drafts."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1")
+    model_dir = tiny_model_dir("llama")
+    prompts = _workload(49152)[0][:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (7, 5, 6)]
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2}
+    with LLM(model_dir, dtype="float32", attention_backend="triton", cudagraph_mode="static", max_num_seqs=4,
+             max_model_len=64, kv_cache_memory_bytes=4 << 20, enable_prefix_caching=False, seed=0,
+             speculative_config=spec) as llm:
+        runner = llm.worker.runner
+        static = runner.static_decode
+        assert static.query_lens == [1, 3]
+        runner.static_decode = None
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        graphs = StaticDecode(runner.model, runner.attn_backend, "full_decode_only", static.sizes,
+                              runner.max_model_len, runner.block_size, runner.device, num_speculative_tokens=2)
+        graphs.graph_type = EagerReplay
+        graphs.capture()
+        assert {q: sorted(g) for q, g in graphs.graphs_of.items()} == {1: [1, 2, 4], 3: [1, 2, 4]}
+        runner.static_decode = graphs
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert graphs.spec_steps and 4 in graphs.spec_steps  # 3 rows of 1 + 2 tokens replayed the graph of 4
+    assert graphs.replays == sum(graphs.padded_steps.values()) + sum(graphs.spec_steps.values())
+
+
+def test_which_steps_run_at_which_query_length() -> None:
+    static = StaticDecode(_Echo(), _RecordingBackend(), "static", [1, 2, 4], max_model_len=64, block_size=B,
+                          device=torch.device("cpu"), num_speculative_tokens=3)
+    batch = SimpleNamespace(prompt_logprob_rows=set(), num_spec=np.array([3, 3, 0, 3, 2, 0]))
+    runner = SimpleNamespace(pooler=None, input_batch=batch)
+    assert static.query_len(runner, np.array([0, 1, 3]), np.full(3, 4)) == 4  # every row: 1 + 3 drafts
+    assert static.query_len(runner, np.array([2, 5]), np.ones(2, dtype=np.int64)) == 1
+    assert static.query_len(runner, np.array([0, 4]), np.array([4, 3])) is None  # different draft counts
+    assert static.query_len(runner, np.array([4]), np.array([3])) is None  # 1 + 2: no such buffers
+    assert static.query_len(runner, np.array([2]), np.array([4])) is None  # a prefill chunk of 4
+    assert static.query_len(runner, np.array([0, 1, 3, 0, 1]), np.full(5, 4)) is None  # more rows than 4
+
+
+class _TokenEcho(torch.nn.Module):
+    """A 'model' whose hidden state of a token is its id, position and slot."""
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.stack((ids, positions, current_metadata().slot_mapping), 1).float()
+
+
+def test_a_speculative_step_is_padded_row_by_row() -> None:
+    static = StaticDecode(_TokenEcho(), _RecordingBackend(), "static", [1, 2, 4], max_model_len=64, block_size=B,
+                          device=torch.device("cpu"), num_speculative_tokens=1)
+    # Two rows of 2 tokens (the token and one draft) at context lengths 5 and 9.
+    ctx = np.array([5, 9])
+    positions = torch.tensor([5, 6, 9, 10])
+    slots = np.array([7 * B + 1, 7 * B + 2, 3 * B + 1, 3 * B + 2])
+    table = np.array([[1, 7, 0], [2, 4, 3]], dtype=np.int32)
+    meta = AttentionMetadata.from_host(slots, np.array([0, 2, 4]), ctx + 2, ctx, table, B, "cpu")
+    ids = torch.tensor([100, 101, 102, 103])
+    hidden = static.forward(ids, positions, meta)
+    assert hidden[:, 0].long().tolist() == ids.tolist() and hidden[:, 1].long().tolist() == positions.tolist()
+    assert hidden[:, 2].long().tolist() == slots.tolist()
+    buffers = static.buffers_of[2]
+    padded = static.backend.prepared[-1]
+    assert padded.num_tokens == 4 and padded.max_query_len == 2  # 2 rows: the capture size 2
+    assert static.spec_steps == {2: 1} and not static.padded_steps
+    static.forward(ids[:2], positions[:2], AttentionMetadata.from_host(slots[:2], np.array([0, 2]), ctx[:1] + 2,
+                                                                       ctx[:1], table[:1], B, "cpu"))
+    assert static.spec_steps == {2: 1, 1: 1}
+    ids3 = torch.arange(200, 206)
+    meta3 = AttentionMetadata.from_host(np.arange(6) + 40, np.array([0, 2, 4, 6]), np.array([3, 4, 5]),
+                                        np.array([1, 2, 3]), np.ones((3, 2), dtype=np.int32), B, "cpu")
+    static.forward(ids3, torch.arange(6), meta3)
+    padded = static.backend.prepared[-1]  # 3 rows padded to 4: the last row's 2 tokens are padding
+    assert padded.query_start_loc.tolist() == [0, 2, 4, 6, 8]
+    assert buffers.input_ids[6:8].tolist() == [0, 0] and buffers.slot_mapping[6:8].tolist() == [0, 0]
+    assert padded.seq_lens.tolist() == [3, 4, 5, 2] and padded.context_lens.tolist() == [1, 2, 3, 0]
+    assert padded.seq_lens_np.tolist() == [3, 4, 5, 2] and not padded.block_table[3].any()

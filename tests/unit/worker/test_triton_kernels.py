@@ -244,12 +244,12 @@ if pytest is not None:
         triton's bundled ptxas, in a fresh process without TRITON_INTERPRET. Needs no GPU."""
         pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        code = ("from services.worker.attention.triton_kernels import compile_for_gpu; "
-                "print('\\n'.join(compile_for_gpu(90)))")
+        code = ("from services.worker.attention import split_kv, triton_kernels; "
+                "print('\\n'.join(triton_kernels.compile_for_gpu(90) + split_kv.compile_for_gpu(90)))")
         proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=Path(__file__).resolve().parents[3],
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        assert proc.stdout.count(": ok") == 8, proc.stdout
+        assert proc.stdout.count(": ok") == 10, proc.stdout
 
     @needs_device
     def test_cpu_tensors_rejected_when_compiled() -> None:
@@ -282,3 +282,39 @@ if pytest is not None:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             results[backend] = [list(o.outputs[0].token_ids) for o in outs]
         assert results["triton"] == results["torch"]
+
+
+# --------------------------------------------------------------------------- split-KV decode
+
+SPLIT_CASES = [  # (case, forced number of splits)
+    (Case("split_decode_gqa4_d64_f32", F32, 8, 2, 64, ((300, 1), (5, 1), (129, 1))), 4),
+    (Case("split_decode_gqa1_d128_bf16", BF16, 2, 2, 128, ((200, 1), (0, 1))), 3),
+    (Case("split_decode_gqa3_d80_f32_bs8", F32, 6, 2, 80, ((97, 1), (40, 1)), block_size=8, tile_n=16), 5),
+    (Case("split_decode_gqa2_d64_f16_pad", F16, 4, 2, 64, ((150, 1), (31, 1)), pad=2), 2),
+]
+
+
+if pytest is not None:
+    @needs_device
+    @pytest.mark.parametrize(("case", "num_splits"), SPLIT_CASES, ids=[str(c) for c, _ in SPLIT_CASES])
+    def test_split_kv_decode_matches_torch_reference(case: Case, num_splits: int) -> None:
+        """Each request's keys in partitions (more partitions than a short request has tiles: empty
+        ones weigh nothing), combined, against the torch attention."""
+        check_case(case, DEVICE, TritonAttentionBackend(tile_n=case.tile_n, num_splits=num_splits))
+
+    def test_split_kv_rule() -> None:
+        from services.worker.attention.split_kv import MAX_SPLITS, num_splits_for
+
+        assert num_splits_for(8, 512, 132) == 1  # short contexts: the plain kernel
+        assert num_splits_for(264, 32768, 132) == 1  # enough programs to fill the GPU
+        assert num_splits_for(8, 32768, 132) == MAX_SPLITS  # 17 would fill it: capped
+        assert num_splits_for(33, 8192, 132) == 4  # 4 x 33 programs cover 132 multiprocessors
+        assert num_splits_for(8, 1024, 132) == 4  # partitions of at least 256 keys
+
+    @needs_device
+    def test_the_backend_splits_long_decodes_by_the_rule() -> None:
+        case = Case("split_rule_gqa2_d64_f32", F32, 4, 2, 64, ((1100, 1), (7, 1)), block_size=64, tile_n=64)
+        backend = TritonAttentionBackend(tile_n=64)
+        plan = backend.prepare(make_batch(case, DEVICE)[4])
+        assert backend.splits(plan, 2, torch.device(DEVICE)) == 4  # 4 programs, 1100 keys: partitions of 256+
+        check_case(case, DEVICE, backend)
