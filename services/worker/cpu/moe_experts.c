@@ -1,7 +1,9 @@
-/* The routed experts of a mixture-of-experts layer for AVX-512 CPUs, in one call: every (token,
- * slot) pair grouped by expert, each expert's gate/up GEMM with SiLU(gate) * up on its group, its
- * down GEMM, and each token's outputs, scaled by the routing weights, summed in ascending expert
- * order. fp32, and bf16 by the CPU's bf16 dot products (AVX512_BF16).
+/* The routed experts of a mixture-of-experts layer for CPUs with AVX2 or AVX-512, in one call:
+ * every (token, slot) pair grouped by expert, each expert's gate/up GEMM with SiLU(gate) * up on
+ * its group, its down GEMM, and each token's outputs, scaled by the routing weights, summed in
+ * ascending expert order. fp32 and bf16: gemm.c's 16-lane tiles (gemm_tile.h; bf16 by the CPU's
+ * bf16 dot products) where the build has them for the dtype, 8-lane tiles of the same layout
+ * otherwise (AVX2; bf16 weights widened to fp32 in registers).
  *
  * Built at first use by moe_experts.py (cpu/cbuild.py, up to the avx512_bf16 level, with
  * -ffp-contract=off: no a*b+c fused into one rounding outside the GEMM tiles' explicit FMAs).
@@ -45,8 +47,16 @@
  * computing this many rows of it, so an item of one row is not counted as nearly free. */
 #define STREAM_COST 16
 
-/* Whether this build has the kernel for fp32 (bf16 = 0) or bf16 (bf16 = 1). */
-int moe_available(int bf16) { return tile_available(bf16); }
+/* Whether this build has the kernel for fp32 (bf16 = 0) or bf16 (bf16 = 1): from AVX2 on, both
+ * (the 8-lane rows below where the build has no tiles of gemm_tile.h for the dtype). */
+int moe_available(int bf16) {
+    (void)bf16;
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Block `n0 / NB` of src [rows, cols] (row-major, `ld` elements between rows) into dst: K values
  * of each of NB columns (gemm.c's block layout), zeros past `rows` or `cols`. */
@@ -82,7 +92,91 @@ void moe_pack(const void *w13, const void *w2, void *w13p, void *w2p, int E, int
     }
 }
 
-#ifdef __AVX512F__
+#ifdef __AVX2__
+#ifndef M_CHUNK
+#define M_CHUNK 96 /* rows per unit of work, as gemm_tile.h's */
+#endif
+
+/* gemm_tile.h's tile in 8-lane vectors, for builds without its AVX-512 tile for the dtype (AVX2
+ * machines; bf16 on AVX-512 ones without AVX512_BF16): rows [m0, m0 + mt) of x (mt <= MT8)
+ * times one packed block (the same layout), 32 columns as four vectors per row, each output one
+ * fp32 accumulator over k in order (bf16: the pair's two products fused one after the other).
+ * Two rows, not more: 8 accumulators, the block's 4 vectors of a k (bf16: 2 at a time) and the
+ * broadcasts fit AVX2's 16 registers. */
+#define MT8 2
+static inline __attribute__((always_inline)) void tile8(const void *restrict x, const void *restrict block,
+                                                        void *restrict y, int K, int N, int b, int m0, const int mt,
+                                                        const char *next, const int bf16) {
+    f32x8 acc[MT8][4];
+    for (int m = 0; m < mt; m++)
+        for (int c = 0; c < 4; c++) acc[m][c] = (f32x8){0};
+    if (bf16) {
+        const uint16_t *xr = (const uint16_t *)x + (int64_t)m0 * K;
+        for (int k = 0; k < K; k += 2) {
+            if (next) { /* the next block's 128 bytes of this pair of k */
+                _mm_prefetch(next + (int64_t)k * 64, _MM_HINT_T0);
+                _mm_prefetch(next + (int64_t)k * 64 + 64, _MM_HINT_T0);
+            }
+            const uint16_t *w = (const uint16_t *)block + (int64_t)k * NB; /* [K / 2][NB][2] */
+            f32x8 xe[MT8], xo[MT8];
+            for (int m = 0; m < mt; m++) {
+                xe[m] = (f32x8)_mm256_set1_ps(bf16_to_f32(xr[(int64_t)m * K + k]));
+                xo[m] = (f32x8)_mm256_set1_ps(bf16_to_f32(xr[(int64_t)m * K + k + 1]));
+            }
+            for (int c = 0; c < 4; c++) {
+                f32x8 we, wo;
+                load16_bf16_split(w + c * 16, &we, &wo); /* columns 8c .. 8c + 7 at k and k + 1 */
+                for (int m = 0; m < mt; m++) acc[m][c] = fma8(xo[m], wo, fma8(xe[m], we, acc[m][c]));
+            }
+        }
+    } else {
+        const float *xr = (const float *)x + (int64_t)m0 * K;
+        for (int k = 0; k < K; k++) {
+            if (next) {
+                _mm_prefetch(next + (int64_t)k * 128, _MM_HINT_T0);
+                _mm_prefetch(next + (int64_t)k * 128 + 64, _MM_HINT_T0);
+            }
+            const float *w = (const float *)block + (int64_t)k * NB;
+            const f32x8 w0 = load8(w), w1 = load8(w + 8), w2 = load8(w + 16), w3 = load8(w + 24);
+            for (int m = 0; m < mt; m++) {
+                const f32x8 xv = broadcast8(xr + (int64_t)m * K + k);
+                acc[m][0] = fma8(xv, w0, acc[m][0]);
+                acc[m][1] = fma8(xv, w1, acc[m][1]);
+                acc[m][2] = fma8(xv, w2, acc[m][2]);
+                acc[m][3] = fma8(xv, w3, acc[m][3]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int c = 0; c < 4; c++) {
+            const int64_t at = (int64_t)(m0 + m) * N + b * NB + c * 8;
+            if (bf16)
+                store8_bf16((uint16_t *)y + at, acc[m][c]);
+            else
+                store8((float *)y + at, acc[m][c]);
+        }
+}
+
+/* rows_of_block in 8-lane tiles (gemm_tile.h's signature; no bias: the experts have none) */
+static inline __attribute__((always_inline)) void rows8(const void *x, const void *packed, void *y, int K, int N,
+                                                        int b, int m0, int m1, const char *next, const int bf16) {
+    const void *block = (const char *)packed + (int64_t)b * K * NB * (bf16 ? 2 : 4);
+    for (; m0 + MT8 <= m1; m0 += MT8, next = NULL) tile8(x, block, y, K, N, b, m0, MT8, next, bf16);
+    if (m0 < m1) tile8(x, block, y, K, N, b, m0, 1, next, bf16);
+}
+
+static void rows8_f32(const void *x, const void *packed, const void *bias, void *y, int K, int N, int b, int m0,
+                      int m1, const char *next) {
+    (void)bias;
+    rows8(x, packed, y, K, N, b, m0, m1, next, 0);
+}
+
+static void rows8_bf16(const void *x, const void *packed, const void *bias, void *y, int K, int N, int b, int m0,
+                       int m1, const char *next) {
+    (void)bias;
+    rows8(x, packed, y, K, N, b, m0, m1, next, 1);
+}
+
 typedef void (*rows_fn)(const void *, const void *, const void *, void *, int, int, int, int, int, const char *);
 
 /* One unit of GEMM work: rows [m0, m1) of expert e's group times its block b. */
@@ -130,10 +224,7 @@ static void item_range(const item_t *items, int n, int t, int nt, int *lo, int *
  * where scratch memory could not be had (out is then untouched). */
 int moe_experts(const void *x, const void *w13p, const void *w2p, const void *weights, const int64_t *ids, void *out,
                 int T, int k, int E, int H, int Ip, int Hp, int bf16, int weights_bf16, int num_threads) {
-#ifdef __AVX512F__
-#ifndef __AVX512BF16__
-    if (bf16) return -1; /* moe_available(1) said no */
-#endif
+#ifdef __AVX2__
     const size_t es = bf16 ? 2 : 4;
     const int pairs = T * k;
     /* Group the pairs by expert, stable (within an expert, in token order): pos[i] is pair i's
@@ -193,7 +284,11 @@ int moe_experts(const void *x, const void *w13p, const void *w2p, const void *we
     char *tiles = y + ((y_bytes + pad) & ~pad);
     item_t *items13 = (item_t *)(tiles + 2 * tile_bytes * num_threads), *items2 = items13 + max_items;
     const int n13 = make_items(start, E, blocks13, items13), n2 = make_items(start, E, blocks2, items2);
-    rows_fn gemm_rows = rows_f32;
+    /* gemm_tile.h's 16-lane tiles where the build has them for the dtype, else the 8-lane ones */
+    rows_fn gemm_rows = bf16 ? rows8_bf16 : rows8_f32;
+#ifdef __AVX512F__
+    if (!bf16) gemm_rows = rows_f32;
+#endif
 #ifdef __AVX512BF16__
     if (bf16) gemm_rows = rows_bf16;
 #endif

@@ -1,8 +1,12 @@
 """The routed experts of an MoE layer in one C call (`moe_experts.c`), for CPU workers: the expert
 weights packed once at load, then per layer the grouping by expert, both GEMMs, SiLU(gate) * up
-and the weighted per-token sum in C, with no host sync. fp32, and bf16 where the CPU has
-AVX512_BF16. Where the CPU has no AVX-512 or the library cannot be built, `CpuMoeExperts.load()`
-returns None and the experts keep the torch path (models/moe.py's `grouped_experts`).
+and the weighted per-token sum in C, with no host sync. fp32 and bf16, on CPUs with AVX2 or
+AVX-512. Where the CPU has neither or the library cannot be built, `CpuMoeExperts.load()` returns
+None and the experts keep the torch path (models/moe.py's `grouped_experts`).
+
+On a CPU with AMX, oneDNN's bf16 GEMMs (the torch path's) run on its tiles and beat this kernel on
+large groups (prefill chunks), while this kernel wins decode steps by more (BENCHMARKS.md,
+"Mixture-of-experts"); bf16 runs here anyway.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class CpuMoeExperts:
     @classmethod
     def load(cls, level: str | None = None) -> CpuMoeExperts | None:
         """The shared instance built at `level` (None: the best this CPU runs, up to avx512_bf16), or
-        None where this CPU has no AVX-512 or nothing could be built (logged once)."""
+        None where this CPU has no AVX2 or nothing could be built (logged once)."""
         if level not in _loaded:
             kernel: CpuMoeExperts | None = None
             try:

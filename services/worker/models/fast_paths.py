@@ -64,7 +64,7 @@ def use_cpu_moe(model: nn.Module) -> int:
     """Pack every routed-experts layer's weights for the C kernel (cpu/moe_experts.c: one call per
     layer); returns how many were packed. Under tensor and expert parallelism too: each rank packs
     its own experts or columns, and the block's all-reduce stays outside the kernel. Layers where it
-    does not apply (another dtype, no AVX-512, no C compiler) keep the torch path."""
+    does not apply (another dtype, no AVX2, no C compiler) keep the torch path."""
     packed = sum(experts.pack_for_cpu() for experts in model.modules() if isinstance(experts, FusedExperts))
     if packed:
         logger.info("cpu moe kernel: %d expert layers packed", packed)

@@ -135,7 +135,7 @@ class FusedExperts(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Replace the weights by their packed copies for the C kernel (the model keeps one copy);
-        False where it does not apply (not on CPU, another dtype, no AVX-512, no C compiler): the
+        False where it does not apply (not on CPU, another dtype, no AVX2, no C compiler): the
         torch path keeps running."""
         kernel = CpuMoeExperts.load() if self.w13.device.type == "cpu" else None
         if self.packed or kernel is None or not kernel.supports(self.w13):

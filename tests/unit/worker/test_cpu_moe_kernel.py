@@ -26,7 +26,7 @@ from services.worker.cpu.moe_experts import HIGHEST_ISA, CpuMoeExperts
 from services.worker.models.moe import FusedExperts, grouped_experts, moe_experts
 
 LEVELS = [level for level in levels_here(HIGHEST_ISA) if CpuMoeExperts.load(level) is not None]
-pytestmark = pytest.mark.skipif(not LEVELS, reason="this CPU has no AVX-512 (the experts keep the torch path)")
+pytestmark = pytest.mark.skipif(not LEVELS, reason="this CPU has no AVX2 (the experts keep the torch path)")
 LEVEL_DTYPES = [(level, dtype) for level in LEVELS for dtype in CpuMoeExperts.load(level).dtypes]
 BOUND = {torch.float32: 2.0 ** -18, torch.bfloat16: 2.0 ** -6}
 
