@@ -4,7 +4,8 @@ The layers (models/layers.py) compute the same thing whatever runs them; this mo
 for the model's device, dtype and parallel layout, what runs them:
 - the elementwise ops: the fused C kernels on CPU, Triton on CUDA, else torch's
   (models/layer_ops.py; `model.fused_ops`);
-- on CPU, the linear layers' weights prepacked for oneDNN or gemm.c (models/cpu_linear.py);
+- on CPU, the linear layers' weights prepacked for oneDNN or gemm.c (models/cpu_linear.py),
+  and the routed experts' weights packed for their C kernel (cpu/moe_experts.c);
 - on CPU, whole steps as one C call (models/c_step/): the small decode step on its row-major
   copy of the weights (`model.decode_step`), the packed step on the packed ones
   (`model.packed_step`); `c_step_for` says which one, if any, takes a batch.
@@ -24,6 +25,7 @@ from services.worker.models import cpu_linear
 from services.worker.models.c_step import quant_step
 from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_library, load_packed_library
 from services.worker.models.layer_ops import FusedCpuOps, TritonOps
+from services.worker.models.moe import FusedExperts
 from services.worker.parallel import get_tp
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,23 @@ def use_fast_paths(model: nn.Module, attention_backend: str, compile_model: bool
             packed_step = False
         if pack_for_cpu(model) and packed_step:
             use_cpu_packed_step(model)  # on the packed weights: after packing
+        use_cpu_moe(model)
     use_fused_ops(model)
 
 
 def _param(model: nn.Module) -> nn.Parameter:
     return next(model.parameters())
+
+
+def use_cpu_moe(model: nn.Module) -> int:
+    """Pack every routed-experts layer's weights for the C kernel (cpu/moe_experts.c: one call per
+    layer); returns how many were packed. Under tensor and expert parallelism too: each rank packs
+    its own experts or columns, and the block's all-reduce stays outside the kernel. Layers where it
+    does not apply (another dtype, no AVX2, no C compiler) keep the torch path."""
+    packed = sum(experts.pack_for_cpu() for experts in model.modules() if isinstance(experts, FusedExperts))
+    if packed:
+        logger.info("cpu moe kernel: %d expert layers packed", packed)
+    return packed
 
 
 def cpu_ops(model: nn.Module) -> FusedCpuOps | None:

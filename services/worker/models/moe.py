@@ -7,8 +7,10 @@ as one fused layer.
   (gate/up, then down) run once on its whole group; the results, scaled by the routing
   weights, are summed back per token. On CUDA one Triton kernel per GEMM covers every expert
   (`fused_moe_triton.py`); elsewhere torch runs a GEMM pair per expert that has tokens (a loop
-  over experts, never over tokens). Both add each token's expert outputs in ascending expert
-  order, as HF's reference does, so fp32 results match it.
+  over experts, never over tokens), or on CPU, once the weights are packed at load, one C call
+  per layer (cpu/moe_experts.c: grouping, both GEMMs, SiLU·up and the weighted sum). Each adds
+  each token's expert outputs in ascending expert order, as HF's reference does, so fp32
+  results match it (the C kernel's to rounding: its GEMMs sum in another order than torch's).
 - `SparseMoeBlock`: router + experts as a decoder layer's MLP. Under tensor parallelism every
   rank holds every expert's slice of the intermediate columns (like the dense MLP), or with
   expert parallelism its share of the experts whole (an id it does not hold adds nothing
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.cpu.moe_experts import CpuMoeExperts
 from services.worker.models.expert_dispatch import dispatch_and_combine
 from services.worker.parallel import (
     ExpertParallel,
@@ -100,8 +103,11 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 
 @torch.library.custom_op("myvllm::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
-    """`grouped_experts`, or the Triton kernels on CUDA; opaque to torch.compile."""
+                ids: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """`grouped_experts`, the Triton kernels on CUDA, or on CPU with `packed` weights (packed at
+    load by `FusedExperts.pack_for_cpu`) the C kernel; opaque to torch.compile."""
+    if packed:
+        return CpuMoeExperts.load().experts(x, w13, w2, weights, ids)
     if x.is_cuda:
         from services.worker.models import fused_moe_triton
 
@@ -111,22 +117,37 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
 
 @moe_experts.register_fake
 def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-      ids: torch.Tensor) -> torch.Tensor:
+      ids: torch.Tensor, packed: bool = False) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 class FusedExperts(nn.Module):
     """Every local expert's weights as two stacked tensors: w13 [E, 2I, H] (gate and up fused,
-    as the dense MLP's gate_up_proj) and w2 [E, H, I]."""
+    as the dense MLP's gate_up_proj) and w2 [E, H, I]; on CPU, after `pack_for_cpu`, the C
+    kernel's packed copies of them instead (cpu/moe_experts.py's layout)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.packed = False  # w13 / w2 hold the C kernel's layout
+
+    def pack_for_cpu(self) -> bool:
+        """Replace the weights by their packed copies for the C kernel (the model keeps one copy);
+        False where it does not apply (not on CPU, another dtype, no AVX2, no C compiler): the
+        torch path keeps running."""
+        kernel = CpuMoeExperts.load() if self.w13.device.type == "cpu" else None
+        if self.packed or kernel is None or not kernel.supports(self.w13):
+            return False
+        with torch.no_grad():
+            w13, w2 = kernel.pack(self.w13, self.w2)
+        self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
+        self.packed = True
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return moe_experts(x, self.w13, self.w2, weights, ids)
+        return moe_experts(x, self.w13, self.w2, weights, ids, self.packed)
 
 
 # A checkpoint's expert tensor, relative to the block: experts.<e>.<name>.weight (HF's saved
@@ -192,7 +213,7 @@ class SparseMoeBlock(nn.Module):
     def dummy_step(self) -> None:
         """This engine has no tokens this step: take part in the layer's exchange anyway (the
         other engines' pairs may need this rank's experts)."""
-        x = self.experts.w13.new_empty((0, self.experts.w13.shape[2]))  # (the router may be packed on CPU)
+        x = self.experts.w13.new_empty((0, self.experts.hidden_size))  # (the router may be packed on CPU)
         ids = torch.empty((0, self.top_k), dtype=torch.int64, device=x.device)
         self._dispatch(x, x.new_empty((0, self.top_k)), ids)
 

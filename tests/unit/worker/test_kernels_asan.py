@@ -17,7 +17,7 @@ from services.worker.cpu import cbuild
 
 REPO = Path(__file__).resolve().parents[3]
 KERNEL_TESTS = ["test_cpu_decode_kernel.py", "test_cpu_prefill_kernel.py", "test_cpu_decode_step.py",
-                "test_cpu_gemm.py", "test_cpu_ops.py", "test_quant_kernels.py"]
+                "test_cpu_gemm.py", "test_cpu_ops.py", "test_quant_kernels.py", "test_cpu_moe_kernel.py"]
 # Whole-model runs add minutes under ASan and no kernel path the kernel tests miss: the fused ops'
 # (test_cpu_ops covers every op at every level), and SmolLM2's greedy run with the C steps on and
 # off (test_c_steps_match_the_eager_forward runs both steps at every row count the small step has a
@@ -35,11 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, sys.argv[1])
 from support.isa_levels import levels_here
 from services.worker.attention import cpu_backend
-from services.worker.cpu import cpu_ops, gemm
+from services.worker.cpu import cpu_ops, gemm, moe_experts
 from services.worker.models.c_step import decode_step
 builds = [(decode_step.load_library,)]  # the slowest to compile first
 builds += [(build, level) for level in levels_here(gemm.HIGHEST_ISA)
-           for build in (decode_step.load_packed_library, gemm.PanelGemm.load)]
+           for build in (decode_step.load_packed_library, gemm.PanelGemm.load, moe_experts.CpuMoeExperts.load)]
 builds += [(build, level) for level in levels_here(cpu_backend.HIGHEST_ISA)
            for build in (cpu_backend.load_library, cpu_backend.load_prefill_library)]
 builds += [(cpu_ops.CpuOps.build, level) for level in levels_here(cpu_ops.HIGHEST_ISA)]
