@@ -39,8 +39,8 @@ class QuantGemm:
         lib.qg_supported.restype = _I
         lib.qg_scratch_floats.argtypes = [_I, _I, _I, _I]
         lib.qg_scratch_floats.restype = _I64
-        lib.qg_dequantize.argtypes = [_I, _P, _I64, _I, _P, _I, _P, _I]
-        lib.qg_dequantize.restype = None
+        lib.qg_dequantize.argtypes = [_I, _P, _I64, _I, _I64, _P, _I, _P, _I]
+        lib.qg_dequantize.restype = _I
         lib.qg_matmul.argtypes = [_I, _P, _I, _P, _I64, _P, _P, _I, _I, _I, _P, _I, _I]
         lib.qg_int8_dot.argtypes = [_I]
         lib.qg_int8_dot.restype = _I
@@ -112,15 +112,11 @@ class QuantGemm:
         """fp32 [out_features, in_features], or [len(rows), in_features] for the rows `rows` (token
         ids of an embedding lookup), with the same bits as gguf.quants.dequantize."""
         assert prepared.shape == (out_features, row_bytes(int(qtype), in_features)) and prepared.is_contiguous()
-        index = None
-        if rows is not None:
-            index = rows.reshape(-1).to(torch.int64).contiguous()
-            if index.numel() and not bool(((index >= 0) & (index < out_features)).all()):
-                raise IndexError(f"row index out of range [0, {out_features})")
+        index = None if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
         count = out_features if index is None else index.numel()
         out = torch.empty((count, in_features), dtype=torch.float32)
-        if count:
-            self.lib.qg_dequantize(int(qtype), prepared.data_ptr(), prepared.shape[1], in_features,
-                                   None if index is None else index.data_ptr(), count, out.data_ptr(),
-                                   torch.get_num_threads())
+        if count and self.lib.qg_dequantize(int(qtype), prepared.data_ptr(), prepared.shape[1], in_features,
+                                            out_features, None if index is None else index.data_ptr(), count,
+                                            out.data_ptr(), torch.get_num_threads()):
+            raise IndexError(f"row index out of range [0, {out_features})")
         return out

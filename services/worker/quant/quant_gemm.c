@@ -57,14 +57,20 @@ int64_t qg_scratch_floats(int M, int K, int x_bf16, int num_threads) {
 /* Whether qg_matmul's int8_dot takes the int8 path for `type` in this build. */
 int qg_int8_dot(int type) { return q8_covers(type); }
 
-/* out[i] = row rows[i] of W (all N rows when rows is NULL) dequantized to K floats. */
-void qg_dequantize(int type, const uint8_t *w, int64_t row_bytes, int K, const int64_t *rows, int count,
-                   float *out, int num_threads) {
+/* out[i] = row rows[i] of W (all N rows when rows is NULL) dequantized to K floats. Returns 0, or -1
+ * (nothing written) when a row index is outside [0, N). A lookup of a few rows (an embedding at
+ * decode) runs on the calling thread: a team's fork would cost more than the rows. */
+int qg_dequantize(int type, const uint8_t *w, int64_t row_bytes, int K, int64_t N, const int64_t *rows, int count,
+                  float *out, int num_threads) {
+    if (rows)
+        for (int i = 0; i < count; i++)
+            if (rows[i] < 0 || rows[i] >= N) return -1;
     if (num_threads < 1) num_threads = 1;
     const int blocks = K / qt_block_values(type);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (count >= 4 * num_threads)
     for (int i = 0; i < count; i++)
         dequant_blocks(type, w + (rows ? rows[i] : i) * row_bytes, blocks, out + (int64_t)i * K);
+    return 0;
 }
 
 /* The range of `total` items thread t of n takes. */
