@@ -24,13 +24,16 @@ _BLOCK = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # An expert's projection (Qwen-MoE's names, then Mixtral's) → the llama.cpp tensor of all experts.
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
             "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 _EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight")
 # The GGUF architecture of each tiny HF model (Mixtral's files say llama).
-GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+              "qwen2_moe": "qwen2moe"}
 # Which block type each projection gets: a mix, v differing from q/k (a fused layer of two types).
 _QTYPES = {"attn_q": GGMLQuantizationType.Q8_0, "attn_k": GGMLQuantizationType.Q8_0,
            "attn_v": GGMLQuantizationType.Q4_0, "attn_output": GGMLQuantizationType.Q4_1,
@@ -93,6 +96,8 @@ def write_quantized_pair(hf_dir: str, arch: str, out: Path,
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if "shared_expert_intermediate_size" in config:
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     dense = {}
     for gname, (data, hf_names) in _gguf_tensors(weights).items():
         qtype = qtypes.get(gname.split(".")[-2]) if data.ndim >= 2 else None

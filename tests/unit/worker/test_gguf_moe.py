@@ -193,3 +193,26 @@ def test_a_tensor_parallel_split_of_the_experts_slices_rows_and_refuses_inputs_o
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 .*Q8_0 block boundaries"):
         quant_loader._expert_part(quarter, "layers.0.mlp.experts.0.down_proj.weight", None, down,
                                   torch.device("cpu"))
+
+
+def test_a_qwen2_moe_gguf_is_read_with_its_shared_expert_and_refused_for_want_of_the_model(tmp_path) -> None:
+    """qwen2moe files name their shared expert (ffn_*_shexp) as HF does and their config gets the
+    experts' widths; with no Qwen2-MoE model here the load stops at the architecture, in one line."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from services.worker.quant.gguf_model import GgufCheckpoint
+
+    config = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path / "hf"))
+    gguf_path, _ = write_quantized_pair(str(tmp_path / "hf"), GGUF_ARCHS["qwen2_moe"], tmp_path)
+    checkpoint = GgufCheckpoint(gguf_path)
+    read = checkpoint.config
+    assert (read.moe_intermediate_size, read.shared_expert_intermediate_size, read.mlp_only_layers) == (32, 64, [])
+    tensors = dict(checkpoint.tensors())
+    assert {"model.layers.1.mlp.shared_expert.down_proj.weight", "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.experts.3.up_proj.weight"} <= set(tensors)
+    assert tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    with pytest.raises(ValueError, match="unsupported architecture 'qwen2_moe'"):
+        load_model(gguf_path, torch.float32, torch.device("cpu"))
