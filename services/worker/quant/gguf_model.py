@@ -133,7 +133,7 @@ class GgufCheckpoint:
                 else:
                     yield name, QuantTensor(raw, int(qtype), shape)
 
-    def _hf_names(self, gguf_name: str, shape) -> list[tuple[str, int | None]]:
+    def _hf_names(self, gguf_name: str, shape: np.ndarray) -> list[tuple[str, int | None]]:
         """(HF name, expert index into the tensor's first dimension or None) of each tensor a
         llama.cpp tensor holds: none for one we do not load, one per expert for an experts tensor."""
         match = _BLOCK_TENSOR.fullmatch(gguf_name)

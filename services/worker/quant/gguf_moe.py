@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gguf import GGUFReader
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MOE_ARCHS = ("qwen3moe", "qwen2moe")
 # Gate, up and down: the order of MoeSpec.expert_names.
@@ -66,7 +70,7 @@ def moe_names(architecture: str, reader: GGUFReader) -> MoeNames | None:
     return None
 
 
-def moe_config(config, architecture: str, reader: GGUFReader):
+def moe_config(config: PretrainedConfig, architecture: str, reader: GGUFReader) -> PretrainedConfig:
     """`config` (transformers' mapping of the file's metadata) completed for a MoE file: the
     experts' width and which layers have experts (Qwen-MoE), or a Mixtral config for a llama
     file with experts. A dense model's config is returned as it is."""

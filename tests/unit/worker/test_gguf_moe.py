@@ -216,3 +216,16 @@ def test_a_qwen2_moe_gguf_is_read_with_its_shared_expert_and_refused_for_want_of
     assert tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 64)
     with pytest.raises(ValueError, match="unsupported architecture 'qwen2_moe'"):
         load_model(gguf_path, torch.float32, torch.device("cpu"))
+
+
+def test_a_quantized_router_loads_dense(tiny_model_dir, tmp_path) -> None:
+    """llama.cpp keeps routers in F32, but a file may not: its blocks are dequantized at load (the
+    routing reads every row for every token)."""
+    qtypes = {kind: Q.Q8_0 for kind in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    gguf_path, twin_dir = write_quantized_pair(tiny_model_dir("qwen3_moe"), "qwen3moe", tmp_path, qtypes)
+    model, _ = load_model(gguf_path, torch.float32, torch.device("cpu"))
+    twin, _ = load_model(twin_dir, torch.float32, torch.device("cpu"))
+    router = model.layers[0].mlp.gate
+    assert type(router) is torch.nn.Linear and torch.equal(router.weight, twin.layers[0].mlp.gate.weight)
+    assert isinstance(model.layers[0].mlp.experts, QuantExperts)
+    assert model.layers[0].mlp.experts.gate_up[0].qtypes == [int(Q.Q8_0)]
