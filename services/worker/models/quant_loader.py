@@ -142,9 +142,10 @@ def _expert_part(block: SparseMoeBlock, name: str, shard: int | None, tensor: to
             tensor = tensor.narrow(0 if shard is not None else 1, start, width)
         return F32, tensor.contiguous().to(device)
     raw = tensor.raw
-    if (start, width) != (0, full):
-        raw = raw.narrow(0, start, width) if shard is not None else _input_slice(raw, tensor.qtype, start, width,
-                                                                                 name)
+    if (start, width) != (0, full) and shard is not None:
+        raw = raw.narrow(0, start, width)  # gate or up rows: whole blocks each
+    elif (start, width) != (0, full):
+        raw = _input_slice(raw, tensor.qtype, start, width, name)
     return tensor.qtype, raw.contiguous().to(device)
 
 

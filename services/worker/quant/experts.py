@@ -32,8 +32,8 @@ class QuantExperts(nn.Module):
 
     def empty_input(self) -> torch.Tensor:
         """No rows, in the activations' dtype and on the blocks' device (a dummy step's input)."""
-        device = self.down[0].parts()[0][1].device if self.num_experts and self.down[0].qtypes else None
-        return torch.empty((0, self.hidden_size), dtype=self.dtype, device=device)
+        blocks = next(self.buffers(), None)
+        return torch.empty((0, self.hidden_size), dtype=self.dtype, device=None if blocks is None else blocks.device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] → [T, H] = sum over k of weight * down(silu(gate(x)) *
