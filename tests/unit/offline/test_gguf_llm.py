@@ -155,3 +155,34 @@ def test_a_tiny_moe_gguf_keeps_its_experts_quantized_and_generates_as_its_dequan
     assert sum(clear) >= 8, clear  # not a vacuous comparison
     for got, w, n in zip(int8, want, clear, strict=True):
         assert got[:n] == w.token_ids[:n]
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}], ids=["tp2", "dp2"])
+def test_a_tiny_moe_gguf_splits_its_quantized_experts_over_expert_parallel_ranks(layout: dict, tiny_model_dir,
+                                                                                  tmp_path) -> None:
+    """Expert parallelism over two ranks of one engine, or two data-parallel engines as one group
+    (tokens dispatched to their experts' rank, dummy steps on the idle engine): each rank loads
+    only its experts' blocks and the greedy tokens are the dequantized twin's where its top two
+    are apart (the ranks run the default int8 activations)."""
+    from support.gguf_fixtures import write_quantized_pair
+
+    gguf_path, twin_dir = write_quantized_pair(tiny_model_dir("qwen3_moe"), "qwen3moe", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    twin = LLM(twin_dir, **ENGINE_ARGS)
+    try:
+        want = [o.outputs[0] for o in twin.generate(PROMPTS, params)]
+    finally:
+        twin.close()
+    llm = LLM(gguf_path, tokenizer=twin_dir, enable_expert_parallel=True, **layout, **ENGINE_ARGS)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        if "data_parallel_size" in layout:  # one request: engine 1 only takes part in the exchanges
+            dummies = llm.engines[1].num_dummy_steps
+            got[0] = llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids
+            assert llm.engines[1].num_dummy_steps > dummies
+    finally:
+        llm.close()
+    clear = [_clear_prefix(w.token_ids, w.logprobs) for w in want]
+    assert sum(clear) >= 8, clear
+    for tokens, w, n in zip(got, want, clear, strict=True):
+        assert tokens[:n] == w.token_ids[:n]
