@@ -213,7 +213,10 @@ class SparseMoeBlock(nn.Module):
     def dummy_step(self) -> None:
         """This engine has no tokens this step: take part in the layer's exchange anyway (the
         other engines' pairs may need this rank's experts)."""
-        x = self.experts.w13.new_empty((0, self.experts.hidden_size))  # (the router may be packed on CPU)
+        if isinstance(self.experts, FusedExperts):
+            x = self.experts.w13.new_empty((0, self.experts.hidden_size))  # (the router may be packed on CPU)
+        else:  # experts kept quantized (quant/experts.py)
+            x = self.experts.empty_input()
         ids = torch.empty((0, self.top_k), dtype=torch.int64, device=x.device)
         self._dispatch(x, x.new_empty((0, self.top_k)), ids)
 

@@ -1,5 +1,6 @@
-"""Swap a built model's linear layers and embedding for quantized ones: empty, before a GGUF's
-blocks load, or made from the loaded weights (`--quantization int8`)."""
+"""Swap a built model's linear layers, embedding and MoE experts for quantized ones: empty,
+before a GGUF's blocks load, or made from the loaded weights (`--quantization int8`, linear
+layers only)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from services.worker.models.layers import DecoderForCausalLM, RowParallelLinear
+from services.worker.models.moe import SparseMoeBlock
 from services.worker.quant import block_size
 from services.worker.quant.embedding import QuantEmbedding
+from services.worker.quant.experts import QuantExperts
 from services.worker.quant.int8 import quantize_q8_0
 from services.worker.quant.linear import QuantLinear
 
@@ -50,6 +53,10 @@ def install_quant_modules(model: DecoderForCausalLM, quantized: set[str]) -> lis
                     continue  # an MoE block's experts: not handled here
                 setattr(parent, child, quant_linear_like(getattr(parent, child)))
                 replaced.append(f"layers.{i}.{ours}")
+        if isinstance(layer.mlp, SparseMoeBlock) and _has_quantized_experts(layer.mlp, i, names):
+            block = layer.mlp
+            block.experts = QuantExperts(block.num_local_experts, model.config.hidden_size, block.intermediate_size)
+            replaced.append(f"layers.{i}.mlp.experts")
     if model.embed_tokens is not None and "embed_tokens" in names:
         model.embed_tokens = QuantEmbedding(model.config.vocab_size, model.config.hidden_size)
         replaced.append("embed_tokens")
@@ -57,6 +64,13 @@ def install_quant_modules(model: DecoderForCausalLM, quantized: set[str]) -> lis
         model.lm_head = quant_linear_like(model.lm_head)
         replaced.append("lm_head")
     return replaced
+
+
+def _has_quantized_experts(block: SparseMoeBlock, layer: int, names: set[str]) -> bool:
+    """Whether any expert of MoE layer `layer` comes in blocks (then all its experts stay
+    quantized, a dense one held as a dense part)."""
+    prefixes = tuple(f"layers.{layer}.{module}.experts." for module in ("mlp", block.spec.checkpoint_module))
+    return any(name.startswith(prefixes) for name in names)
 
 
 @torch.no_grad()

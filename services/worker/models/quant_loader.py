@@ -5,12 +5,15 @@ QuantLinear (the embedding a QuantEmbedding) before the weights load: dense tens
 biases, F32/F16 weights) go through `loader.load_weights` as today, the raw blocks into the
 quantized modules, each sliced to this rank's part. Tensor parallelism slices a column-parallel
 layer's rows (any row is whole blocks) and a row-parallel layer's inputs, which must fall on
-block boundaries.
+block boundaries. A MoE layer whose experts come in blocks gets a QuantExperts: each rank takes
+its experts (expert parallelism) or every expert's slice of the intermediate columns (tensor
+parallelism), as the dense experts split.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 
 import torch
@@ -25,9 +28,11 @@ from services.worker.models.loader import (
     load_weights,
     tp_range,
 )
+from services.worker.models.moe import SparseMoeBlock
 from services.worker.parallel import get_tp
 from services.worker.quant import block_size, type_size
 from services.worker.quant.embedding import QuantEmbedding
+from services.worker.quant.experts import QuantExperts
 from services.worker.quant.gguf_model import GgufCheckpoint, QuantTensor
 from services.worker.models.quant_install import install_quant_modules
 from services.worker.quant.weights import QuantWeights
@@ -50,6 +55,12 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device):
         short = name.removeprefix("model.")
         if (short == "lm_head.weight" and model.tie_word_embeddings) or not holds_weight(model, short):
             continue
+        expert = _expert_target(model, short)
+        if expert is not None:
+            block, target, shard = expert
+            if target:  # (else another rank's expert)
+                parts[target][shard] = _expert_part(block, short, shard, tensor, device)
+            continue
         target, shard = fused_target(short)
         module = modules.get(target.removesuffix(".weight"))
         if isinstance(module, QuantWeights) and target.endswith(".weight"):
@@ -61,9 +72,11 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device):
         module = modules[module_name]
         pieces = [shards[s] for s in sorted(shards, key=lambda s: -1 if s is None else s)]
         module.set_parts(_padded(module, pieces))
-    if isinstance(model.embed_tokens, QuantEmbedding):
-        model.embed_tokens.dtype = dtype
-    missing = sorted(set(replaced) - set(parts))
+    for module in modules.values():
+        if isinstance(module, (QuantEmbedding, QuantExperts)):
+            module.dtype = dtype
+    missing = sorted(name for name, module in modules.items() if isinstance(module, QuantWeights)
+                     and name not in parts)
     if missing:
         raise KeyError(f"{path} lacks weights for: {missing[:5]}")
     held = sum(m.weight_bytes() for m in modules.values() if isinstance(m, QuantWeights))
@@ -88,6 +101,52 @@ def _rank_part(model: DecoderForCausalLM, name: str, tensor: torch.Tensor | Quan
         else:
             raw = _input_slice(raw, tensor.qtype, start, length, name)
     return tensor.qtype, raw.to(device)
+
+
+# One expert's tensor in a checkpoint: layers.<i>.<block>.experts.<e>.<projection>.weight.
+_EXPERT = re.compile(r"layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def _expert_target(model: DecoderForCausalLM, name: str) -> tuple[SparseMoeBlock, str, int | None] | None:
+    """(its block, our quantized module, shard: 0 gate, 1 up, None down) of one expert's tensor
+    `name`; the module "" for an expert another rank holds; None where the layer's experts are
+    dense (they load as an HF checkpoint's)."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    block = model.layers[int(match.group(1))].mlp
+    if not isinstance(block, SparseMoeBlock) or not isinstance(block.experts, QuantExperts):
+        return None
+    gate, up, down = block.spec.expert_names
+    if match.group(3) not in (gate, up, down):
+        raise KeyError(f"unexpected weight {name!r} in checkpoint")
+    local = int(match.group(2)) - block.expert_start
+    if not 0 <= local < block.num_local_experts:
+        return block, "", None
+    prefix = f"layers.{match.group(1)}.mlp.experts"
+    if match.group(3) == down:
+        return block, f"{prefix}.down.{local}", None
+    return block, f"{prefix}.gate_up.{local}", 0 if match.group(3) == gate else 1
+
+
+def _expert_part(block: SparseMoeBlock, name: str, shard: int | None, tensor: torch.Tensor | QuantTensor,
+                 device: torch.device) -> tuple[int, torch.Tensor]:
+    """(GGUF type, rows) of this rank's part of one expert's tensor: the block's slice of the
+    intermediate columns (gate/up rows, down inputs), all of them with one rank or whole experts."""
+    start, width = block.intermediate_start, block.intermediate_size
+    dense = not isinstance(tensor, QuantTensor)
+    full = tensor.shape[0 if shard is not None else 1]
+    if dense:
+        tensor = tensor.float()
+        if (start, width) != (0, full):
+            tensor = tensor.narrow(0 if shard is not None else 1, start, width)
+        return F32, tensor.contiguous().to(device)
+    raw = tensor.raw
+    if (start, width) != (0, full) and shard is not None:
+        raw = raw.narrow(0, start, width)  # gate or up rows: whole blocks each
+    elif (start, width) != (0, full):
+        raw = _input_slice(raw, tensor.qtype, start, width, name)
+    return tensor.qtype, raw.contiguous().to(device)
 
 
 def _input_slice(raw: torch.Tensor, qtype: int, start: int, length: int, name: str) -> torch.Tensor:

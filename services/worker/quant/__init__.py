@@ -2,9 +2,11 @@
 `--quantization int8`), the layers that hold them and the one dispatch (`ops.quant_matmul`)
 through which every quantized product runs.
 
-- gguf_model.py: a .gguf file's config, tokenizer source and tensors, named as HF checkpoints;
+- gguf_model.py: a .gguf file's config, tokenizer source and tensors, named as HF checkpoints
+  (gguf_moe.py: the mixture-of-experts families' config fields and expert tensors);
 - torch_dequant.py: vectorised torch dequantization of the block formats (bit-exact vs gguf-py);
-- linear.py / embedding.py: the modules holding raw blocks;
+- linear.py / embedding.py / experts.py: the modules holding raw blocks (experts.py: an MoE
+  layer's experts, run through ops.py per expert);
 - kernels.py / quant_gemm.c: the CPU kernels computing on the blocks (dequantized in registers);
 - ops.py: how a quantized matmul runs (the C kernels on CPU, else dequantize then F.linear);
 - install.py: swapping a built model's linear layers and embedding for quantized ones.

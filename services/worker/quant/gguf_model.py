@@ -2,6 +2,8 @@
 tensors under HF checkpoint names, block-quantized ones as raw bytes.
 
 gguf.GGUFReader memory-maps the file: a tensor is read only when a rank takes its part of it.
+A mixture-of-experts layer's 3-D expert tensors come out one expert at a time, under the
+per-expert names of an HF checkpoint (gguf_moe.py names them).
 llama.cpp's converter permutes llama's q/k rows (its RoPE pairs adjacent dimensions, ours and
 HF's pair halves); `_unpermute_rows` undoes it by moving whole rows, which is exact on the raw
 blocks too since blocks run along the input dimension.
@@ -19,6 +21,15 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from services.worker.quant import DENSE_TYPES, QUANT_TYPES
+from services.worker.quant.gguf_moe import (
+    EXPERT_KINDS,
+    MOE_ARCHS,
+    ROUTER_KIND,
+    SHARED_EXPERT_NAMES,
+    moe_config,
+    moe_names,
+)
+from services.worker.quant.torch_dequant import dequantize
 
 # llama.cpp tensor names → HF checkpoint names (per block: blk.N.<key>).
 _GLOBAL_NAMES = {
@@ -38,10 +49,11 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **SHARED_EXPERT_NAMES,
 }
 # Architectures whose q/k rows llama.cpp permuted.
 _PERMUTED_ARCHS = ("llama", "mistral")
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 
 
 @dataclass
@@ -53,11 +65,14 @@ class QuantTensor:
     shape: tuple[int, int]  # (out rows, in features), the dense tensor's shape
 
 
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
 def hf_name(gguf_name: str) -> str | None:
     """The HF checkpoint name of a llama.cpp tensor (None: one we do not load, e.g. rope_freqs)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _BLOCK_NAMES:
         return None
     return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
@@ -84,6 +99,8 @@ class GgufCheckpoint:
         key_length = self.reader.fields.get(f"{self.architecture}.attention.key_length")
         if key_length is not None:
             self.config.head_dim = int(key_length.contents())
+        self.moe_names = moe_names(self.architecture, self.reader)
+        self.config = moe_config(self.config, self.architecture, self.reader)
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
             if qtype not in QUANT_TYPES and qtype not in DENSE_TYPES:
@@ -91,23 +108,46 @@ class GgufCheckpoint:
                                           f"{', '.join(sorted(q.name for q in QUANT_TYPES))}")
 
     def quantized_names(self) -> set[str]:
-        """HF names of the tensors held in a block type."""
-        return {name for t in self.reader.tensors if (name := hf_name(t.name)) is not None
-                and GGMLQuantizationType(t.tensor_type) in QUANT_TYPES}
+        """HF names of the tensors held in a block type (a router is always dense: it is read
+        whole for every token and sets the routing)."""
+        return {name for t in self.reader.tensors if GGMLQuantizationType(t.tensor_type) in QUANT_TYPES
+                for name, _ in self._hf_names(t.name, t.shape) if not self._is_router(t.name)}
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-        """(HF name, dense fp32 tensor or QuantTensor) for every tensor we load."""
+        """(HF name, dense fp32 tensor or QuantTensor) for every tensor we load; an experts
+        tensor as one per expert."""
         for t in self.reader.tensors:
-            name = hf_name(t.name)
-            if name is None:
-                continue
             qtype = GGMLQuantizationType(t.tensor_type)
-            data = self._unpermute_rows(name, np.asarray(t.data))
-            if qtype in QUANT_TYPES:
-                shape = (int(t.shape[1]) if len(t.shape) > 1 else 1, int(t.shape[0]))
-                yield name, QuantTensor(torch.from_numpy(np.array(data, dtype=np.uint8)), int(qtype), shape)
-            else:
-                yield name, _dense(data, qtype)
+            shape = (int(t.shape[1]) if len(t.shape) > 1 else 1, int(t.shape[0]))
+            for name, expert in self._hf_names(t.name, t.shape):
+                data = np.asarray(t.data) if expert is None else np.asarray(t.data)[expert]
+                data = self._unpermute_rows(name, data)
+                if qtype not in QUANT_TYPES:
+                    dense = _dense(data, qtype)
+                    # HF holds a shared expert's gate as a [1, hidden] linear weight, llama.cpp as a vector.
+                    yield name, dense.reshape(shape) if name.endswith("shared_expert_gate.weight") else dense
+                    continue
+                raw = torch.from_numpy(np.array(data, dtype=np.uint8))
+                if self._is_router(t.name):
+                    yield name, dequantize(raw, int(qtype))
+                else:
+                    yield name, QuantTensor(raw, int(qtype), shape)
+
+    def _hf_names(self, gguf_name: str, shape: np.ndarray) -> list[tuple[str, int | None]]:
+        """(HF name, expert index into the tensor's first dimension or None) of each tensor a
+        llama.cpp tensor holds: none for one we do not load, one per expert for an experts tensor."""
+        match = _BLOCK_TENSOR.fullmatch(gguf_name)
+        if self.moe_names is not None and match is not None and match.group(3) == "weight":
+            layer, kind = int(match.group(1)), match.group(2)
+            if kind in EXPERT_KINDS:
+                return [(self.moe_names.expert(layer, e, kind), e) for e in range(int(shape[2]))]
+            if kind == ROUTER_KIND:
+                return [(self.moe_names.router(layer), None)]
+        name = hf_name(gguf_name)
+        return [] if name is None else [(name, None)]
+
+    def _is_router(self, gguf_name: str) -> bool:
+        return self.moe_names is not None and gguf_name.endswith(f".{ROUTER_KIND}.weight")
 
     def _unpermute_rows(self, name: str, data: np.ndarray) -> np.ndarray:
         if self.architecture not in _PERMUTED_ARCHS:

@@ -1,6 +1,8 @@
 """LLM over the shipped SmolLM2 GGUF, its weights kept in Q4_1/Q8_0 blocks, against LLM over its
 fp32 conversion (models/SmolLM2-135M-Instruct: the same file dequantized by transformers, so
-the two hold the same weights and differ only in how the products are summed)."""
+the two hold the same weights and differ only in how the products are summed); tiny GGUFs
+(Qwen3, and the MoE Qwen3-MoE and Mixtral with their experts kept in blocks) against their
+dequantized twins."""
 
 from __future__ import annotations
 
@@ -105,3 +107,82 @@ def test_int8_generates_as_the_dense_checkpoint(tiny_qwen2_dir: str) -> None:
         finally:
             llm.close()
     assert outputs[0] == outputs[1]
+
+
+# Greedy choices the int8 activations may not flip: a top-1/top-2 logprob gap of the dense twin
+# well above what that path moves it. On these tiny random models, their logits sharpened (std
+# ~13), a token's logprob moves by up to about 0.6, so a gap by up to twice that.
+CLEAR_GAP = 2.0
+
+
+def _clear_prefix(tokens: list[int], logprobs: list[dict]) -> int:
+    """How many of `tokens` come before the first step whose top-2 logprobs are within CLEAR_GAP."""
+    for step, top in enumerate(logprobs):
+        first, second = sorted((p.logprob for p in top.values()), reverse=True)[:2]
+        if first - second < CLEAR_GAP:
+            return step
+    return len(tokens)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_tiny_moe_gguf_keeps_its_experts_quantized_and_generates_as_its_dequantized_twin(
+        arch: str, tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """Qwen3-MoE (qwen3moe) and Mixtral (a llama file with experts): on the kernels' exact fp32
+    products the greedy tokens are the twin's; on their int8 activations (the default) they are
+    wherever the twin's top two are apart."""
+    from support.gguf_fixtures import GGUF_ARCHS, write_quantized_pair
+
+    from services.worker.quant.experts import QuantExperts
+
+    gguf_path, twin_dir = write_quantized_pair(tiny_model_dir(arch), GGUF_ARCHS[arch], tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    twin = LLM(twin_dir, **ENGINE_ARGS)
+    try:
+        want = [o.outputs[0] for o in twin.generate(PROMPTS, params)]
+    finally:
+        twin.close()
+    llm = LLM(gguf_path, tokenizer=twin_dir, **ENGINE_ARGS)
+    try:
+        assert isinstance(llm.worker.runner.model.layers[0].mlp.experts, QuantExperts)
+        monkeypatch.setattr(kernels, "INT8_DOT", False)
+        exact = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        monkeypatch.setattr(kernels, "INT8_DOT", True)
+        int8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.close()
+    assert exact == [w.token_ids for w in want]
+    clear = [_clear_prefix(w.token_ids, w.logprobs) for w in want]
+    assert sum(clear) >= 8, clear  # not a vacuous comparison
+    for got, w, n in zip(int8, want, clear, strict=True):
+        assert got[:n] == w.token_ids[:n]
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}], ids=["tp2", "dp2"])
+def test_a_tiny_moe_gguf_splits_its_quantized_experts_over_expert_parallel_ranks(layout: dict, tiny_model_dir,
+                                                                                  tmp_path) -> None:
+    """Expert parallelism over two ranks of one engine, or two data-parallel engines as one group
+    (tokens dispatched to their experts' rank, dummy steps on the idle engine): each rank loads
+    only its experts' blocks and the greedy tokens are the dequantized twin's where its top two
+    are apart (the ranks run the default int8 activations)."""
+    from support.gguf_fixtures import write_quantized_pair
+
+    gguf_path, twin_dir = write_quantized_pair(tiny_model_dir("qwen3_moe"), "qwen3moe", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    twin = LLM(twin_dir, **ENGINE_ARGS)
+    try:
+        want = [o.outputs[0] for o in twin.generate(PROMPTS, params)]
+    finally:
+        twin.close()
+    llm = LLM(gguf_path, tokenizer=twin_dir, enable_expert_parallel=True, **layout, **ENGINE_ARGS)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        if "data_parallel_size" in layout:  # one request: engine 1 only takes part in the exchanges
+            dummies = llm.engines[1].num_dummy_steps
+            got[0] = llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids
+            assert llm.engines[1].num_dummy_steps > dummies
+    finally:
+        llm.close()
+    clear = [_clear_prefix(w.token_ids, w.logprobs) for w in want]
+    assert sum(clear) >= 8, clear
+    for tokens, w, n in zip(got, want, clear, strict=True):
+        assert tokens[:n] == w.token_ids[:n]

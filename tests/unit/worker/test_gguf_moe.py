@@ -1,0 +1,231 @@
+"""Mixture-of-experts GGUF checkpoints with their experts kept in blocks (quant/experts.py): tiny
+Qwen3-MoE (qwen3moe, one dense layer among the MoE ones) and Mixtral (a llama file with experts,
+its experts' down projection left F32 beside Q4_0 gate and Q4_1 up) load the weights of their
+dequantized HF twins, compute as the dense experts on those weights (on the kernels' exact fp32
+products, and on their int8 activations as a per-token reference on the same activations), an
+expert-parallel rank takes only its experts' blocks and a tensor-parallel split off block
+boundaries is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from support.gguf_fixtures import GGUF_ARCHS, write_quantized_pair
+
+from services.worker.models.load import load_model
+from services.worker.models.moe import SparseMoeBlock, grouped_experts, route
+from services.worker.parallel import ExpertParallel
+from services.worker.quant import kernels
+from services.worker.quant.experts import QuantExperts
+from services.worker.quant.gguf_model import QuantTensor
+from services.worker.quant.ops import dequantize_part
+
+MOE_ARCHS = ["qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def moe_pairs(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """(gguf path, dequantized twin) per arch, written once."""
+    pairs = {}
+    for arch in MOE_ARCHS:
+        out = tmp_path_factory.mktemp(f"gguf-{arch}")
+        pairs[arch] = write_quantized_pair(tiny_model_dir(arch), GGUF_ARCHS[arch], out)
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def loaded(moe_pairs) -> dict[str, tuple]:
+    """(quantized model, twin model, config) per arch."""
+    out = {}
+    for arch, (gguf_path, twin_dir) in moe_pairs.items():
+        model, config = load_model(gguf_path, torch.float32, torch.device("cpu"))
+        twin, _ = load_model(twin_dir, torch.float32, torch.device("cpu"))
+        out[arch] = model, twin, config
+    return out
+
+
+def _moe_layers(model) -> list[int]:
+    return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+def _dense(weights) -> torch.Tensor:
+    return torch.cat([dequantize_part(q, rows) for q, rows in weights.parts()])
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_tiny_moe_gguf_keeps_its_experts_in_blocks_with_its_twins_weights(arch: str, loaded) -> None:
+    model, twin, config = loaded[arch]
+    assert type(model) is type(twin) and _moe_layers(model) == _moe_layers(twin)
+    if arch == "qwen3_moe":
+        assert config.mlp_only_layers == [1] and config.moe_intermediate_size == 32 and _moe_layers(model) == [0, 2]
+    for i in _moe_layers(model):
+        experts, dense = model.layers[i].mlp.experts, twin.layers[i].mlp.experts
+        assert isinstance(experts, QuantExperts) and experts.num_experts == 8
+        for e in range(8):
+            assert experts.gate_up[e].qtypes == [int(Q.Q4_0), int(Q.Q4_1)]  # gate, then up
+            # Mixtral's 48-wide down rows are not whole blocks: a dense part.
+            assert experts.down[e].qtypes == [int(Q.F32 if arch == "mixtral" else Q.Q8_0)]
+            assert torch.equal(_dense(experts.gate_up[e]), dense.w13[e]), (i, e)
+            assert torch.equal(_dense(experts.down[e]), dense.w2[e]), (i, e)
+    twin_params = dict(twin.named_parameters())
+    for name, param in model.named_parameters():  # routers, norms, the dense layer: as loaded
+        assert torch.equal(param, twin_params[name]), name
+    assert not any(".experts." in name for name, _ in model.named_parameters())
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels' int8 path reads it (quant_q8.h): per 32 values, dx = max |x| / 127 and
+    round(x / dx) to the nearest, ties to even."""
+    blocks = x.reshape(-1, 32)
+    dx = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inverse = torch.where(dx == 0, torch.zeros_like(dx), 1 / dx)
+    return (torch.round(blocks * inverse) * dx).reshape(x.shape)
+
+
+def _int8_product(x: torch.Tensor, weights) -> torch.Tensor:
+    """x [K] times a QuantWeights' dequantized rows as the int8 path sums them: Q4_0 and Q8_0 on
+    int8 x, Q4_1's block offsets m on the fp32 x (quant_q8.h), a dense part on x itself."""
+    outs = []
+    for qtype, rows in weights.parts():
+        w = dequantize_part(qtype, rows)
+        if qtype == int(Q.Q4_1):  # blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles
+            m = rows.reshape(rows.shape[0], -1, 20)[:, :, 2:4].contiguous().view(torch.float16).float()
+            m = m.expand(-1, -1, 32).reshape(w.shape)
+            outs.append((w - m) @ _int8_activations(x) + m @ x)
+        elif qtype in (int(Q.Q4_0), int(Q.Q8_0)):
+            outs.append(w @ _int8_activations(x))
+        else:
+            outs.append(w @ x)
+    return torch.cat(outs)
+
+
+def _int8_reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """`block`'s quantized experts, one token and slot at a time, on int8 activations as the
+    kernels take them."""
+    weights, ids = route(block.gate(x), block.top_k, block.renormalize, torch.float32)
+    experts = block.experts
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            gate, up = _int8_product(x[t], experts.gate_up[e]).chunk(2)
+            out[t] += weights[t, j] * _int8_product(torch.nn.functional.silu(gate) * up, experts.down[e])
+    return out
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("num_tokens", [3, 37])
+def test_quantized_experts_compute_as_the_dense_experts_on_the_same_weights(arch: str, num_tokens: int, loaded,
+                                                                            monkeypatch) -> None:
+    """The same routing, grouping and order of sums: on the kernels' exact fp32 products the two
+    agree to fp32 rounding; on their int8 activations, with a per-token reference that takes the
+    same int8 activations (the products then differ by fp32 rounding only)."""
+    model, twin, _ = loaded[arch]
+    x = torch.randn(num_tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(num_tokens))
+    gemm = kernels.QuantGemm.load()
+    int8_path = gemm is not None and all(gemm.has_int8_dot(q) for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0))
+    for i in _moe_layers(model):
+        want = twin.layers[i].mlp(None, x)
+        monkeypatch.setattr(kernels, "INT8_DOT", False)
+        torch.testing.assert_close(model.layers[i].mlp(None, x), want, rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(kernels, "INT8_DOT", True)
+        if int8_path:
+            want = _int8_reference(model.layers[i].mlp, x)
+        torch.testing.assert_close(model.layers[i].mlp(None, x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_expert_parallel_rank_loads_and_runs_only_its_experts_blocks(moe_pairs, loaded, monkeypatch) -> None:
+    from services.worker import parallel
+
+    monkeypatch.setattr(kernels, "INT8_DOT", False)
+    _, twin, _ = loaded["qwen3_moe"]
+    monkeypatch.setattr(parallel, "_ep_state", ExpertParallel(1, 2))  # the second of two ranks
+    model, _ = load_model(moe_pairs["qwen3_moe"][0], torch.float32, torch.device("cpu"))
+    block, dense = model.layers[0].mlp, twin.layers[0].mlp
+    experts = block.experts
+    assert (block.expert_start, experts.num_experts, len(experts.gate_up)) == (4, 4, 4)
+    for local in range(4):
+        assert torch.equal(_dense(experts.gate_up[local]), dense.experts.w13[4 + local])
+        assert torch.equal(_dense(experts.down[local]), dense.experts.w2[4 + local])
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    weights, ids = route(dense.gate(x), dense.top_k, dense.renormalize, torch.float32)
+    w13, w2 = dense.experts.w13.detach().clone(), dense.experts.w2.detach().clone()
+    w13[:4], w2[:4] = 0, 0  # rank 0's experts add nothing here
+    assert (ids < 4).any() and (ids >= 4).any()
+    torch.testing.assert_close(block(None, x), grouped_experts(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_experts_skip_ids_outside_their_range_and_experts_without_tokens(monkeypatch) -> None:
+    from gguf.quants import quantize
+
+    monkeypatch.setattr(kernels, "INT8_DOT", False)
+    g = torch.Generator().manual_seed(5)
+    experts = QuantExperts(3, 32, 32)
+    w13, w2 = torch.randn(3, 64, 32, generator=g), torch.randn(3, 32, 32, generator=g)
+    for e in range(3):
+        experts.gate_up[e].set_parts([(int(Q.F32), w13[e])])
+        experts.down[e].set_parts([(int(Q.Q8_0), torch.from_numpy(quantize(w2[e].numpy(), Q.Q8_0)))])
+    w2 = torch.stack([_dense(experts.down[e]) for e in range(3)])
+    x = torch.randn(6, 32, generator=g)
+    ids = torch.tensor([[0, -1], [3, 0], [2, 0], [-1, 3], [2, 0], [0, 2]])  # expert 1 gets no token
+    weights = torch.rand(6, 2, generator=g)
+    torch.testing.assert_close(experts(x, weights, ids), grouped_experts(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+    assert experts.empty_input().shape == (0, 32)
+
+
+def test_a_tensor_parallel_split_of_the_experts_slices_rows_and_refuses_inputs_off_block_boundaries(
+        monkeypatch) -> None:
+    from services.worker.models import quant_loader
+
+    monkeypatch.setattr(quant_loader, "get_tp", lambda: SimpleNamespace(size=2))
+    raw = torch.arange(64 * 2 * 34, dtype=torch.int32).to(torch.uint8).reshape(64, 2 * 34)  # Q8_0, 64 inputs
+    half = SimpleNamespace(intermediate_start=32, intermediate_size=32)
+    down = QuantTensor(raw, int(Q.Q8_0), (64, 64))
+    qtype, inputs = quant_loader._expert_part(half, "x", None, down, torch.device("cpu"))
+    assert qtype == int(Q.Q8_0) and torch.equal(inputs, raw[:, 34:])  # the second block of inputs
+    _, rows = quant_loader._expert_part(half, "x", 0, down, torch.device("cpu"))  # as a gate: rows 32..63
+    assert torch.equal(rows, raw[32:])
+    quarter = SimpleNamespace(intermediate_start=16, intermediate_size=16)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 .*Q8_0 block boundaries"):
+        quant_loader._expert_part(quarter, "layers.0.mlp.experts.0.down_proj.weight", None, down,
+                                  torch.device("cpu"))
+
+
+def test_a_qwen2_moe_gguf_is_read_with_its_shared_expert_and_refused_for_want_of_the_model(tmp_path) -> None:
+    """qwen2moe files name their shared expert (ffn_*_shexp) as HF does and their config gets the
+    experts' widths; with no Qwen2-MoE model here the load stops at the architecture, in one line."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from services.worker.quant.gguf_model import GgufCheckpoint
+
+    config = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path / "hf"))
+    gguf_path, _ = write_quantized_pair(str(tmp_path / "hf"), GGUF_ARCHS["qwen2_moe"], tmp_path)
+    checkpoint = GgufCheckpoint(gguf_path)
+    read = checkpoint.config
+    assert (read.moe_intermediate_size, read.shared_expert_intermediate_size, read.mlp_only_layers) == (32, 64, [])
+    tensors = dict(checkpoint.tensors())
+    assert {"model.layers.1.mlp.shared_expert.down_proj.weight", "model.layers.1.mlp.gate.weight",
+            "model.layers.1.mlp.experts.3.up_proj.weight"} <= set(tensors)
+    assert tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    with pytest.raises(ValueError, match="unsupported architecture 'qwen2_moe'"):
+        load_model(gguf_path, torch.float32, torch.device("cpu"))
+
+
+def test_a_quantized_router_loads_dense(tiny_model_dir, tmp_path) -> None:
+    """llama.cpp keeps routers in F32, but a file may not: its blocks are dequantized at load (the
+    routing reads every row for every token)."""
+    qtypes = {kind: Q.Q8_0 for kind in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    gguf_path, twin_dir = write_quantized_pair(tiny_model_dir("qwen3_moe"), "qwen3moe", tmp_path, qtypes)
+    model, _ = load_model(gguf_path, torch.float32, torch.device("cpu"))
+    twin, _ = load_model(twin_dir, torch.float32, torch.device("cpu"))
+    router = model.layers[0].mlp.gate
+    assert type(router) is torch.nn.Linear and torch.equal(router.weight, twin.layers[0].mlp.gate.weight)
+    assert isinstance(model.layers[0].mlp.experts, QuantExperts)
+    assert model.layers[0].mlp.experts.gate_up[0].qtypes == [int(Q.Q8_0)]
