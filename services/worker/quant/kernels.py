@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("quant_gemm.c")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 HIGHEST_ISA = "avx512_vnni"
-# Decode-sized calls (fewer than 8 rows of x) on Q4_0, Q4_1 and Q8_0 quantize x to int8 per block
-# and take integer dot products (quant_q8.h), as llama.cpp does: several times the fp32 path's speed
-# (quant_gemm.c's header), at the cost of x's rounding to 8 bits (tests/unit/worker/
+# Calls on Q4_0, Q4_1 and Q8_0 quantize x per block to 16 bits in two int8 parts and take integer
+# dot products (quant_q8.h): several times the fp32 path's speed (quant_gemm.c's header), at the
+# cost of x's rounding to 1/64516 of its block's largest value (tests/unit/worker/
 # test_quant_kernels.py states the bound). False keeps every call on the exact fp32 products.
 INT8_DOT = True
 _loaded: dict[str | None, QuantGemm | None] = {}
@@ -89,8 +89,8 @@ class QuantGemm:
     def matmul(self, x: torch.Tensor, prepared: torch.Tensor, qtype: int, out_features: int, in_features: int,
                bias: torch.Tensor | None = None, int8_dot: bool | None = None) -> torch.Tensor:
         """x [M, in_features] fp32 or bf16, contiguous -> [M, out_features] in x's dtype.
-        `int8_dot` (None: INT8_DOT): decode-sized calls quantize x to int8 per block, where the
-        build has that path for the type (quant_q8.h)."""
+        `int8_dot` (None: INT8_DOT): x quantized per block for integer products, where the build
+        has that path for the type (quant_q8.h)."""
         assert x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1] == in_features
         assert x.is_contiguous() and prepared.shape == (out_features, row_bytes(int(qtype), in_features))
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):

@@ -10,8 +10,8 @@
  *
  * Paths, by the number of rows of x:
  * - where asked (int8_dot) and the build has it for the type (Q4_0, Q4_1, Q8_0 with AVX2), x is
- *   quantized to int8 per 32-value block and the products are integer dot products: at one row
- *   q8_gemv_rows (quant_q8.h), one stream over the weight rows; from X16_MIN_ROWS rows the packed
+ *   quantized per 32-value block (two int8 parts, quant_q8.h) and the products are integer dot
+ *   products: at one row q8_gemv_rows (quant_q8.h), one stream over the weight rows; from X16_MIN_ROWS rows the packed
  *   groups of 16 weight rows of quant_x16.h, compute-bound kernels that use each weight byte for
  *   every row of x;
  * - otherwise (quant_f32.h), exact fp32 products: below TILE_MIN_ROWS qf_gemv_rows, GEMV_ROWS rows of

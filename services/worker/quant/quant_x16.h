@@ -16,12 +16,13 @@
  *   8-bit quants of values 4c .. 4c + 3 of row j's block.
  * Unsigned: Q4_0 and Q4_1 nibbles are 0 .. 15 as stored; Q8_0 is stored q + 128 (the VNNI build;
  * vpdpbusd multiplies unsigned by signed bytes) and the offsets come out of the integer sums:
- * Q4_0's 8 * sum(qx), Q8_0's 128 * sum(qx) (exact, in int32); Q4_1's m * dx * sum(qx) in fp32 as in
+ * Q4_0's 8 * sum(qx), Q8_0's 128 * sum(qx) (exact in int32: |sum(qx)| <= 32 * 32385); Q4_1's m * dx * sum(qx) in fp32 as in
  * quant_q8.h. The AVX2 build keeps Q8_0 signed and multiplies |q| by x with q's sign (vpsignb), as
  * quant_q8.h does, since vpmaddubsw's int16 pair sums could saturate on q + 128.
  *
- * The results differ from quant_q8.h's only in the order of the fp32 sums: the same int8 x, the
- * same exact integer block sums.
+ * x comes in quant_q8.h's two int8 parts: each chunk takes two vpdpbusd (high and low parts) on
+ * the same packed weights. The results differ from quant_q8.h's only in the order of the fp32
+ * sums: the same quantized x, the same exact integer block sums.
  */
 #ifndef MYVLLM_QUANT_X16_H
 #define MYVLLM_QUANT_X16_H
@@ -168,14 +169,15 @@ static inline __attribute__((always_inline)) void x16_rows(int type, const q8_ro
         __m512i wq[8];
         for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(pb + qoff + 64 * c));
         for (int r = 0; r < R; r++) {
-            const int32_t *xw = (const int32_t *)(xq[r].q + b * QK);
+            /* the high parts' sums in s0, the low parts' in s1 */
+            const int32_t *xw = (const int32_t *)(xq[r].q + b * QK), *lw = (const int32_t *)(xq[r].lo + b * QK);
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], _mm512_set1_epi32(xw[0]));
-            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[1], _mm512_set1_epi32(xw[1]));
-            for (int c = 2; c < 8; c += 2) {
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[0], _mm512_set1_epi32(lw[0]));
+            for (int c = 1; c < 8; c++) {
                 s0 = _mm512_dpbusd_epi32(s0, wq[c], _mm512_set1_epi32(xw[c]));
-                s1 = _mm512_dpbusd_epi32(s1, wq[c + 1], _mm512_set1_epi32(xw[c + 1]));
+                s1 = _mm512_dpbusd_epi32(s1, wq[c], _mm512_set1_epi32(lw[c]));
             }
-            __m512i s = _mm512_add_epi32(s0, s1);
+            __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(s0, _mm512_set1_epi32(Q8_HI)), s1);
             if (corr8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(corr8 * xq[r].isum[b]));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq[r].dx[b])), _mm512_cvtepi32_ps(s), acc[r]);
             if (type == QT_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq[r].sx[b]), acc[r]);
@@ -196,16 +198,19 @@ static inline __attribute__((always_inline)) void x16_rows(int type, const q8_ro
             __m256i wq[8];
             for (int c = 0; c < 8; c++) wq[c] = _mm256_loadu_si256((const __m256i *)(pb + qoff + 64 * c + 32 * h));
             for (int r = 0; r < R; r++) {
-                const int32_t *xw = (const int32_t *)(xq[r].q + b * QK);
-                __m256i s = _mm256_setzero_si256();
+                const int32_t *xw = (const int32_t *)(xq[r].q + b * QK), *lw = (const int32_t *)(xq[r].lo + b * QK);
+                __m256i sh = _mm256_setzero_si256(), sl = _mm256_setzero_si256();
                 for (int c = 0; c < 8; c++) {
-                    __m256i u = wq[c], v = _mm256_set1_epi32(xw[c]);
+                    __m256i u = wq[c], v = _mm256_set1_epi32(xw[c]), vl = _mm256_set1_epi32(lw[c]);
                     if (type == QT_Q8_0) {
                         v = _mm256_sign_epi8(v, u);
+                        vl = _mm256_sign_epi8(vl, u);
                         u = _mm256_sign_epi8(u, u);
                     }
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones));
+                    sh = _mm256_add_epi32(sh, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones));
+                    sl = _mm256_add_epi32(sl, _mm256_madd_epi16(_mm256_maddubs_epi16(u, vl), ones));
                 }
+                __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(sh, _mm256_set1_epi32(Q8_HI)), sl);
                 if (corr) s = _mm256_sub_epi32(s, _mm256_set1_epi32(corr * xq[r].isum[b]));
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xq[r].dx[b])), _mm256_cvtepi32_ps(s), acc[r]);
                 if (type == QT_Q4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xq[r].sx[b]), acc[r]);

@@ -77,28 +77,24 @@ def test_a_tiny_moe_gguf_keeps_its_experts_in_blocks_with_its_twins_weights(arch
 
 
 def _int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels' int8 path reads it (quant_q8.h): per 32 values, dx = max |x| / 127 and
-    round(x / dx) to the nearest, ties to even."""
+    """x as the kernels' integer path reads it (quant_q8.h): per 32 values, dx = max |x| / (127 *
+    254) and x ~ dx * (254 hi + lo), hi = round(x / (254 dx)), lo the remainder rounded to the
+    nearest in [-127, 127] (ties to even)."""
     blocks = x.reshape(-1, 32)
-    dx = blocks.abs().amax(dim=1, keepdim=True) / 127
-    inverse = torch.where(dx == 0, torch.zeros_like(dx), 1 / dx)
-    return (torch.round(blocks * inverse) * dx).reshape(x.shape)
+    amax = blocks.abs().amax(dim=1, keepdim=True)
+    dx, dh = amax / (127 * 254), amax / 127
+    hi = torch.round(blocks * torch.where(dh == 0, torch.zeros_like(dh), 1 / dh))
+    lo = torch.round((blocks - dx * (254 * hi)) * torch.where(dx == 0, torch.zeros_like(dx), 1 / dx)).clamp(-127, 127)
+    return (dx * (254 * hi + lo)).reshape(x.shape)
 
 
 def _int8_product(x: torch.Tensor, weights) -> torch.Tensor:
-    """x [K] times a QuantWeights' dequantized rows as the int8 path sums them: Q4_0 and Q8_0 on
-    int8 x, Q4_1's block offsets m on the fp32 x (quant_q8.h), a dense part on x itself."""
+    """x [K] times a QuantWeights' dequantized rows as the integer path sums them: Q4_0, Q4_1 (its
+    offsets too, quant_q8.h) and Q8_0 on the quantized x, a dense part on x itself."""
     outs = []
     for qtype, rows in weights.parts():
         w = dequantize_part(qtype, rows)
-        if qtype == int(Q.Q4_1):  # blocks of 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles
-            m = rows.reshape(rows.shape[0], -1, 20)[:, :, 2:4].contiguous().view(torch.float16).float()
-            m = m.expand(-1, -1, 32).reshape(w.shape)
-            outs.append((w - m) @ _int8_activations(x) + m @ x)
-        elif qtype in (int(Q.Q4_0), int(Q.Q8_0)):
-            outs.append(w @ _int8_activations(x))
-        else:
-            outs.append(w @ x)
+        outs.append(w @ (_int8_activations(x) if qtype in (int(Q.Q4_0), int(Q.Q4_1), int(Q.Q8_0)) else x))
     return torch.cat(outs)
 
 

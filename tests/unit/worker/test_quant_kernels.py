@@ -12,10 +12,11 @@ fp32 dot product of K terms, with at most a few more roundings from the per-bloc
 3: error <= g(K + 8) * sum_k |x_k w_k|, g(n) = n u / (1 - n u), u = 2^-24), plus one rounding for the
 bias; a bf16 output adds its rounding to bf16 (2^-9 of the value); bf16 inputs are exact in fp32.
 
-The int8 path (int8_dot, Q4_0, Q4_1, Q8_0 with AVX2 or better) replaces each 32-value block
-of x by dx * round(x / dx), dx = max|x| / 127: each value moves by at most dx / 2 (and a rounding of
-x / dx), and it multiplies d * q, whose size is at most |w| + |offset| (offset: Q4_0's -8 d, Q4_1's
-m: the value of a block whose quants are all 0). So that path's bound adds
+The integer path (int8_dot, Q4_0, Q4_1, Q8_0 with AVX2 or better) replaces each 32-value block
+of x by dx * qx, qx an integer held as two int8 parts (quant_q8.h), dx = max|x| / (127 * 254): each
+value moves by at most dx / 2 (and a few roundings of x / dx), and it multiplies d * q, whose
+size is at most |w| + |offset| (offset: Q4_0's -8 d, Q4_1's m: the value of a block whose quants
+are all 0). So that path's bound adds
 sum_k (|w_k| + |offset_k|) * 0.501 dx_k, and its fp32 sums are bounded with |x| + dx in place of |x|.
 """
 
@@ -76,8 +77,8 @@ def _bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, exact: t
     k = w.shape[1] + 8
     g = k * U / (1 - k * U)
     x64, w64 = x.double().abs(), w.double().abs()
-    if offset is not None:  # the int8 path: x off by up to dx / 2 per value
-        dx = (x64.view(x.shape[0], -1, 32).amax(-1, keepdim=True) / 127).expand(-1, -1, 32).reshape(x.shape)
+    if offset is not None:  # the integer path: x off by up to dx / 2 per value
+        dx = (x64.view(x.shape[0], -1, 32).amax(-1, keepdim=True) / (127 * 254)).expand(-1, -1, 32).reshape(x.shape)
         w64 = w64 + offset.double().abs()
         return 0.501 * dx @ w64.t() + g * ((x64 + dx) @ w64.t()) + (0 if bias is None else 2 * U * exact.abs())
     return g * (x64 @ w64.t()) + (0 if bias is None else 2 * U * exact.abs())
