@@ -9,7 +9,7 @@ headers here through -I, and its own from beside it.
 Instruction sets: each kernel is built for a fixed x86-64 *level*, never `-march=native`, so
 every machine of a level runs the same machine code and gets the same results. A kernel says the
 highest level it has code for (`highest`): the decode step stops at `avx2` (x86-64-v3, AVX2 +
-FMA; its quantized build at quant_gemm.c's `avx512_vnni`), the fused ops at `avx512` (a 16-lane
+FMA; its quantized build at quant_gemm.c's `amx_int8`), the fused ops at `avx512` (a 16-lane
 SiLU·up with the same bits as the 8-lane one), the attention kernels, the GEMM and the packed
 step (gemm.c's tiles) carry AVX-512 paths (`#ifdef __AVX512F__`, `__AVX512BF16__`) and are built
 at `avx512` or `avx512_bf16` where /proc/cpuinfo lists those flags (16-lane vectors, bf16 dot
@@ -48,9 +48,12 @@ _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx51
 
 # The levels a kernel can be built for, highest first: (name, compiler flags, CPU flags needed).
 # avx512_vnni (AVX-512's int8 dot products, vpdpbusd) sits above avx512_bf16 although neither
-# implies the other: only the quantized kernels (quant/quant_gemm.c) ask for it, and every kernel
-# whose highest level is lower gets the same levels as before.
+# implies the other, and amx_int8 (its tiles' int8 products, tdpbusd) above it: only the quantized
+# kernels (quant/quant_gemm.c) ask for them, and every kernel whose highest level is lower gets the
+# same levels as before.
 ISA_LEVELS = [
+    ("amx_int8", ["-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+     _X86_64_V4 | {"avx512_vnni", "amx_tile", "amx_int8"}),
     ("avx512_vnni", ["-march=x86-64-v4", "-mavx512vnni"], _X86_64_V4 | {"avx512_vnni"}),
     ("avx512_bf16", ["-march=x86-64-v4", "-mavx512bf16"], _X86_64_V4 | {"avx512_bf16"}),
     ("avx512", ["-march=x86-64-v4"], _X86_64_V4),

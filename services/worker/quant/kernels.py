@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_gemm.c")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-HIGHEST_ISA = "avx512_vnni"
+HIGHEST_ISA = "amx_int8"
 # Calls on Q4_0, Q4_1 and Q8_0 quantize x per block to 16 bits in two int8 parts and take integer
 # dot products (quant_q8.h): several times the fp32 path's speed (quant_gemm.c's header), at the
 # cost of x's rounding to 1/64516 of its block's largest value (tests/unit/worker/
@@ -44,6 +44,8 @@ class QuantGemm:
         lib.qg_matmul.argtypes = [_I, _P, _I, _P, _I64, _P, _P, _I, _I, _I, _P, _I, _I]
         lib.qg_int8_dot.argtypes = [_I]
         lib.qg_int8_dot.restype = _I
+        lib.qg_amx.argtypes = []
+        lib.qg_amx.restype = _I
         lib.qg_matmul.restype = None
         self.lib = lib
         self.level = level
@@ -68,6 +70,10 @@ class QuantGemm:
     def has_int8_dot(self, qtype: int) -> bool:
         """Whether `int8_dot` changes the decode path for `qtype` in this build (AVX2 or better)."""
         return bool(self.lib.qg_int8_dot(int(qtype)))
+
+    def uses_amx(self) -> bool:
+        """Whether int8 products of 16 or more rows run on AMX tiles in this build (quant_amx.h)."""
+        return bool(self.lib.qg_amx())
 
     def supports(self, qtype: int) -> bool:
         return int(qtype) in QUANT_TYPES and bool(self.lib.qg_supported(int(qtype)))

@@ -34,6 +34,7 @@
 #include "quant_q8.h"
 #include "quant_x16.h"
 #include "threads.h"
+#include "quant_amx.h"
 
 int qg_supported(int type) { return qt_supported(type); }
 
@@ -56,6 +57,15 @@ int64_t qg_scratch_floats(int M, int K, int x_bf16, int num_threads) {
 
 /* Whether qg_matmul's int8_dot takes the int8 path for `type` in this build. */
 int qg_int8_dot(int type) { return q8_covers(type); }
+
+/* Whether calls of 16 or more rows on the int8 path run on AMX tiles (quant_amx.h) here. */
+int qg_amx(void) {
+#ifdef AMX_QUANT
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
 
 /* out[i] = row rows[i] of W (all N rows when rows is NULL) dequantized to K floats. Returns 0, or -1
  * (nothing written) when a row index is outside [0, N). A lookup of a few rows (an embedding at
@@ -127,6 +137,12 @@ void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t ro
             xq[m] = q8_row_at(xq_mem + m * xq_bytes, K);
             q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
         }
+#ifdef AMX_QUANT
+        if (M >= AMX_MIN_ROWS && amx_usable() && amx_matmul(type, xq, M, w, row_bytes, bias, y, x_bf16, N, K, num_threads) == 0) {
+            free(xq);
+            return;
+        }
+#endif
         float *packed_base = (float *)(xq_mem + (int64_t)M * xq_bytes);
         const int groups = (N + X16 - 1) / X16, team = num_threads > groups ? groups : num_threads;
 #pragma omp parallel num_threads(team)

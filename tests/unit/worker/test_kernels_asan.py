@@ -51,7 +51,7 @@ from services.worker.quant import kernels as quant_kernels
 # and the best one, which a model's layers and its quantized step load (level None: the same file).
 quant_best = cbuild.isa_levels(highest=quant_kernels.HIGHEST_ISA)[0]
 quant_levels = dict.fromkeys([quant_best, *(level for level in cbuild.isa_levels(highest=quant_kernels.HIGHEST_ISA)
-                                            if level in ("avx512_vnni", "avx512", "avx2", "x86-64"))])
+                                            if level in ("amx_int8", "avx512_vnni", "avx512", "avx2", "x86-64"))])
 builds = [(decode_step.load_library,)]  # the slowest to compile first
 builds += [(quant_step.load_quant_library, level)
            for level in dict.fromkeys([quant_best, *levels_here(quant_kernels.HIGHEST_ISA)])]

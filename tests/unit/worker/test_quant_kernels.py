@@ -38,9 +38,9 @@ QUANTIZABLE = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiz
 # Byte offsets of each K-quant block's fp16 scales (d, and dmin where there is one).
 K_SCALE_OFFSETS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
                    GGMLQuantizationType.Q6_K: (208,)}
-# The levels with code of their own in quant_gemm.c (VNNI's vpdpbusd, AVX-512, AVX2); x86-64 runs the
-# scalar fallbacks.
-DISTINCT = ("avx512_vnni", "avx512", "avx2", "x86-64")
+# The levels with code of their own in quant_gemm.c (AMX tiles, VNNI's vpdpbusd, AVX-512, AVX2); x86-64
+# runs the scalar fallbacks.
+DISTINCT = ("amx_int8", "avx512_vnni", "avx512", "avx2", "x86-64")
 LEVELS = [level for level in cbuild.isa_levels(highest=HIGHEST_ISA) if level in DISTINCT] or [None]
 LEVELS = [level for level in LEVELS if QuantGemm.load(level) is not None]
 pytestmark = pytest.mark.skipif(not LEVELS, reason="the quantized kernels cannot be built here (no C compiler)")
@@ -162,6 +162,30 @@ def test_int8_path_within_its_bound(level: str | None, qtype: GGMLQuantizationTy
         exact = x.double() @ w.double().t() + bias.double()
         fp32 = gemm.matmul(x, prepared, qtype, n, k, bias=bias, int8_dot=False)
         assert bool(((fp32.double() - exact).abs() <= _bound(x, w, bias, exact, None)).all())
+
+
+AMX = QuantGemm.load("amx_int8") if "amx_int8" in LEVELS else None
+
+
+@pytest.mark.skipif(AMX is None or not AMX.uses_amx(), reason="no AMX tiles here (amx_int8, and Linux's permission)")
+@pytest.mark.parametrize("qtype", sorted(QUANT_BYTES))
+@pytest.mark.parametrize("rows", [16, 17, 37, 130])
+def test_amx_tiles_give_the_vnni_kernels_bits(qtype: GGMLQuantizationType, rows: int) -> None:
+    """From 16 rows the amx_int8 build multiplies on AMX tiles (quant_amx.h): the same integer block
+    sums and fp32 operations as the packed VNNI groups, so the same bits, with a bias, in bf16, and
+    with rows past a chunk of 16 and outputs past a group of 16 (37 weight rows)."""
+    vnni = QuantGemm.load("avx512_vnni")
+    n, k = 37, 576
+    raw = random_blocks(qtype, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=gen) * 3, torch.randn(n, generator=gen)
+    x[1, 32:64] = 0  # a block of zeros: dx = 0
+    prepared = AMX.prepare(torch.from_numpy(raw), qtype, k)
+    for xi, b in ((x, bias), (x.bfloat16(), None)):
+        got = AMX.matmul(xi, prepared, qtype, n, k, bias=b, int8_dot=True)
+        assert torch.equal(got, vnni.matmul(xi, prepared, qtype, n, k, bias=b, int8_dot=True))
+    w, offset = torch.from_numpy(quants.dequantize(raw, qtype)), offsets(raw, qtype)
+    _check(AMX.matmul(x, prepared, qtype, n, k, bias=bias, int8_dot=True), x, w, bias, offset)
 
 
 def test_prepare_checks_the_row_size_and_empty_inputs_work() -> None:
