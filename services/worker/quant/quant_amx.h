@@ -64,33 +64,35 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Rows M of x (quantized) into chunks of 16 rows by block, B's layout; rows past M are zeros. */
-static void amx_pack_x(const q8_row_t *xq, int M, int K, uint8_t *out, int num_threads) {
-    const int nb = K / QK, chunks = (M + 15) / 16;
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int ch = 0; ch < chunks; ch++) {
-        for (int b = 0; b < nb; b++) {
-            uint8_t *o = out + ((int64_t)ch * nb + b) * AMX_X_BLOCK;
-            uint32_t *hi = (uint32_t *)o, *lo = (uint32_t *)(o + 512);
-            float *dx = (float *)(o + 1024), *sx = dx + 16;
-            int32_t *isum = (int32_t *)(sx + 16);
-            for (int m = 0; m < 16; m++) {
-                const int row = ch * 16 + m;
-                if (row < M) {
-                    const uint32_t *qh = (const uint32_t *)(xq[row].q + b * QK), *ql = (const uint32_t *)(xq[row].lo + b * QK);
-                    for (int c = 0; c < 8; c++) {
-                        hi[c * 16 + m] = qh[c];
-                        lo[c * 16 + m] = ql[c];
-                    }
-                    dx[m] = xq[row].dx[b], sx[m] = xq[row].sx[b], isum[m] = xq[row].isum[b];
-                } else {
-                    for (int c = 0; c < 8; c++) hi[c * 16 + m] = lo[c * 16 + m] = 0;
-                    dx[m] = sx[m] = 0.f, isum[m] = 0;
+/* Chunk `ch` (rows 16 ch .. 16 ch + 15) of the M rows of x (quantized) in B's layout, by block;
+ * rows past M are zeros. */
+static void amx_pack_x(const q8_row_t *xq, int M, int K, int ch, uint8_t *out) {
+    const int nb = K / QK;
+    for (int b = 0; b < nb; b++) {
+        uint8_t *o = out + ((int64_t)ch * nb + b) * AMX_X_BLOCK;
+        uint32_t *hi = (uint32_t *)o, *lo = (uint32_t *)(o + 512);
+        float *dx = (float *)(o + 1024), *sx = dx + 16;
+        int32_t *isum = (int32_t *)(sx + 16);
+        for (int m = 0; m < 16; m++) {
+            const int row = ch * 16 + m;
+            if (row < M) {
+                const uint32_t *qh = (const uint32_t *)(xq[row].q + b * QK), *ql = (const uint32_t *)(xq[row].lo + b * QK);
+                for (int c = 0; c < 8; c++) {
+                    hi[c * 16 + m] = qh[c];
+                    lo[c * 16 + m] = ql[c];
                 }
+                dx[m] = xq[row].dx[b], sx[m] = xq[row].sx[b], isum[m] = xq[row].isum[b];
+            } else {
+                for (int c = 0; c < 8; c++) hi[c * 16 + m] = lo[c * 16 + m] = 0;
+                dx[m] = sx[m] = 0.f, isum[m] = 0;
             }
         }
     }
 }
+
+/* Bytes of the packed x (M rows of K values), and of one thread's packed weight group and sums. */
+static inline size_t amx_x_bytes(int M, int K) { return (size_t)((M + 15) / 16) * (size_t)(K / QK) * AMX_X_BLOCK; }
+static inline size_t amx_w_bytes(int K) { return (size_t)(K / QK) * AMX_W_BLOCK + 2048; }
 
 /* Weight rows n0 .. n0 + 15 (rows at or past N repeat row N - 1) into A's layout, by block. */
 static inline __attribute__((always_inline)) void amx_pack_w(int type, const uint8_t *w, int64_t row_bytes, int K,
@@ -153,11 +155,11 @@ static inline __attribute__((always_inline)) void amx_chunk(int type, const uint
         for (int j = 0; j < cols; j++) qt_store_out(y, (int64_t)(m0 + m) * N + n0 + j, out[j][m], bias, n0 + j, bf16);
 }
 
-static inline __attribute__((always_inline)) void amx_groups(int type, const uint8_t *w, int64_t row_bytes,
-                                                             const uint8_t *px, int M, int K, int N, int g0, int g1,
-                                                             const float *bias, void *y, int bf16, uint8_t *pw,
-                                                             int32_t *sums) {
+static inline __attribute__((always_inline)) void amx_groups_of(int type, const uint8_t *w, int64_t row_bytes,
+                                                                const uint8_t *px, int M, int K, int N, int g0, int g1,
+                                                                const float *bias, void *y, int bf16, uint8_t *pw) {
     const int nb = K / QK, chunks = (M + 15) / 16;
+    int32_t *sums = (int32_t *)(pw + (size_t)nb * AMX_W_BLOCK);
     for (int g = g0; g < g1; g++) {
         amx_pack_w(type, w, row_bytes, K, N, g * 16, pw);
         for (int ch = 0; ch < chunks; ch++)
@@ -166,33 +168,41 @@ static inline __attribute__((always_inline)) void amx_groups(int type, const uin
     }
 }
 
-/* y = x . W^T (+ bias) for M >= AMX_MIN_ROWS rows of x already quantized (xq); returns 0, or -1
- * where memory could not be had (nothing written). */
+/* Weight groups g0 .. g1 (16 rows each) against the packed x (amx_pack_x), on this thread's tiles;
+ * pw: amx_w_bytes(K) bytes, 64-aligned. */
+static void amx_groups(int type, const uint8_t *w, int64_t row_bytes, const uint8_t *px, int M, int K, int N, int g0,
+                       int g1, const float *bias, void *y, int bf16, uint8_t *pw) {
+    if (g0 >= g1) return;
+    amx_configure();
+    if (type == QT_Q4_0)
+        amx_groups_of(QT_Q4_0, w, row_bytes, px, M, K, N, g0, g1, bias, y, bf16, pw);
+    else if (type == QT_Q4_1)
+        amx_groups_of(QT_Q4_1, w, row_bytes, px, M, K, N, g0, g1, bias, y, bf16, pw);
+    else
+        amx_groups_of(QT_Q8_0, w, row_bytes, px, M, K, N, g0, g1, bias, y, bf16, pw);
+    _tile_release();
+}
+
+/* y = x . W^T (+ bias) for M >= AMX_MIN_ROWS rows of x already quantized (xq), over the threads;
+ * returns 0, or -1 where memory could not be had (nothing written). */
 static int amx_matmul(int type, const q8_row_t *xq, int M, const uint8_t *w, int64_t row_bytes, const float *bias,
                       void *y, int bf16, int N, int K, int num_threads) {
-    const int nb = K / QK, chunks = (M + 15) / 16, groups = (N + 15) / 16;
-    uint8_t *px = aligned_alloc(64, (size_t)chunks * nb * AMX_X_BLOCK);
+    const int chunks = (M + 15) / 16, groups = (N + 15) / 16;
+    uint8_t *px = aligned_alloc(64, amx_x_bytes(M, K));
     if (px == NULL) return -1;
-    amx_pack_x(xq, M, K, px, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int ch = 0; ch < chunks; ch++) amx_pack_x(xq, M, K, ch, px);
     const int team = num_threads > groups ? groups : num_threads;
     int failed = 0;
 #pragma omp parallel num_threads(team) reduction(| : failed)
     {
-        uint8_t *pw = aligned_alloc(64, (size_t)nb * AMX_W_BLOCK + 2048);
+        uint8_t *pw = aligned_alloc(64, amx_w_bytes(K));
         if (pw == NULL) {
             failed = 1;
         } else {
-            int32_t *sums = (int32_t *)(pw + (size_t)nb * AMX_W_BLOCK);
             const int t = thread_id(), n = team_size();
-            const int g0 = (int)((int64_t)groups * t / n), g1 = (int)((int64_t)groups * (t + 1) / n);
-            amx_configure();
-            if (type == QT_Q4_0)
-                amx_groups(QT_Q4_0, w, row_bytes, px, M, K, N, g0, g1, bias, y, bf16, pw, sums);
-            else if (type == QT_Q4_1)
-                amx_groups(QT_Q4_1, w, row_bytes, px, M, K, N, g0, g1, bias, y, bf16, pw, sums);
-            else
-                amx_groups(QT_Q8_0, w, row_bytes, px, M, K, N, g0, g1, bias, y, bf16, pw, sums);
-            _tile_release();
+            amx_groups(type, w, row_bytes, px, M, K, N, (int)((int64_t)groups * t / n),
+                       (int)((int64_t)groups * (t + 1) / n), bias, y, bf16, pw);
             free(pw);
         }
     }

@@ -215,14 +215,20 @@ static void gemv_share(const void *x, const void *W, const void *bias, void *y, 
 #ifdef MYVLLM_QUANT_STEP
 #include "quant_q8.h"
 #include "quant_x16.h"
+#include "quant_amx.h"
 
 /* Bytes of per-thread scratch for M rows of x quantized to int8 and a packed group of weights (K at
- * most `widest`). */
-#define XQ_BYTES(M, widest) ((size_t)(M) * (size_t)q8_row_bytes(widest) + X16_SCRATCH(widest))
+ * most `widest`): quant_x16.h's, or quant_amx.h's packed x and group. */
+#define XQ_BYTES(M, widest) ((size_t)(M) * (size_t)q8_row_bytes(widest) + X16_SCRATCH(widest) + AMX_SCRATCH(M, widest))
 #ifdef __AVX2__
 #define X16_SCRATCH(widest) ((size_t)x16_scratch_bytes(widest) + 64)
 #else
 #define X16_SCRATCH(widest) ((size_t)0)
+#endif
+#ifdef AMX_QUANT
+#define AMX_SCRATCH(M, widest) ((M) >= AMX_MIN_ROWS ? amx_x_bytes(M, widest) + amx_w_bytes(widest) + 64 : (size_t)0)
+#else
+#define AMX_SCRATCH(M, widest) ((size_t)0)
 #endif
 
 static inline void *out_rows(void *y, int m0, int N, int bf16) {
@@ -251,6 +257,14 @@ static void quant_share(int type, int64_t row_bytes, int int8_dot, const void *x
         }
         const uintptr_t at = (uintptr_t)((char *)xq_mem + (size_t)M * q8_row_bytes(K));
         uint8_t *packed = (uint8_t *)((at + 63) & ~(uintptr_t)63);
+#ifdef AMX_QUANT
+        if (M >= AMX_MIN_ROWS && amx_usable()) { /* the tiles: this thread packs all of x for itself */
+            uint8_t *pw = packed + ((amx_x_bytes(M, K) + 63) & ~(size_t)63);
+            for (int ch = 0; ch < (M + 15) / 16; ch++) amx_pack_x(xq, M, K, ch, packed);
+            amx_groups(type, W, row_bytes, packed, M, K, N, g0, g1, bias, y, bf16, pw);
+            return;
+        }
+#endif
         for (int g = g0; g < g1; g++) {
             x16_pack(type, W, row_bytes, K, N, g * X16, packed);
             x16_group_any(type, xq, M, packed, K, N, g * X16, bias, y, bf16);
