@@ -62,32 +62,57 @@ static inline int64_t x16_group_bytes(int type, int K) { return (int64_t)(K / QK
 static inline int64_t x16_scratch_bytes(int K) { return x16_group_bytes(QT_Q4_1, K); }
 
 #ifdef X16_ZMM
-/* x16_pack's AVX-512 form: each 4-byte word of the 16 rows' blocks fetched by one gather. */
+/* out[c] (c = 0 .. 3), lane j = the c-th 4-byte word of the 16 bytes at base + at[j] + off: each
+ * row's bytes in one load, and a 16 x 4 transpose of 4-byte words by permutes (16-lane gathers
+ * cost several times as much, and a decode step at one row spends most of its time packing). */
+static inline __attribute__((always_inline)) void x16_transpose(const uint8_t *base, const int32_t *at, int64_t off,
+                                                                __m512i out[4]) {
+    __m512i z[4];
+    for (int k = 0; k < 4; k++) {
+        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(base + at[4 * k] + off)));
+        for (int i = 1; i < 4; i++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(base + at[4 * k + i] + off));
+            z[k] = i == 1 ? _mm512_inserti32x4(z[k], v, 1) : i == 2 ? _mm512_inserti32x4(z[k], v, 2)
+                                                                  : _mm512_inserti32x4(z[k], v, 3);
+        }
+    }
+    /* z[k] lane 4 i + c = word c of row 4 k + i; lanes 0 .. 7 of a pair's permute: rows of z[2p], z[2p + 1] */
+    for (int c = 0; c < 4; c++) {
+        const __m512i idx = _mm512_set_epi32(28 + c, 24 + c, 20 + c, 16 + c, 12 + c, 8 + c, 4 + c, c,
+                                             28 + c, 24 + c, 20 + c, 16 + c, 12 + c, 8 + c, 4 + c, c);
+        const __m512i lo = _mm512_permutex2var_epi32(z[0], idx, z[1]), hi = _mm512_permutex2var_epi32(z[2], idx, z[3]);
+        out[c] = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+    }
+}
+
+/* x16_pack's AVX-512 form: the scales by one gather, the quants by x16_transpose. */
 static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const uint8_t *w, int64_t row_bytes, int K,
                                                                int N, int n0, uint8_t *out) {
     const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
     const uint8_t *base = w + (int64_t)n0 * row_bytes;
     int32_t at[X16];
     for (int j = 0; j < X16; j++) at[j] = (int32_t)((n0 + j < N ? j : N - 1 - n0) * row_bytes);
-    __m512i idx = _mm512_loadu_si512((const void *)at);
+    const __m512i idx = _mm512_loadu_si512((const void *)at);
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
-    for (int b = 0; b < nb; b++, out += x16_block_bytes(type), idx = _mm512_add_epi32(idx, _mm512_set1_epi32(bytes))) {
+    for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
+        const int64_t blk = (int64_t)b * bytes;
         /* the scales: d (and Q4_1's m) are the block's first one (two) fp16 */
-        const __m512i head = _mm512_i32gather_epi32(idx, (const void *)base, 1);
+        const __m512i head = _mm512_i32gather_epi32(idx, (const void *)(base + blk), 1);
         _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(head));
         if (type == QT_Q4_1) _mm256_storeu_si256((__m256i *)(out + 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
         uint8_t *q = out + scales;
+        __m512i v[4];
         if (type == QT_Q8_0) {
-            for (int c = 0; c < 8; c++) {
-                const __m512i v = _mm512_i32gather_epi32(idx, (const void *)(base + qs + 4 * c), 1);
-                _mm512_storeu_si512((void *)(q + 64 * c), _mm512_xor_si512(v, flip));
+            for (int h = 0; h < 2; h++) {
+                x16_transpose(base, at, blk + qs + 16 * h, v);
+                for (int c = 0; c < 4; c++) _mm512_storeu_si512((void *)(q + 64 * (4 * h + c)), _mm512_xor_si512(v[c], flip));
             }
         } else {
+            x16_transpose(base, at, blk + qs, v);
             for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_i32gather_epi32(idx, (const void *)(base + qs + 4 * c), 1);
-                _mm512_storeu_si512((void *)(q + 64 * c), _mm512_and_si512(v, low4));
-                _mm512_storeu_si512((void *)(q + 64 * (c + 4)), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+                _mm512_storeu_si512((void *)(q + 64 * c), _mm512_and_si512(v[c], low4));
+                _mm512_storeu_si512((void *)(q + 64 * (c + 4)), _mm512_and_si512(_mm512_srli_epi16(v[c], 4), low4));
             }
         }
     }
