@@ -61,6 +61,14 @@ static inline int64_t x16_group_bytes(int type, int K) { return (int64_t)(K / QK
 /* The scratch a packed group of any type takes (Q4_1's, with its two scales per block, is the widest). */
 static inline int64_t x16_scratch_bytes(int K) { return x16_group_bytes(QT_Q4_1, K); }
 
+/* Block b of nb's share of the prefetches of the next group's `lines` cache lines: spread over the
+ * packing, since a burst of them all at once fills the core's miss buffers and stalls it (measured:
+ * 40% of a one-row decode step's packing time sat on the burst). */
+static inline __attribute__((always_inline)) void x16_prefetch_share(const uint8_t *next, int64_t lines, int b,
+                                                                     int nb) {
+    for (int64_t l = lines * b / nb; l < lines * (b + 1) / nb; l++) _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);
+}
+
 #ifdef X16_ZMM
 /* out[c] (c = 0 .. 3), lane j = the c-th 4-byte word of the 16 bytes at base + at[j] + off: each
  * row's bytes in one load, and a 16 x 4 transpose of 4-byte words by permutes (16-lane gathers
@@ -87,7 +95,8 @@ static inline __attribute__((always_inline)) void x16_transpose(const uint8_t *b
 
 /* x16_pack's AVX-512 form: the scales by one gather, the quants by x16_transpose. */
 static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const uint8_t *w, int64_t row_bytes, int K,
-                                                               int N, int n0, uint8_t *out) {
+                                                               int N, int n0, uint8_t *out, const uint8_t *next,
+                                                               int64_t next_lines) {
     const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
     const uint8_t *base = w + (int64_t)n0 * row_bytes;
     int32_t at[X16];
@@ -96,6 +105,7 @@ static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const u
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
     for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
+        x16_prefetch_share(next, next_lines, b, nb);
         const int64_t blk = (int64_t)b * bytes;
         /* the scales: d (and Q4_1's m) are the block's first one (two) fp16 */
         const __m512i head = _mm512_i32gather_epi32(idx, (const void *)(base + blk), 1);
@@ -120,7 +130,8 @@ static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const u
 #else
 /* x16_pack's AVX2 form: each 4-byte word of 8 rows' blocks fetched by one gather, the scales copied. */
 static inline __attribute__((always_inline)) void x16_pack_ymm(int type, const uint8_t *w, int64_t row_bytes, int K,
-                                                               int N, int n0, uint8_t *out) {
+                                                               int N, int n0, uint8_t *out, const uint8_t *next,
+                                                               int64_t next_lines) {
     const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
     const uint8_t *base = w + (int64_t)n0 * row_bytes;
     int32_t at[X16];
@@ -129,6 +140,7 @@ static inline __attribute__((always_inline)) void x16_pack_ymm(int type, const u
     const __m256i low4 = _mm256_set1_epi8(0x0f), step = _mm256_set1_epi32(bytes);
     const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
     for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
+        x16_prefetch_share(next, next_lines, b, nb);
         for (int j = 0; j < X16; j++) {
             const uint8_t *blk = base + at[j] + (int64_t)b * bytes;
             memcpy(out + 2 * j, blk, 2);
@@ -156,21 +168,18 @@ static inline __attribute__((always_inline)) void x16_pack_ymm(int type, const u
 
 /* Pack weight rows n0 .. n0 + 15 (rows at or past N repeat row N - 1: their outputs are dropped). */
 static void x16_pack(int type, const uint8_t *w, int64_t row_bytes, int K, int N, int n0, uint8_t *out) {
-    /* the next group's rows (contiguous bytes) into the cache while this one is packed and used:
-     * the gathers touch 16 rows at once, more streams than the hardware prefetcher follows */
-    if (n0 + X16 < N) {
-        const uint8_t *next = w + (int64_t)(n0 + X16) * row_bytes;
-        const int64_t len = (int64_t)((N - n0 - X16 < X16 ? N - n0 - X16 : X16)) * row_bytes;
-        for (int64_t off = 0; off < len; off += 64) _mm_prefetch((const char *)next + off, _MM_HINT_T0);
-    }
+    /* the next group's rows (contiguous bytes) into the cache while this one is packed: 16 rows at
+     * once are more streams than the hardware prefetcher follows */
+    const uint8_t *next = w + (int64_t)(n0 + X16) * row_bytes;
+    const int64_t lines = n0 + X16 < N ? ((int64_t)(N - n0 - X16 < X16 ? N - n0 - X16 : X16) * row_bytes + 63) / 64 : 0;
 #ifdef X16_ZMM
-    if (type == QT_Q4_0) return x16_pack_zmm(QT_Q4_0, w, row_bytes, K, N, n0, out);
-    if (type == QT_Q4_1) return x16_pack_zmm(QT_Q4_1, w, row_bytes, K, N, n0, out);
-    return x16_pack_zmm(QT_Q8_0, w, row_bytes, K, N, n0, out);
+    if (type == QT_Q4_0) return x16_pack_zmm(QT_Q4_0, w, row_bytes, K, N, n0, out, next, lines);
+    if (type == QT_Q4_1) return x16_pack_zmm(QT_Q4_1, w, row_bytes, K, N, n0, out, next, lines);
+    return x16_pack_zmm(QT_Q8_0, w, row_bytes, K, N, n0, out, next, lines);
 #else
-    if (type == QT_Q4_0) return x16_pack_ymm(QT_Q4_0, w, row_bytes, K, N, n0, out);
-    if (type == QT_Q4_1) return x16_pack_ymm(QT_Q4_1, w, row_bytes, K, N, n0, out);
-    return x16_pack_ymm(QT_Q8_0, w, row_bytes, K, N, n0, out);
+    if (type == QT_Q4_0) return x16_pack_ymm(QT_Q4_0, w, row_bytes, K, N, n0, out, next, lines);
+    if (type == QT_Q4_1) return x16_pack_ymm(QT_Q4_1, w, row_bytes, K, N, n0, out, next, lines);
+    return x16_pack_ymm(QT_Q8_0, w, row_bytes, K, N, n0, out, next, lines);
 #endif
 }
 
