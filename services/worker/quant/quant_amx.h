@@ -51,7 +51,7 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) amx_config_t;
 
-/* Tiles 0, 1: C (high, low parts); 2: A; 3, 4: B (high, low parts). */
+/* Tiles 0, 1 and 5, 6: C (high, low parts) of even and odd blocks; 2: A; 3, 4: B (high, low parts). */
 static void amx_configure(void) {
     amx_config_t cfg __attribute__((aligned(64)));
     memset(&cfg, 0, sizeof(cfg));
@@ -61,6 +61,8 @@ static void amx_configure(void) {
     cfg.colsb[2] = 32;
     cfg.rows[3] = cfg.rows[4] = 8;
     cfg.colsb[3] = cfg.colsb[4] = 64;
+    cfg.rows[5] = cfg.rows[6] = 16;
+    cfg.colsb[5] = cfg.colsb[6] = 64;
     _tile_loadconfig(&cfg);
 }
 
@@ -92,7 +94,7 @@ static void amx_pack_x(const q8_row_t *xq, int M, int K, int ch, uint8_t *out) {
 
 /* Bytes of the packed x (M rows of K values), and of one thread's packed weight group and sums. */
 static inline size_t amx_x_bytes(int M, int K) { return (size_t)((M + 15) / 16) * (size_t)(K / QK) * AMX_X_BLOCK; }
-static inline size_t amx_w_bytes(int K) { return (size_t)(K / QK) * AMX_W_BLOCK + 2048; }
+static inline size_t amx_w_bytes(int K) { return (size_t)(K / QK) * AMX_W_BLOCK + 4096; }
 
 /* Weight rows n0 .. n0 + 15 (rows at or past N repeat row N - 1) into A's layout, by block. */
 static inline __attribute__((always_inline)) void amx_pack_w(int type, const uint8_t *w, int64_t row_bytes, int K,
@@ -118,8 +120,24 @@ static inline __attribute__((always_inline)) void amx_pack_w(int type, const uin
     }
 }
 
+/* Block sums of one packed block into sums[0 .. 256) (high parts) and sums[256 .. 512) (low), on the
+ * C tiles of even (0, 1) or odd (5, 6) blocks: two pairs, so the tiles of block b + 1 run while the
+ * vector units scale block b's sums (tile numbers are part of the instructions, hence two copies). */
+#define AMX_BLOCK_SUMS(CH, CL, pw, px, sums) \
+    do {                                      \
+        _tile_zero(CH);                       \
+        _tile_zero(CL);                       \
+        _tile_loadd(2, pw, 32);               \
+        _tile_loadd(3, px, 64);               \
+        _tile_loadd(4, (px) + 512, 64);       \
+        _tile_dpbusd(CH, 2, 3);               \
+        _tile_dpbusd(CL, 2, 4);               \
+        _tile_stored(CH, sums, 64);           \
+        _tile_stored(CL, (sums) + 256, 64);   \
+    } while (0)
+
 /* y[m0 .. m0 + rows, n0 .. n0 + 15] from a packed weight group and a packed chunk of x; y row stride
- * N, outputs at or past N (or past the chunk's `rows`) not stored. `sums`: 512 int32, 64-aligned. */
+ * N, outputs at or past N (or past the chunk's `rows`) not stored. `sums`: 1024 int32, 64-aligned. */
 static inline __attribute__((always_inline)) void amx_chunk(int type, const uint8_t *pw, const uint8_t *px, int nb,
                                                             int rows, int N, int n0, int m0, const float *bias,
                                                             void *y, int bf16, int32_t *sums) {
@@ -127,22 +145,21 @@ static inline __attribute__((always_inline)) void amx_chunk(int type, const uint
     const __m512i hi_weight = _mm512_set1_epi32(Q8_HI);
     __m512 acc[16];
     for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    AMX_BLOCK_SUMS(0, 1, pw, px, sums);
     for (int b = 0; b < nb; b++, pw += AMX_W_BLOCK, px += AMX_X_BLOCK) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_loadd(2, pw, 32);
-        _tile_loadd(3, px, 64);
-        _tile_loadd(4, px + 512, 64);
-        _tile_dpbusd(0, 2, 3);
-        _tile_dpbusd(1, 2, 4);
-        _tile_stored(0, sums, 64);
-        _tile_stored(1, sums + 256, 64);
+        if (b + 1 < nb) {
+            if (b & 1)
+                AMX_BLOCK_SUMS(0, 1, pw + AMX_W_BLOCK, px + AMX_X_BLOCK, sums);
+            else
+                AMX_BLOCK_SUMS(5, 6, pw + AMX_W_BLOCK, px + AMX_X_BLOCK, sums + 512);
+        }
+        const int32_t *bs = sums + 512 * (b & 1);
         const float *d = (const float *)(pw + 512), *xs = (const float *)(px + 1024);
         const __m512 dx = _mm512_loadu_ps(xs), sx = _mm512_loadu_ps(xs + 16);
         const __m512i corr = _mm512_mullo_epi32(_mm512_loadu_si512((const void *)(xs + 32)), _mm512_set1_epi32(corr8));
         for (int j = 0; j < 16; j++) {
-            __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512((const void *)(sums + 16 * j)), hi_weight),
-                                         _mm512_load_si512((const void *)(sums + 256 + 16 * j)));
+            __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512((const void *)(bs + 16 * j)), hi_weight),
+                                         _mm512_load_si512((const void *)(bs + 256 + 16 * j)));
             if (corr8) s = _mm512_sub_epi32(s, corr);
             acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[j]), dx), _mm512_cvtepi32_ps(s), acc[j]);
             if (type == QT_Q4_1) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(d[16 + j]), sx, acc[j]);
