@@ -128,7 +128,23 @@ static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const u
     }
 }
 #else
-/* x16_pack's AVX2 form: each 4-byte word of 8 rows' blocks fetched by one gather, the scales copied. */
+/* x16_transpose's AVX2 form for 8 rows: out[c], lane j = the c-th 4-byte word of the 16 bytes at
+ * base + at[j] + off (rows j and j + 4 share a register, then a 4 x 4 transpose per 128-bit lane). */
+static inline __attribute__((always_inline)) void x16_transpose_ymm(const uint8_t *base, const int32_t *at,
+                                                                    int64_t off, __m256i out[4]) {
+    __m256i r[4];
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(base + at[i] + off))),
+                                       _mm_loadu_si128((const __m128i *)(base + at[i + 4] + off)), 1);
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* x16_pack's AVX2 form: two halves of 8 rows, each transposed from row loads; the scales copied. */
 static inline __attribute__((always_inline)) void x16_pack_ymm(int type, const uint8_t *w, int64_t row_bytes, int K,
                                                                int N, int n0, uint8_t *out, const uint8_t *next,
                                                                int64_t next_lines) {
@@ -136,31 +152,31 @@ static inline __attribute__((always_inline)) void x16_pack_ymm(int type, const u
     const uint8_t *base = w + (int64_t)n0 * row_bytes;
     int32_t at[X16];
     for (int j = 0; j < X16; j++) at[j] = (int32_t)((n0 + j < N ? j : N - 1 - n0) * row_bytes);
-    __m256i idx[2] = {_mm256_loadu_si256((const __m256i *)at), _mm256_loadu_si256((const __m256i *)(at + 8))};
-    const __m256i low4 = _mm256_set1_epi8(0x0f), step = _mm256_set1_epi32(bytes);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
     for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
         x16_prefetch_share(next, next_lines, b, nb);
+        const int64_t blk = (int64_t)b * bytes;
         for (int j = 0; j < X16; j++) {
-            const uint8_t *blk = base + at[j] + (int64_t)b * bytes;
-            memcpy(out + 2 * j, blk, 2);
-            if (type == QT_Q4_1) memcpy(out + X16 * 2 + 2 * j, blk + 2, 2);
+            memcpy(out + 2 * j, base + at[j] + blk, 2);
+            if (type == QT_Q4_1) memcpy(out + X16 * 2 + 2 * j, base + at[j] + blk + 2, 2);
         }
         uint8_t *q = out + scales;
+        __m256i v[4];
         for (int h = 0; h < 2; h++) {
             if (type == QT_Q8_0) {
-                for (int c = 0; c < 8; c++)
-                    _mm256_storeu_si256((__m256i *)(q + 64 * c + 32 * h),
-                                        _mm256_i32gather_epi32((const int *)(base + qs + 4 * c), idx[h], 1));
+                for (int half = 0; half < 2; half++) {
+                    x16_transpose_ymm(base, at + 8 * h, blk + qs + 16 * half, v);
+                    for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i *)(q + 64 * (4 * half + c) + 32 * h), v[c]);
+                }
             } else {
+                x16_transpose_ymm(base, at + 8 * h, blk + qs, v);
                 for (int c = 0; c < 4; c++) {
-                    const __m256i v = _mm256_i32gather_epi32((const int *)(base + qs + 4 * c), idx[h], 1);
-                    _mm256_storeu_si256((__m256i *)(q + 64 * c + 32 * h), _mm256_and_si256(v, low4));
+                    _mm256_storeu_si256((__m256i *)(q + 64 * c + 32 * h), _mm256_and_si256(v[c], low4));
                     _mm256_storeu_si256((__m256i *)(q + 64 * (c + 4) + 32 * h),
-                                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+                                        _mm256_and_si256(_mm256_srli_epi16(v[c], 4), low4));
                 }
             }
-            idx[h] = _mm256_add_epi32(idx[h], step);
         }
     }
 }
