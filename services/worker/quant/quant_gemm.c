@@ -11,9 +11,8 @@
  * Paths, by the number of rows of x:
  * - where asked (int8_dot) and the build has it for the type (Q4_0, Q4_1, Q8_0 with AVX2), x is
  *   quantized per 32-value block (two int8 parts, quant_q8.h) and the products are integer dot
- *   products: at one row q8_gemv_rows (quant_q8.h), one stream over the weight rows; from X16_MIN_ROWS rows the packed
- *   groups of 16 weight rows of quant_x16.h, compute-bound kernels that use each weight byte for
- *   every row of x;
+ *   products on packed groups of 16 weight rows (quant_x16.h; from 16 rows on AMX tiles,
+ *   quant_amx.h), each weight byte used for every row of x;
  * - otherwise (quant_f32.h), exact fp32 products: below TILE_MIN_ROWS qf_gemv_rows, GEMV_ROWS rows of
  *   x per pass over the weight rows; from there tile_rows, each weight byte read once per call.
  * All are split over the threads by weight rows (OpenMP, torch's pool).
@@ -22,9 +21,9 @@
  * Q8_0 49152x576 LM head, and a decode step's 210 Q4_1 products, bytes read per second against
  * torch's t.sum() over 512 MB): the int8 path is several times faster than the fp32 one at M = 1,
  * whose exact dequantization through an L1 buffer is compute-bound, so decode takes the int8 path
- * by default (kernels.py's INT8_DOT). The prefetch a kilobyte ahead in the int8 path matters on a
- * cold matrix (every layer's weights in a decode step): without it the rows' short streams ran
- * at a fraction of the read bandwidth.
+ * by default (kernels.py's INT8_DOT). Prefetching the next group while one is packed matters on a
+ * cold matrix (every layer's weights in a decode step): 16 rows at once are more streams than the
+ * hardware prefetcher follows.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -105,28 +104,7 @@ void qg_matmul(int type, const void *x, int x_bf16, const uint8_t *w, int64_t ro
         xf = conv;
         thread_scratch_base = scratch + total;
     }
-    if (M < X16_MIN_ROWS && int8_dot && q8_covers(type)) {
-#ifdef __AVX2__
-        q8_row_t xq[X16_MIN_ROWS];
-        for (int m = 0; m < M; m++) {
-            xq[m] = q8_row_at((char *)thread_scratch_base + m * q8_row_bytes(K), K);
-            q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
-        }
-        if (num_threads > N) num_threads = N;
-#pragma omp parallel num_threads(num_threads)
-        {
-            int n0, n1;
-            share(N, thread_id(), team_size(), &n0, &n1);
-            for (int r0 = 0; r0 < M; r0 += GEMV_ROWS) {
-                const int R = M - r0 < GEMV_ROWS ? M - r0 : GEMV_ROWS;
-                void *yr = x_bf16 ? (void *)((uint16_t *)y + (int64_t)r0 * N) : (void *)((float *)y + (int64_t)r0 * N);
-                q8_gemv_any(type, xq + r0, w, row_bytes, K, N, n0, n1, bias, yr, x_bf16, R);
-            }
-        }
-#endif
-        return;
-    }
-    if (int8_dot && q8_covers(type)) { /* M >= X16_MIN_ROWS */
+    if (int8_dot && q8_covers(type)) {
 #ifdef __AVX2__
         q8_row_t *xq = malloc(sizeof(q8_row_t) * (size_t)M);
         if (xq == NULL) return;

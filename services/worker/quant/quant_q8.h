@@ -1,6 +1,6 @@
-/* The integer-product path of quant_gemm.c for Q4_0, Q4_1 and Q8_0 weights, with AVX2 or better:
- * each 32-value block of a row of x is quantized to 16 bits held as two int8 parts (q8_row:
- * x ~ dx * (254 * hi + lo), hi = round(x / (254 dx)) within [-127, 127], lo the rounded remainder,
+/* The quantized x of quant_gemm.c's integer products (quant_x16.h, quant_amx.h) for Q4_0, Q4_1 and
+ * Q8_0 weights, with AVX2 or better: each 32-value block of a row of x is quantized to 16 bits
+ * held as two int8 parts (q8_row: x ~ dx * (254 * hi + lo), hi = round(x / (254 dx)) within [-127, 127], lo the rounded remainder,
  * also within [-127, 127]), and a weight block's dot product with it is two sums of 32 uint8/int8
  * products, exact in int32, by AVX-512 VNNI's vpdpbusd or AVX2's vpmaddubsw + vpmaddwd, joined in
  * int32 as 254 * sum(w hi) + sum(w lo); then one fp32 multiply-add per block by d * dx.
@@ -102,96 +102,6 @@ static inline void q8_quantize_row(const float *x, int K, q8_row_t r) {
         r.isum[b] = isum;
     }
 }
-
-#ifdef __AVX2__
-/* 8 int32 sums of 4 products each of u (unsigned) by s (signed) bytes: u <= 128 and |s| <= 127, so
- * vpmaddubsw's int16 pair sums never saturate. */
-static inline __attribute__((always_inline)) __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline float hsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-#define Q8_PREFETCH 1024
-
-/* Weight rows n0 .. n1 of `type` against R (1 .. 4) quantized rows of x; y row stride N. */
-static inline __attribute__((always_inline)) void q8_gemv_rows(int type, const q8_row_t *xq, const uint8_t *w,
-                                                               int64_t row_bytes, int K, int N, int n0, int n1,
-                                                               const float *bias, void *y, int bf16, const int R) {
-    const int nb = K / QK, bytes = qt_block_bytes(type);
-    const __m256i low4 = _mm256_set1_epi8(0x0f), hi_weight = _mm256_set1_epi32(Q8_HI);
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *blk = w + (int64_t)n * row_bytes;
-        /* two accumulators per row (even and odd blocks) against the FMA latency */
-        __m256 acc[4][2];
-        float off[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++, blk += bytes) {
-            /* the bytes Q8_PREFETCH ahead (the next rows): a row is a few hundred bytes, too short
-             * a stream for the hardware prefetcher to run ahead of on a cold matrix */
-            _mm_prefetch((const char *)blk + Q8_PREFETCH, _MM_HINT_T0);
-            const float d = fp16_to_f32(blk);
-            __m256i u, s[4], l[4];
-            if (type == QT_Q8_0) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                u = _mm256_sign_epi8(q, q); /* |q| as unsigned (-128 -> 128) */
-                for (int r = 0; r < R; r++) {
-                    s[r] = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq[r].q + b * QK)), q);
-                    l[r] = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq[r].lo + b * QK)), q);
-                }
-            } else {
-                const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == QT_Q4_1 ? 4 : 2)));
-                u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-                for (int r = 0; r < R; r++) {
-                    s[r] = _mm256_loadu_si256((const __m256i *)(xq[r].q + b * QK));
-                    l[r] = _mm256_loadu_si256((const __m256i *)(xq[r].lo + b * QK));
-                }
-            }
-            const float m = type == QT_Q4_1 ? fp16_to_f32(blk + 2) : 0.f;
-            for (int r = 0; r < R; r++) {
-                const __m256i qs = _mm256_add_epi32(_mm256_mullo_epi32(dot_u8s8(u, s[r]), hi_weight), dot_u8s8(u, l[r]));
-                const __m256 p = _mm256_cvtepi32_ps(qs);
-                acc[r][b & 1] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xq[r].dx[b]), acc[r][b & 1]);
-                if (type == QT_Q4_1)
-                    off[r] += m * xq[r].sx[b];
-                else if (type == QT_Q4_0)
-                    off[r] -= d * xq[r].off8[b];
-            }
-        }
-        for (int r = 0; r < R; r++)
-            qt_store_out(y, (int64_t)r * N + n, hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + off[r], bias, n, bf16);
-    }
-}
-
-static inline void q8_gemv_any(int type, const q8_row_t *xq, const uint8_t *w, int64_t row_bytes, int K, int N, int n0,
-                               int n1, const float *bias, void *y, int bf16, int R) {
-#define Q8_CASE(T, RR) q8_gemv_rows(T, xq, w, row_bytes, K, N, n0, n1, bias, y, bf16, RR)
-#define Q8_TYPE(T)                      \
-    switch (R) {                        \
-    case 1: Q8_CASE(T, 1); break;       \
-    case 2: Q8_CASE(T, 2); break;       \
-    case 3: Q8_CASE(T, 3); break;       \
-    default: Q8_CASE(T, 4); break;      \
-    }
-    if (type == QT_Q4_0) {
-        Q8_TYPE(QT_Q4_0)
-    } else if (type == QT_Q4_1) {
-        Q8_TYPE(QT_Q4_1)
-    } else {
-        Q8_TYPE(QT_Q8_0)
-    }
-#undef Q8_TYPE
-#undef Q8_CASE
-}
-#endif
 
 /* Whether the int8 path covers `type` in this build. */
 static inline int q8_covers(int type) {

@@ -1,10 +1,10 @@
-/* The int8 path of quant_gemm.c for many rows of x (prefill, batched decode) on Q4_0, Q4_1 and Q8_0
- * weights: x quantized per 32-value block as in quant_q8.h, integer dot products on sixteen weight
- * rows at once.
+/* The integer path of quant_gemm.c (and the quantized decode step) on Q4_0, Q4_1 and Q8_0 weights,
+ * for any number of rows of x: x quantized per 32-value block as in quant_q8.h, integer dot
+ * products on sixteen weight rows at once.
  *
- * Why sixteen at once: the row kernel of quant_q8.h sums one weight row's block in the lanes of
- * a vector, then adds the lanes up, one block and one output at a time; that suits a GEMV, which
- * waits on memory anyway, but with many rows of x it is compute-bound. Here a group of 16 weight
+ * Why sixteen at once: a kernel that sums one weight row's block in the lanes of a vector, then
+ * adds the lanes up, does one block and one output at a time, and with many rows of x it is
+ * compute-bound; even at one row it lost to this inside a decode step. Here a group of 16 weight
  * rows is first rearranged ("packed", into the thread's scratch, which stays in L1/L2) so that one
  * 64-byte vector holds 4 consecutive values of one block of each of the 16 rows: vpdpbusd against
  * 4 bytes of x broadcast to every lane then adds 4 products into each of 16 outputs, and 8 of them
@@ -42,16 +42,10 @@
 #endif
 #endif
 
-/* Rows of x from which quant_gemm.c (and the quantized decode step) take this path rather than
- * quant_q8.h's row kernel. Measured on SmolLM2's Q4_1 decode (AVX-512 VNNI): even at one row the
- * packed groups win inside a whole decode step (its 2 MB layers sit in the caches), and tie on the
- * 28 MB LM head; with AVX2's 8-lane gathers and int16 pair sums the row kernel keeps the one-row
- * products. */
-#ifdef X16_ZMM
-#define X16_MIN_ROWS 1
-#else
-#define X16_MIN_ROWS 2
-#endif
+/* Every int8 call takes this path, from one row of x: inside a whole decode step the packed groups
+ * (their weights streamed, transposed in registers, then used by every row) beat a kernel that
+ * sums one weight row in a vector's lanes, even at one row, with AVX-512 or AVX2 (measured on
+ * SmolLM2's Q4_1 decode). */
 
 #ifdef __AVX2__
 

@@ -251,10 +251,10 @@ def test_the_quantized_step_matches_the_layer_by_layer_forward(quantized_model, 
                                                                dtype: str, int8_dot: bool) -> None:
     """The C step on GGUF blocks against the layer-by-layer quantized forward (quant_matmul). With
     int8 products (every projection here of a type they cover) at 1, 3, 7, 8 and 16 rows (its
-    most): both sides run the same row kernel at one row and the same packed groups from two.
+    most): both sides run the same packed groups (at 16 rows the AMX tiles, where the CPU has them).
     With fp32 products at 1, 3 and 7 rows (its most) and at 8, where the layer-by-layer products
     take quant_gemm.c's fp32 tiles (the step is made to take that many here; it runs the fp32 row
-    GEMV there); at 16 rows both sides take the AMX tiles where the CPU has them.
+    GEMV there).
     fp32-products (INT8_DOT off: both sides multiply x by the exactly dequantized weights): the
     same hidden states and logits up to fp32 summation order (observed ~1e-6 of the scale in
     fp32; bounds as the dense step's). int8-products: each product has the layer kernels' bits

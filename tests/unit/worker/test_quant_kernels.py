@@ -143,9 +143,8 @@ def test_matmul_matches_exact_products(level: str | None, qtype: GGMLQuantizatio
 @pytest.mark.parametrize("rows", [1, 3, 5, 7, 8, 17, 130])
 def test_int8_path_within_its_bound(level: str | None, qtype: GGMLQuantizationType, rows: int) -> None:
     """Calls with int8 activations, where the build has that path (else the fp32 path, within the
-    tighter bound): 5 to 7 rows take a second pass over the weights in the row kernel; 8 or more
-    run on packed groups of 16 weight rows (37 outputs: a partial group), 4 rows of x at a time
-    and a tail."""
+    tighter bound): packed groups of 16 weight rows (37 outputs: a partial group), 4 rows of x at
+    a time and a tail; from 16 rows on AMX tiles where the build has them."""
     gemm = QuantGemm.load(level)
     n, k = 37, 576
     raw = random_blocks(qtype, n, k, seed=rows)

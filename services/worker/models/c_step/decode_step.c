@@ -237,15 +237,15 @@ static inline void *out_rows(void *y, int m0, int N, int bf16) {
 
 /* This thread's share of a projection whose weight W is N rows of `type` blocks (row_bytes each),
  * through the kernels qg_matmul runs for the same M, so each output has its bits: where int8_dot
- * and the build have them for the type, int8 dot products on x quantized per 32-value block (the
- * row kernel at one row, packed groups of 16 weight rows from X16_MIN_ROWS, a share of the groups
- * per thread); else the exact fp32 row GEMV, which qg_matmul runs below TILE_MIN_ROWS only (the
+ * and the build have them for the type, integer dot products on x quantized per 32-value block
+ * (packed groups of 16 weight rows, a share of the groups per thread; AMX tiles from 16 rows);
+ * else the exact fp32 row GEMV, which qg_matmul runs below TILE_MIN_ROWS only (the
  * step then takes fewer rows: decode_step.py). Every thread quantizes the few rows of x itself, as
  * it widens them: cheaper than another barrier. bias: fp32 or NULL. */
 static void quant_share(int type, int64_t row_bytes, int int8_dot, const void *x, const void *W, const float *bias,
                         void *y, int K, int N, int M, int bf16, float *restrict xf, void *xq_mem, int tid, int nth) {
 #ifdef __AVX2__
-    if (M >= X16_MIN_ROWS && int8_dot && q8_covers(type)) { /* this thread's groups of 16 rows */
+    if (int8_dot && q8_covers(type)) { /* this thread's groups of 16 rows */
         const int groups = (N + X16 - 1) / X16, per = (groups + nth - 1) / nth;
         const int g0 = tid * per, g1 = g0 + per < groups ? g0 + per : groups;
         if (g0 >= g1) return;
@@ -276,20 +276,6 @@ static void quant_share(int type, int64_t row_bytes, int int8_dot, const void *x
     const int r0 = tid * per, r1 = r0 + per < N ? r0 + per : N;
     if (r0 >= r1) return;
     load_f32(x, 0, M * K, bf16, xf);
-#ifdef __AVX2__
-    if (M < TILE_MIN_ROWS && int8_dot && q8_covers(type)) {
-        q8_row_t xq[MAX_ROWS];
-        for (int m = 0; m < M; m++) {
-            xq[m] = q8_row_at((char *)xq_mem + m * q8_row_bytes(K), K);
-            q8_quantize_row(xf + (int64_t)m * K, K, xq[m]);
-        }
-        for (int m0 = 0; m0 < M; m0 += GEMV_ROWS) {
-            const int R = M - m0 < GEMV_ROWS ? M - m0 : GEMV_ROWS;
-            q8_gemv_any(type, xq + m0, W, row_bytes, K, N, r0, r1, bias, out_rows(y, m0, N, bf16), bf16, R);
-        }
-        return;
-    }
-#endif
     (void)xq_mem;
     (void)int8_dot;
     for (int m0 = 0; m0 < M; m0 += GEMV_ROWS) {
@@ -457,8 +443,7 @@ int lm_head_quant(int type, int64_t row_bytes, int int8_dot, const void *x, cons
  * the row GEMVs the layer-by-layer forward runs below that). */
 int quant_tile_min_rows(void) { return TILE_MIN_ROWS; }
 
-/* Whether the int8 products (quant_q8.h below X16_MIN_ROWS rows, quant_x16.h from there, any row
- * count) cover `type` in this build. */
+/* Whether the integer products (quant_x16.h, any row count) cover `type` in this build. */
 int quant_int8_dot(int type) { return q8_covers(type); }
 #endif
 
