@@ -60,6 +60,12 @@ from services.worker.topk_topp import draw, random_dists
 _NEG_INF = float("-inf")
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first index on ties as argmax's: torch.max's indices, which CPU torch
+    finds several times faster than argmax does over a vocabulary of logits (in bf16 most)."""
+    return torch.max(logits, dim=-1).indices
+
+
 class Sampler:
     def __init__(self, max_num_reqs: int = 256, vocab_size: int | None = None,
                  device: torch.device | str = "cpu") -> None:
@@ -80,9 +86,9 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.logprobs_k is not None else None
         logits = apply_processors(logits, md, inplace=True)
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_ids(logits)
         else:
-            sampled = logits.argmax(dim=-1) if md.any_greedy else None
+            sampled = greedy_ids(logits) if md.any_greedy else None
             for dist in random_dists(logits, md):
                 ids = draw(dist)
                 if sampled is None and dist.index.numel() == logits.shape[0]:
@@ -122,7 +128,7 @@ class Sampler:
         for random rows their normalised distribution after every stage, [B, vocab] (zeros on
         greedy rows; None when every row is greedy). `logits` are left untouched."""
         x = apply_processors(logits, md)
-        argmax = x.argmax(dim=-1)
+        argmax = greedy_ids(x)
         if md.all_greedy:
             return argmax, None
         probs = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -22,7 +22,7 @@ from services.offline import LLM, SamplingParams
 from services.worker.exponential import exponential_, exponential_like
 from services.worker.input_batch import InputBatch
 from services.worker.logits_processors import apply_processors
-from services.worker.sampler import Sampler
+from services.worker.sampler import Sampler, greedy_ids
 from services.worker.sampling_metadata import build_sampling_metadata
 
 V = 50
@@ -464,3 +464,14 @@ def test_penalties_change_a_repetitive_greedy_output(llm: LLM) -> None:
     for kw, out in zip(kws, outs, strict=True):
         assert out != base, kw
         assert max(out.count(t) for t in set(out)) < max(base.count(t) for t in set(base)), kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_are_argmax_with_its_ties_and_nans(dtype: torch.dtype) -> None:
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[0, 5] = logits[0, 70] = 100  # a tie: the first
+    logits[1] = 0  # all equal: index 0
+    logits[2, 3], logits[2, 100] = 100, float("nan")  # a NaN wins, as in argmax
+    got = greedy_ids(logits)
+    assert got[:3].tolist() == [5, 0, 100]
+    assert torch.equal(got, logits.argmax(dim=-1))
