@@ -63,6 +63,11 @@ static inline __attribute__((always_inline)) void x16_prefetch_share(const uint8
     for (int64_t l = lines * b / nb; l < lines * (b + 1) / nb; l++) _mm_prefetch((const char *)next + 64 * l, _MM_HINT_T0);
 }
 
+/* Byte offsets from row n0 of the group's 16 rows (rows at or past N repeat row N - 1). */
+static inline void x16_row_offsets(int N, int n0, int64_t row_bytes, int32_t at[X16]) {
+    for (int j = 0; j < X16; j++) at[j] = (int32_t)((n0 + j < N ? j : N - 1 - n0) * row_bytes);
+}
+
 #ifdef X16_ZMM
 /* out[c] (c = 0 .. 3), lane j = the c-th 4-byte word of the 16 bytes at base + at[j] + off: each
  * row's bytes in one load, and a 16 x 4 transpose of 4-byte words by permutes (16-lane gathers
@@ -94,7 +99,7 @@ static inline __attribute__((always_inline)) void x16_pack_zmm(int type, const u
     const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
     const uint8_t *base = w + (int64_t)n0 * row_bytes;
     int32_t at[X16];
-    for (int j = 0; j < X16; j++) at[j] = (int32_t)((n0 + j < N ? j : N - 1 - n0) * row_bytes);
+    x16_row_offsets(N, n0, row_bytes, at);
     const __m512i idx = _mm512_loadu_si512((const void *)at);
     const __m512i low4 = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
@@ -145,7 +150,7 @@ static inline __attribute__((always_inline)) void x16_pack_ymm(int type, const u
     const int nb = K / QK, bytes = qt_block_bytes(type), qs = type == QT_Q4_1 ? 4 : 2;
     const uint8_t *base = w + (int64_t)n0 * row_bytes;
     int32_t at[X16];
-    for (int j = 0; j < X16; j++) at[j] = (int32_t)((n0 + j < N ? j : N - 1 - n0) * row_bytes);
+    x16_row_offsets(N, n0, row_bytes, at);
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     const int scales = X16 * 2 * (type == QT_Q4_1 ? 2 : 1);
     for (int b = 0; b < nb; b++, out += x16_block_bytes(type)) {
