@@ -32,22 +32,22 @@
 #define Q8_HI 254
 
 /* A row of x quantized by 32-value blocks: K int8 high parts q, K int8 low parts lo and, per block,
- * dx, dx * sum(qx) (Q4_1's offset), 8 * dx * sum(qx) (Q4_0's) and sum(qx) (quant_x16.h's integer
- * offsets), qx = Q8_HI * q + lo. */
+ * dx, dx * sum(qx) (Q4_1's offset) and sum(qx) (Q4_0's and Q8_0's integer offsets), qx = Q8_HI * q
+ * + lo. */
 typedef struct {
     int8_t *q, *lo;
-    float *dx, *sx, *off8;
+    float *dx, *sx;
     int32_t *isum;
 } q8_row_t;
 
 /* Bytes one quantized row of K values takes in the scratch (a multiple of 64). */
-static inline int64_t q8_row_bytes(int K) { return (2 * (int64_t)K + 4 * 4 * (K / QK) + 63) / 64 * 64; }
+static inline int64_t q8_row_bytes(int K) { return (2 * (int64_t)K + 3 * 4 * (K / QK) + 63) / 64 * 64; }
 
 static inline q8_row_t q8_row_at(void *base, int K) {
     const int nb = K / QK;
     float *f = (float *)base;
-    int8_t *q = (int8_t *)(f + 4 * nb);
-    q8_row_t r = {q, q + K, f, f + nb, f + 2 * nb, (int32_t *)(f + 3 * nb)};
+    int8_t *q = (int8_t *)(f + 3 * nb);
+    q8_row_t r = {q, q + K, f, f + nb, (int32_t *)(f + 2 * nb)};
     return r;
 }
 
@@ -76,7 +76,6 @@ static inline void q8_quantize_row(const float *x, int K, q8_row_t r) {
         const int isum = _mm512_reduce_add_epi32(sum);
         r.dx[b] = dx;
         r.sx[b] = dx * (float)isum;
-        r.off8[b] = 8.f * dx * (float)isum;
         r.isum[b] = isum;
     }
     return;
@@ -98,7 +97,6 @@ static inline void q8_quantize_row(const float *x, int K, q8_row_t r) {
         }
         r.dx[b] = dx;
         r.sx[b] = dx * (float)isum;
-        r.off8[b] = 8.f * dx * (float)isum;
         r.isum[b] = isum;
     }
 }
