@@ -161,7 +161,7 @@ TOKENIZER_FILES = (
     "merges.txt",
 )
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 FINAL_NORM_SCALE = 8.0
 
 # --------------------------------------------------------------------------- real model
@@ -182,7 +182,15 @@ def smollm2_dir() -> str:
 
 
 def _tiny_config(arch: str):
-    from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         hidden_size=64,
@@ -213,6 +221,11 @@ def _tiny_config(arch: str):
                               tie_word_embeddings=False, use_sliding_window=False, num_experts=8,
                               num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                               decoder_sparse_step=1, mlp_only_layers=[1])
+    if arch == "qwen2_moe":  # Qwen2 attention, the middle layer dense, top-k not renormalised, a shared expert
+        return Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, rope_theta=1000000.0, tie_word_embeddings=False,
+                              use_sliding_window=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=1,
+                              mlp_only_layers=[1])
     if arch == "mixtral":
         return MixtralConfig(**{**common, "intermediate_size": 48}, rope_theta=1000000.0, tie_word_embeddings=False,
                              num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
@@ -226,7 +239,8 @@ def _build_tiny_model(arch: str, out_dir: Path, tokenizer_src: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    seed = {"llama": 1234, "qwen2": 2345, "qwen3": 3456, "qwen3_moe": 4567, "mixtral": 5678, "olmoe": 6789}[arch]
+    seed = {"llama": 1234, "qwen2": 2345, "qwen3": 3456, "qwen3_moe": 4567, "mixtral": 5678, "olmoe": 6789,
+            "qwen2_moe": 7890}[arch]
     torch.manual_seed(seed)
     config = _tiny_config(arch)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -242,8 +256,8 @@ def _build_tiny_model(arch: str, out_dir: Path, tokenizer_src: Path) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.2)  # the router (some inits zero it: every expert tied)
+            elif name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
+                p.normal_(0.0, 0.2)  # the router and shared-expert gate (some inits zero them)
     out_dir.mkdir(parents=True, exist_ok=True)
     # qwen2 is written sharded so that model.safetensors.index.json is exercised.
     shard = "2MB" if arch == "qwen2" else "10GB"

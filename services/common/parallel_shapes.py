@@ -31,6 +31,9 @@ def check_tensor_parallel_shapes(config: Any, size: int, expert_parallel: bool =
     expert_width = getattr(config, "moe_intermediate_size", None)  # each routed expert's columns split too
     if expert_width and expert_width % size and not expert_parallel:
         raise ValueError(f"tensor_parallel_size={size} does not divide moe_intermediate_size={expert_width}")
+    shared_width = getattr(config, "shared_expert_intermediate_size", None)  # split like a dense MLP
+    if shared_width and shared_width % size and not expert_parallel:
+        raise ValueError(f"tensor_parallel_size={size} does not divide shared_expert_intermediate_size={shared_width}")
 
 
 def read_model_shapes(model_dir: str) -> SimpleNamespace | None:

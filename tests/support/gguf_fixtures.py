@@ -1,8 +1,8 @@
 """Tiny GGUF checkpoints for the quantized-weights tests: a tiny HF model's weights quantized
 with gguf-py and written with GGUFWriter, beside an HF directory holding exactly the
 dequantized weights (so the two must compute the same). Mixture-of-experts checkpoints
-(qwen3_moe, mixtral) are written as llama.cpp writes them: each projection's experts stacked
-into one 3-D tensor, the router as ffn_gate_inp."""
+(qwen3_moe, qwen2_moe with its shared expert, mixtral) are written as llama.cpp writes them: each
+projection's experts stacked into one 3-D tensor, the router as ffn_gate_inp."""
 
 from __future__ import annotations
 
@@ -42,7 +42,10 @@ _QTYPES = {"attn_q": GGMLQuantizationType.Q8_0, "attn_k": GGMLQuantizationType.Q
            "output": GGMLQuantizationType.Q8_0,
            # Experts: gate and up of two types (a fused gate_up of two parts), down a third.
            "ffn_gate_exps": GGMLQuantizationType.Q4_0, "ffn_up_exps": GGMLQuantizationType.Q4_1,
-           "ffn_down_exps": GGMLQuantizationType.Q8_0}
+           "ffn_down_exps": GGMLQuantizationType.Q8_0,
+           # A shared expert (qwen2moe) as llama.cpp quantizes it, like a dense MLP; its gate stays F32.
+           "ffn_gate_shexp": GGMLQuantizationType.Q4_0, "ffn_up_shexp": GGMLQuantizationType.Q4_1,
+           "ffn_down_shexp": GGMLQuantizationType.Q8_0}
 
 
 def _gguf_name(hf: str) -> str:

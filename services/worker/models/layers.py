@@ -1,5 +1,5 @@
 """Building blocks shared by the decoder-only architectures (Llama, Qwen2, Qwen3, and the
-mixture-of-experts Qwen3-MoE, Mixtral and OLMoE, whose MLP is a `moe.SparseMoeBlock`).
+mixture-of-experts Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE, whose MLP is a `moe.SparseMoeBlock`).
 
 Projections are fused where HF keeps them apart (q/k/v into one `qkv_proj`, gate/up into
 one `gate_up_proj`): one matmul instead of three or two per layer; models/loader.py maps HF
@@ -140,7 +140,8 @@ class SelfAttention(nn.Module):
         self.kv_head_start, self.num_kv_heads = kv_head_range(config.num_key_value_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = spec.qkv_bias or getattr(config, "attention_bias", False)
+        # Qwen2-MoE's config says whether q/k/v carry biases (`qkv_bias`); the others' architecture does.
+        bias = getattr(config, "qkv_bias", spec.qkv_bias) or getattr(config, "attention_bias", False)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.full_qk_norm = spec.full_qk_norm

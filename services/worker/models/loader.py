@@ -212,6 +212,9 @@ def tp_range(model: DecoderForCausalLM, name: str) -> tuple[int, int, int] | Non
         return 0, attn.head_start * d, attn.q_size
     if attn.full_qk_norm and ".k_norm." in name:
         return 0, attn.kv_head_start * d, attn.kv_size
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None and ".shared_expert." in name:  # its own columns (whole under expert parallelism)
+        return (1 if ".down_proj." in name else 0), shared.intermediate_start, shared.intermediate_size
     if ".gate_proj." in name or ".up_proj." in name:
         return 0, mlp.intermediate_start, mlp.intermediate_size
     if ".down_proj.weight" in name:

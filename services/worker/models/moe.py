@@ -18,6 +18,8 @@ as one fused layer.
   With data-parallel engines as one expert-parallel group the engines' tokens differ: each
   (token, expert) pair travels to its expert's rank and back (expert_dispatch.py), every engine
   taking part in every layer's exchange, with no tokens on a dummy step.
+- A shared expert (`MoeSpec.shared_expert`, Qwen2-MoE; shared_expert.py): a gated dense MLP every
+  token runs beside its routed experts, added to their sum.
 
 The experts are one opaque custom op (`myvllm::moe_experts`): torch.compile keeps the
 data-dependent grouping outside its graph and compiles the rest of the layer around it.
@@ -34,6 +36,12 @@ from torch import nn
 
 from services.worker.cpu.moe_experts import CpuMoeExperts
 from services.worker.models.expert_dispatch import dispatch_and_combine
+from services.worker.models.shared_expert import (
+    SharedExpert,
+    is_shared_expert_weight,
+    load_shared_expert,
+    shared_expert_pieces,
+)
 from services.worker.parallel import (
     ExpertParallel,
     all_gather_tp,
@@ -56,6 +64,8 @@ class MoeSpec:
     fp32_weights: bool = False  # routing weights stay fp32 (Mixtral) instead of the model dtype
     checkpoint_module: str = "mlp"  # the block's name in checkpoints (Mixtral: block_sparse_moe)
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    # A gated dense MLP beside the routed experts (Qwen2-MoE), `shared_expert_intermediate_size` wide.
+    shared_expert: bool = False
 
     def is_moe_layer(self, config, layer_idx: int) -> bool:
         """Qwen-MoE's rule (`mlp_only_layers`, `decoder_sparse_step`); every layer elsewhere."""
@@ -176,6 +186,12 @@ class SparseMoeBlock(nn.Module):
             self.intermediate_start, self.intermediate_size = column_range(width, get_tp())
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)  # the router
         self.experts = FusedExperts(self.num_local_experts, config.hidden_size, self.intermediate_size)
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if spec.shared_expert:  # split like the dense MLP, except under expert parallelism
+            self.shared_expert = SharedExpert(config.hidden_size, config.shared_expert_intermediate_size,
+                                              split=get_ep().size == 1)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         # Data-parallel engines in one group: every rank's first expert, for the dispatch.
         ep = get_ep()
         self.dispatch_starts: list[int] | None = [
@@ -187,11 +203,22 @@ class SparseMoeBlock(nn.Module):
         weights_dtype = torch.float32 if self.spec.fp32_weights else x.dtype
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, weights_dtype)
         if self.dispatch_starts is not None:
-            return self._dispatch(x, weights, ids)
+            return self._add_shared_expert(ops, x, self._dispatch(x, weights, ids))
         if self.num_local_experts < self.num_experts:  # local ids; another rank's experts fall outside
             ids = ids - self.expert_start
         y = self.experts(x, weights, ids)
-        return all_reduce(y) if get_tp().size > 1 else y
+        partial_shared = self.shared_expert is not None and self.shared_expert.partial
+        if partial_shared:  # this rank's columns of it: the experts' all-reduce sums it once
+            y = self._add_shared_expert(ops, x, y)
+        y = all_reduce(y) if get_tp().size > 1 else y
+        return y if partial_shared else self._add_shared_expert(ops, x, y)
+
+    def _add_shared_expert(self, ops: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + sigmoid(shared_expert_gate(x)) * shared_expert(x), as HF adds it (y alone without
+        a shared expert)."""
+        if self.shared_expert is None:
+            return y
+        return y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(ops, x)
 
     def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This engine's tokens through the group's experts. The engine's T ranks hold the same
@@ -224,6 +251,9 @@ class SparseMoeBlock(nn.Module):
 
     def pieces(self, param: str) -> tuple[str, ...]:
         """The pieces a checkpoint fills of `param` (relative name): one per expert and shard."""
+        shared = shared_expert_pieces(param)
+        if shared is not None:
+            return shared
         local = range(self.expert_start, self.expert_start + self.num_local_experts)
         if param == "experts.w13":
             return tuple(f"{e}.{s}" for e in local for s in (0, 1))
@@ -239,6 +269,8 @@ class SparseMoeBlock(nn.Module):
             return ["gate.weight#"]
         if name in _STACKED:
             return self._load_stacked(_STACKED[name], tensor)
+        if self.shared_expert is not None and is_shared_expert_weight(name):
+            return load_shared_expert(self, name, tensor)
         match = _EXPERT.fullmatch(name)
         gate_name, up_name, down_name = self.spec.expert_names
         if match is None or match.group(2) not in (gate_name, up_name, down_name) \

@@ -28,6 +28,8 @@ _FUSED_SOURCES = {
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    "mlp.shared_expert.down_proj": ("mlp.shared_expert.down_proj",),
 }
 
 
@@ -47,8 +49,8 @@ def install_quant_modules(model: DecoderForCausalLM, quantized: set[str]) -> lis
         layer = model.layers[i]
         for ours, sources in _FUSED_SOURCES.items():
             if any(f"layers.{i}.{source}" in names for source in sources):
-                parent_name, child = ours.split(".")
-                parent = getattr(layer, parent_name)
+                parent_name, child = ours.rsplit(".", 1)
+                parent = _submodule(layer, parent_name)
                 if not isinstance(getattr(parent, child, None), nn.Linear):
                     continue  # an MoE block's experts: not handled here
                 setattr(parent, child, quant_linear_like(getattr(parent, child)))
@@ -64,6 +66,15 @@ def install_quant_modules(model: DecoderForCausalLM, quantized: set[str]) -> lis
         model.lm_head = quant_linear_like(model.lm_head)
         replaced.append("lm_head")
     return replaced
+
+
+def _submodule(layer: nn.Module, name: str) -> nn.Module | None:
+    """layer.<name> (dotted), None where the layer has no such module (e.g. a dense layer's
+    shared expert)."""
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _has_quantized_experts(block: SparseMoeBlock, layer: int, names: set[str]) -> bool:

@@ -1,8 +1,8 @@
 """LLM over the shipped SmolLM2 GGUF, its weights kept in Q4_1/Q8_0 blocks, against LLM over its
 fp32 conversion (models/SmolLM2-135M-Instruct: the same file dequantized by transformers, so
 the two hold the same weights and differ in x's quantization and the order of the sums); tiny GGUFs
-(Qwen3, and the MoE Qwen3-MoE and Mixtral with their experts kept in blocks) against their
-dequantized twins."""
+(Qwen3, and the MoE Qwen3-MoE, Qwen2-MoE and Mixtral with their experts kept in blocks) against
+their dequantized twins."""
 
 from __future__ import annotations
 
@@ -125,12 +125,12 @@ def _clear_prefix(tokens: list[int], logprobs: list[dict]) -> int:
     return len(tokens)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_a_tiny_moe_gguf_keeps_its_experts_quantized_and_generates_as_its_dequantized_twin(
         arch: str, tiny_model_dir, tmp_path, monkeypatch) -> None:
-    """Qwen3-MoE (qwen3moe) and Mixtral (a llama file with experts): on the kernels' exact fp32
-    products the greedy tokens are the twin's; on their int8 activations (the default) they are
-    wherever the twin's top two are apart."""
+    """Qwen3-MoE (qwen3moe), Qwen2-MoE (qwen2moe, its shared expert in blocks too) and Mixtral (a
+    llama file with experts): on the kernels' exact fp32 products the greedy tokens are the twin's;
+    on their int8 activations (the default) they are wherever the twin's top two are apart."""
     from support.gguf_fixtures import GGUF_ARCHS, write_quantized_pair
 
     from services.worker.quant.experts import QuantExperts
@@ -144,7 +144,10 @@ def test_a_tiny_moe_gguf_keeps_its_experts_quantized_and_generates_as_its_dequan
         twin.close()
     llm = LLM(gguf_path, tokenizer=twin_dir, **ENGINE_ARGS)
     try:
-        assert isinstance(llm.worker.runner.model.layers[0].mlp.experts, QuantExperts)
+        block = llm.worker.runner.model.layers[0].mlp
+        assert isinstance(block.experts, QuantExperts)
+        if arch == "qwen2_moe":
+            assert isinstance(block.shared_expert.gate_up_proj, QuantLinear)
         monkeypatch.setattr(kernels, "INT8_DOT", False)
         exact = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         monkeypatch.setattr(kernels, "INT8_DOT", True)

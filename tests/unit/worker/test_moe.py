@@ -1,8 +1,9 @@
 """Mixture-of-experts models: routing, the fused experts' torch path (the Triton kernel is in
 test_fused_moe_triton.py), loading both checkpoint layouts, and greedy token ids equal to HF
 transformers for tiny random Qwen3-MoE (one dense layer among the MoE ones, renormalised
-top-k), Mixtral (fp32 routing weights, `block_sparse_moe` names) and OLMoE (whole-projection
-q/k norms, clipped q/k/v, top-k not renormalised): one rank under chunked prefill and
+top-k), Qwen2-MoE (q/k/v biases, top-k not renormalised, a gated shared expert beside the routed
+ones; its logits too), Mixtral (fp32 routing weights, `block_sparse_moe` names) and OLMoE
+(whole-projection q/k norms, clipped q/k/v, top-k not renormalised): one rank under chunked prefill and
 preemption, and two tensor-parallel ranks, with each expert's columns split or, with
 `enable_expert_parallel`, the experts themselves (each rank runs its own on every token); and
 two data-parallel engines as one expert-parallel group (tokens dispatched to their experts'
@@ -14,16 +15,19 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
-from support.hf_reference import hf_greedy
+from support.hf_reference import hf_greedy, load_hf_model
 
 from services.common.sampling_params import SamplingParams
 from services.offline.llm import LLM
+from services.worker.models import moe
+from services.worker.models.load import load_model
 from services.worker.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, route
-from services.worker.parallel import ExpertParallel, expert_range
+from services.worker.parallel import ExpertParallel, TensorParallel, expert_range
 
-MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe"]
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 MAX_NEW_TOKENS = 24
 BLOCK_SIZE = 16
 
@@ -124,6 +128,126 @@ def test_an_expert_parallel_rank_holds_loads_and_runs_only_its_experts(monkeypat
                            torch.cat((torch.zeros_like(block.experts.w2), block.experts.w2)), weights, ids)
     torch.testing.assert_close(block(None, x), want)
     assert (local >= 2).any() and (local == -1).any()
+
+
+def _qwen2_moe_block_config(**overrides) -> object:
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**{"hidden_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16,
+                             "norm_topk_prob": False, "initializer_range": 0.3, **overrides})
+
+
+def _hf_qwen2_moe_block(config) -> torch.nn.Module:
+    """HF's Qwen2-MoE block with random weights (the router and shared-expert gate too)."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    torch.manual_seed(3)
+    block = Qwen2MoeSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    return block
+
+
+def _loaded_block(config, hf_block: torch.nn.Module) -> tuple[SparseMoeBlock, set[str]]:
+    """Our block with HF's block's weights (its in-memory names: experts stacked); the keys filled."""
+    block = SparseMoeBlock(config, MoeSpec(shared_expert=True))
+    keys = set()
+    with torch.no_grad():
+        for name, tensor in hf_block.state_dict().items():
+            keys.update(block.load(name, tensor))
+    return block, keys
+
+
+def test_a_shared_expert_adds_its_gated_output_to_the_routed_experts_as_hf() -> None:
+    """sigmoid(shared_expert_gate(x)) * shared_expert(x) + the routed sum, every parameter
+    loaded (the shared expert's gate/up fused as the dense MLP's), HF's output in fp32."""
+    config = _qwen2_moe_block_config()
+    hf_block = _hf_qwen2_moe_block(config)
+    block, keys = _loaded_block(config, hf_block)
+    want_keys = {f"{name}#{piece}" for name, _ in block.named_parameters() for piece in block.pieces(name)}
+    assert keys == want_keys and "shared_expert.gate_up_proj.weight#1" in keys
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf_block(x[None])[0]
+        routed_only = hf_block.experts(x, *reversed(hf_block.gate(x)[1:]))
+        torch.testing.assert_close(block(None, x), want, rtol=1e-6, atol=1e-6)
+    assert (want - routed_only).abs().max() > 0.1  # the shared expert counts
+
+
+def test_tensor_parallel_ranks_split_the_shared_expert_and_their_partial_outputs_sum_to_the_whole(
+        monkeypatch) -> None:
+    """Two TP ranks: each holds its half of the routed experts' and of the shared expert's columns
+    (the gate whole) and returns its partial output before the all-reduce (here the identity), so
+    the two partials sum to the whole block's output: the reduce covers the shared expert once."""
+    from services.worker import parallel
+
+    config = _qwen2_moe_block_config()
+    hf_block = _hf_qwen2_moe_block(config)
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        whole = _loaded_block(config, hf_block)[0](None, x)
+        monkeypatch.setattr(moe, "all_reduce", lambda y: y)
+        partials = []
+        for rank in range(2):
+            monkeypatch.setattr(parallel, "_state", TensorParallel(rank, 2))
+            block, _ = _loaded_block(config, hf_block)
+            shared = block.shared_expert
+            assert (shared.intermediate_start, shared.intermediate_size, shared.partial) == (8 * rank, 8, True)
+            down = hf_block.shared_expert.down_proj.weight
+            assert torch.equal(shared.down_proj.weight, down[:, 8 * rank:8 * rank + 8])
+            partials.append(block(None, x))
+    torch.testing.assert_close(partials[0] + partials[1], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_parallel_rank_holds_the_whole_shared_expert(monkeypatch) -> None:
+    from services.worker import parallel
+
+    monkeypatch.setattr(parallel, "_ep_state", ExpertParallel(1, 2))
+    monkeypatch.setattr(parallel, "_state", TensorParallel(1, 2))
+    block = SparseMoeBlock(_qwen2_moe_block_config(), MoeSpec(shared_expert=True))
+    shared = block.shared_expert
+    assert (shared.intermediate_start, shared.intermediate_size, shared.partial) == (0, 16, False)
+    assert block.intermediate_size == 8 and block.num_local_experts == 2
+
+
+def _prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Every position's logits of one prompt, prefilled through the torch attention backend."""
+    from services.worker.attention.base import AttentionMetadata, forward_context
+    from services.worker.attention.torch_backend import TorchAttentionBackend
+
+    n, block = ids.shape[0], BLOCK_SIZE
+    num_blocks = -(-n // block)
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.zeros(2, num_blocks + 1, block, layer.num_kv_heads, layer.head_dim)
+    table = np.arange(1, num_blocks + 1, dtype=np.int32)[None]
+    slots = table[0, np.arange(n) // block].astype(np.int64) * block + np.arange(n) % block
+    seq = np.array([n])
+    meta = AttentionMetadata.from_host(slots, np.array([0, n]), seq, np.zeros_like(seq), table, block, "cpu")
+    backend = TorchAttentionBackend()
+    meta.backend_data = backend.prepare(meta)
+    with torch.inference_mode(), forward_context(backend, meta):
+        return model.compute_logits(model(ids, torch.arange(n)))
+
+
+def test_qwen2_moe_logits_equal_hf_in_fp32(tiny_model_dir) -> None:
+    """Every position of a 150-token prompt: the layers' torch ops give HF's logits to fp32
+    rounding; with the CPU fast paths (packed linear layers, the experts' C kernel, the fused
+    elementwise ops) too, within their other order of sums."""
+    from services.worker.models.fast_paths import pack_for_cpu, use_cpu_moe, use_fused_ops
+
+    model_dir = tiny_model_dir("qwen2_moe")
+    ids = torch.tensor(_prompts()[3])
+    with torch.inference_mode():
+        want = load_hf_model(model_dir)(input_ids=ids[None]).logits[0].float()
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["SparseMoeBlock", "MLP", "SparseMoeBlock"]
+    torch.testing.assert_close(_prefill_logits(model, ids), want, rtol=1e-5, atol=1e-4)
+    pack_for_cpu(model)
+    use_cpu_moe(model)
+    use_fused_ops(model)
+    torch.testing.assert_close(_prefill_logits(model, ids), want, rtol=1e-4, atol=1e-3)
 
 
 def _prompts() -> list[list[int]]:
