@@ -1,27 +1,32 @@
 """Load an HF model directory (config.json + safetensors, single file or sharded index) into
 our architecture: checkpoint names mapped onto the fused parameters (q/k/v into `qkv_proj`,
 gate/up into `gate_up_proj`), each tensor sliced to this rank's shard under tensor parallelism
-(services/worker/parallel.py says how things split) and to this rank's stage under pipeline
-parallelism; with one rank every tensor is loaded whole."""
+(services/worker/parallel.py says how things split), to its experts under expert parallelism and
+to its stage under pipeline parallelism; with one rank every tensor is loaded whole.
+
+Which part of a tensor this rank needs is decided from its name and shape before it is read
+(`checkpoint_part`), and only that part is read (checkpoint_parts.py): a rank never reads another
+stage's layers or another rank's experts, nor more of a tensor than its shard."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 
 import torch
-from safetensors import safe_open
-from tqdm import tqdm
 from transformers import AutoConfig
 
 from services.common.config import resolve_dtype_name
 from services.common.cpu_dtype_probe import GemmTimings
 from services.common.parallel_shapes import check_tensor_parallel_shapes
 from services.worker.models import MODEL_REGISTRY, MODEL_TYPE_TO_ARCH
+from services.worker.models.checkpoint_parts import WHOLE, Part, PartFor, part_of, read_parts, take
 from services.worker.models.layers import DecoderForCausalLM, DecoderLayer
 from services.worker.models.moe import SparseMoeBlock
+from services.worker.models.shared_expert import shared_expert_range
 from services.worker.parallel import get_ep, get_tp, vocab_range
 from services.worker.models.quant_install import quantize_linears_int8
 
@@ -55,12 +60,11 @@ def _safetensors_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def iterate_weights(model_dir: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    files = _safetensors_files(model_dir)
-    for path in tqdm(files, desc="Loading safetensors shards", disable=not progress or len(files) < 2):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def iterate_weights(model_dir: str, progress: bool = True,
+                    part_for: PartFor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint in `model_dir`; with `part_for` (as
+    `checkpoint_part`), (name, part) for every tensor it gives a part of, reading only that."""
+    return read_parts(_safetensors_files(model_dir), part_for or (lambda name, shape: WHOLE), progress)
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device, progress: bool = True,
@@ -71,7 +75,7 @@ def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device, prog
         raise ValueError(f"unsupported quantization {quantization!r}; choose from gguf, int8")
     config = AutoConfig.from_pretrained(model_dir)
     model = build_model(config).to_empty(device=device)
-    load_weights(model, iterate_weights(model_dir, progress))
+    load_weights(model, iterate_weights(model_dir, progress, partial(checkpoint_part, model)))
     if quantization == "int8":
         quantize_linears_int8(model)
     return finish_model(model, dtype, device), config
@@ -116,17 +120,50 @@ def fused_target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def needs_weight(model: DecoderForCausalLM, name: str) -> bool:
+    """Whether this rank needs any of checkpoint tensor `name`, from its name alone: not one we
+    never load, another stage's (`holds_weight`) or another rank's expert (the MoE block says)."""
+    name = name.removeprefix("model.")
+    if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and model.tie_word_embeddings) \
+            or not holds_weight(model, name):
+        return False
+    moe = _moe_block_of(model, name)
+    return moe is None or moe[0].holds(moe[2])
+
+
+def checkpoint_part(model: DecoderForCausalLM, name: str, shape: Sequence[int]) -> Part | None:
+    """This rank's part of checkpoint tensor `name` of `shape`, decided before it is read: None
+    where it `needs_weight` none of it, else its shard under tensor parallelism (`tp_range`) or
+    what its MoE block takes (its experts, their columns); WHOLE with one rank."""
+    if not needs_weight(model, name):
+        return None
+    name = name.removeprefix("model.")
+    moe = _moe_block_of(model, name)
+    if moe is not None:
+        return moe[0].part(moe[2], shape)
+    piece = tp_range(model, name)
+    return WHOLE if piece is None else part_of(shape, {piece[0]: piece[1:]})
+
+
+def rank_parts(model: DecoderForCausalLM,
+               weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, this rank's part) of whole checkpoint tensors already in memory, as `checkpoint_part`
+    takes them; the tensors it needs none of left out."""
+    for name, tensor in weights:
+        part = checkpoint_part(model, name, tensor.shape)
+        if part is not None:
+            yield name, take(tensor, part)
+
+
 @torch.no_grad()
-def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into `model`'s parameters (this rank's shard and stage of them);
+def load_weights(model: DecoderForCausalLM, parts: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy this rank's parts of checkpoint tensors (as `checkpoint_part` takes them: read so by
+    `iterate_weights`, or cut from whole tensors by `rank_parts`) into `model`'s parameters;
     KeyError for a tensor the model has no place for, or a parameter the checkpoint leaves out."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for name, tensor in weights:
+    for name, tensor in parts:
         name = name.removeprefix("model.")
-        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and model.tie_word_embeddings) \
-                or not holds_weight(model, name):
-            continue
         moe = _moe_block_of(model, name)
         if moe is not None:  # a router or expert tensor: the block puts it in place
             block, prefix, relative = moe
@@ -136,7 +173,6 @@ def load_weights(model: DecoderForCausalLM, weights: Iterable[tuple[str, torch.T
         if target not in params:
             raise KeyError(f"unexpected weight {name!r} in checkpoint")
         param = params[target]
-        tensor = _tp_slice(model, name, tensor)
         if shard is not None:
             param = param.narrow(0, *shard_range(model, target, shard))
         if tensor.shape[0] < param.shape[0]:  # the last vocabulary shard's padding rows
@@ -181,15 +217,6 @@ def _moe_block_of(model: DecoderForCausalLM, name: str) -> tuple[SparseMoeBlock,
     return mlp, f"layers.{match.group(1)}.mlp.", match.group(3)
 
 
-def _tp_slice(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a checkpoint tensor (the whole tensor with one rank)."""
-    part = tp_range(model, name)
-    if part is None:
-        return tensor
-    dim, start, length = part
-    return tensor.narrow(dim, start, min(length, tensor.shape[dim] - start))
-
-
 def tp_range(model: DecoderForCausalLM, name: str) -> tuple[int, int, int] | None:
     """(dim, start, length) of this rank's part of checkpoint tensor `name`, None for the whole
     tensor (one rank; norms and row-parallel biases, which every rank holds whole). The last
@@ -214,7 +241,7 @@ def tp_range(model: DecoderForCausalLM, name: str) -> tuple[int, int, int] | Non
         return 0, attn.kv_head_start * d, attn.kv_size
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None and ".shared_expert." in name:  # its own columns (whole under expert parallelism)
-        return (1 if ".down_proj." in name else 0), shared.intermediate_start, shared.intermediate_size
+        return shared_expert_range(shared, name)
     if ".gate_proj." in name or ".up_proj." in name:
         return 0, mlp.intermediate_start, mlp.intermediate_size
     if ".down_proj.weight" in name:

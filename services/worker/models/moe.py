@@ -28,6 +28,7 @@ data-dependent grouping outside its graph and compiles the rest of the layer aro
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.cpu.moe_experts import CpuMoeExperts
+from services.worker.models.checkpoint_parts import WHOLE, Part, part_of
 from services.worker.models.expert_dispatch import dispatch_and_combine
 from services.worker.models.shared_expert import (
     SharedExpert,
     is_shared_expert_weight,
     load_shared_expert,
     shared_expert_pieces,
+    shared_expert_range,
 )
 from services.worker.parallel import (
     ExpertParallel,
@@ -261,40 +264,79 @@ class SparseMoeBlock(nn.Module):
             return tuple(str(e) for e in local)
         return ("",)
 
+    def holds(self, name: str) -> bool:
+        """Whether this rank needs any of checkpoint tensor `name` (relative to the block): all but
+        another rank's experts. Raises KeyError for a name that is not this block's."""
+        if name == "gate.weight" or name in _STACKED or self._is_shared_expert(name):
+            return True
+        return self._local_index(self._expert_of(name)[0]) is not None
+
+    def part(self, name: str, shape: Sequence[int]) -> Part:
+        """This rank's part of checkpoint tensor `name` (relative to the block, one it `holds`) of
+        `shape`: its experts of a stacked tensor and its slice of their intermediate columns (all
+        of them with one rank or under expert parallelism), the shared expert's columns, the
+        router whole."""
+        if name == "gate.weight":
+            return WHOLE
+        if self._is_shared_expert(name):
+            piece = shared_expert_range(self.shared_expert, name)
+            return WHOLE if piece is None else part_of(shape, {piece[0]: piece[1:]})
+        experts, columns = (self.expert_start, self.num_local_experts), (self.intermediate_start, self.intermediate_size)
+        if name == "experts.down_proj":  # [E, H, I]
+            return part_of(shape, {0: experts, 2: columns})
+        if name == "experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            # One box cannot leave out the rows between the gate's slice and the up's: it spans
+            # from the first's start to the second's end (every row but under tensor parallelism).
+            start, width = columns
+            return part_of(shape, {0: experts, 1: (start, shape[1] // 2 + width)})
+        which = self._expert_of(name)[1]
+        return part_of(shape, {1 if which == self.spec.expert_names[2] else 0: columns})
+
     def load(self, name: str, tensor: torch.Tensor) -> list[str]:
-        """Copy checkpoint tensor `name` (relative to the block) into place; returns the
-        "param#piece" keys it filled. Raises KeyError for a name that is not this block's."""
+        """Copy this rank's `part` of checkpoint tensor `name` (relative to the block) into place;
+        returns the "param#piece" keys it filled (none for another rank's expert). Raises KeyError
+        for a name that is not this block's."""
         if name == "gate.weight":
             self.gate.weight.copy_(tensor)
             return ["gate.weight#"]
         if name in _STACKED:
             return self._load_stacked(_STACKED[name], tensor)
-        if self.shared_expert is not None and is_shared_expert_weight(name):
+        if self._is_shared_expert(name):
             return load_shared_expert(self, name, tensor)
-        match = _EXPERT.fullmatch(name)
-        gate_name, up_name, down_name = self.spec.expert_names
-        if match is None or match.group(2) not in (gate_name, up_name, down_name) \
-                or int(match.group(1)) >= self.num_experts:
-            raise KeyError(f"unexpected weight {name!r} in checkpoint")
-        expert, which = int(match.group(1)), match.group(2)
-        local = expert - self.expert_start
-        if not 0 <= local < self.num_local_experts:
+        expert, which = self._expert_of(name)
+        local = self._local_index(expert)
+        if local is None:
             return []  # another rank's expert
-        start, width = self.intermediate_start, self.intermediate_size
+        gate_name, _, down_name = self.spec.expert_names
         if which == down_name:
-            self.experts.w2[local].copy_(tensor.narrow(1, start, width))
+            self.experts.w2[local].copy_(tensor)
             return [f"experts.w2#{expert}"]
-        shard = 0 if which == gate_name else 1
-        self.experts.w13[local].narrow(0, shard * width, width).copy_(tensor.narrow(0, start, width))
+        shard, width = (0 if which == gate_name else 1), self.intermediate_size
+        self.experts.w13[local].narrow(0, shard * width, width).copy_(tensor)
         return [f"experts.w13#{expert}.{shard}"]
 
+    def _is_shared_expert(self, name: str) -> bool:
+        return self.shared_expert is not None and is_shared_expert_weight(name)
+
+    def _expert_of(self, name: str) -> tuple[int, str]:
+        """(expert, projection) of one expert's checkpoint tensor; KeyError for any other name."""
+        match = _EXPERT.fullmatch(name)
+        if match is None or match.group(2) not in self.spec.expert_names or int(match.group(1)) >= self.num_experts:
+            raise KeyError(f"unexpected weight {name!r} in checkpoint")
+        return int(match.group(1)), match.group(2)
+
+    def _local_index(self, expert: int) -> int | None:
+        """Expert `expert`'s index among this rank's experts; None for another rank's."""
+        local = expert - self.expert_start
+        return local if 0 <= local < self.num_local_experts else None
+
     def _load_stacked(self, param: str, tensor: torch.Tensor) -> list[str]:
-        start, width = self.intermediate_start, self.intermediate_size
-        tensor = tensor.narrow(0, self.expert_start, self.num_local_experts)  # this rank's experts
+        """This rank's `part` of a stacked tensor: its experts, and its columns of them (w13's
+        gate rows first in it, its up rows last)."""
         if param == "w2":  # [E, H, I]
-            self.experts.w2.copy_(tensor.narrow(2, start, width))
+            self.experts.w2.copy_(tensor)
             return [f"experts.w2#{key}" for key in self.pieces("experts.w2")]
-        full = tensor.shape[1] // 2  # [E, 2I, H]: gate rows, then up rows
-        for shard in (0, 1):
-            self.experts.w13.narrow(1, shard * width, width).copy_(tensor.narrow(1, shard * full + start, width))
+        width = self.intermediate_size  # [E, 2I, H] part
+        for shard, first in ((0, 0), (1, tensor.shape[1] - width)):
+            self.experts.w13.narrow(1, shard * width, width).copy_(tensor.narrow(1, first, width))
         return [f"experts.w13#{key}" for key in self.pieces("experts.w13")]

@@ -24,8 +24,9 @@ from services.worker.models.loader import (
     build_model,
     finish_model,
     fused_target,
-    holds_weight,
     load_weights,
+    needs_weight,
+    rank_parts,
     tp_range,
 )
 from services.worker.models.moe import SparseMoeBlock
@@ -51,15 +52,13 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device):
     model = model.to_empty(device=device)
     modules = dict(model.named_modules())
     dense, parts = [], defaultdict(dict)
-    for name, tensor in checkpoint.tensors():
+    # Another stage's tensors and another rank's experts are never read from the file.
+    for name, tensor in checkpoint.tensors(wanted=lambda name: needs_weight(model, name)):
         short = name.removeprefix("model.")
-        if (short == "lm_head.weight" and model.tie_word_embeddings) or not holds_weight(model, short):
-            continue
         expert = _expert_target(model, short)
         if expert is not None:
             block, target, shard = expert
-            if target:  # (else another rank's expert)
-                parts[target][shard] = _expert_part(block, short, shard, tensor, device)
+            parts[target][shard] = _expert_part(block, short, shard, tensor, device)
             continue
         target, shard = fused_target(short)
         module = modules.get(target.removesuffix(".weight"))
@@ -67,7 +66,7 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device):
             parts[target.removesuffix(".weight")][shard] = _rank_part(model, short, tensor, device)
         else:
             dense.append((name, tensor))
-    load_weights(model, dense)
+    load_weights(model, rank_parts(model, dense))
     for module_name, shards in parts.items():
         module = modules[module_name]
         pieces = [shards[s] for s in sorted(shards, key=lambda s: -1 if s is None else s)]
@@ -108,9 +107,9 @@ _EXPERT = re.compile(r"layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight")
 
 
 def _expert_target(model: DecoderForCausalLM, name: str) -> tuple[SparseMoeBlock, str, int | None] | None:
-    """(its block, our quantized module, shard: 0 gate, 1 up, None down) of one expert's tensor
-    `name`; the module "" for an expert another rank holds; None where the layer's experts are
-    dense (they load as an HF checkpoint's)."""
+    """(its block, our quantized module, shard: 0 gate, 1 up, None down) of one of this rank's
+    experts' tensor `name` (`needs_weight` leaves the others out); None where the layer's experts
+    are dense (they load as an HF checkpoint's)."""
     match = _EXPERT.fullmatch(name)
     if match is None:
         return None
@@ -121,8 +120,6 @@ def _expert_target(model: DecoderForCausalLM, name: str) -> tuple[SparseMoeBlock
     if match.group(3) not in (gate, up, down):
         raise KeyError(f"unexpected weight {name!r} in checkpoint")
     local = int(match.group(2)) - block.expert_start
-    if not 0 <= local < block.num_local_experts:
-        return block, "", None
     prefix = f"layers.{match.group(1)}.mlp.experts"
     if match.group(3) == down:
         return block, f"{prefix}.down.{local}", None

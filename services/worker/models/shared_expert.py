@@ -53,19 +53,27 @@ def is_shared_expert_weight(name: str) -> bool:
     return name in _SOURCES
 
 
+def shared_expert_range(expert: SharedExpert, name: str) -> tuple[int, int, int] | None:
+    """(dim, start, length) of this rank's columns of shared-expert tensor `name` (gate/up rows,
+    down inputs; relative to the block or not); None for its gate, which every rank holds whole."""
+    if "shared_expert_gate." in name:
+        return None
+    return (1 if "down_proj." in name else 0), expert.intermediate_start, expert.intermediate_size
+
+
 def load_shared_expert(block: nn.Module, name: str, tensor: torch.Tensor) -> list[str]:
-    """Copy shared-expert tensor `name` (relative to `block`) into place, sliced to this rank's
-    columns; returns the "param#piece" key it filled."""
+    """Copy this rank's part of shared-expert tensor `name` (relative to `block`; its columns,
+    as `shared_expert_range` says) into place; returns the "param#piece" key it filled."""
     target, shard = _SOURCES[name]
     expert: SharedExpert = block.shared_expert
-    start, width = expert.intermediate_start, expert.intermediate_size
     if target == "shared_expert_gate.weight":
         block.shared_expert_gate.weight.copy_(tensor)
         return [f"{target}#"]
     if shard is None:  # down: this rank's inputs
-        expert.down_proj.weight.copy_(tensor.narrow(1, start, width))
+        expert.down_proj.weight.copy_(tensor)
         return [f"{target}#"]
-    expert.gate_up_proj.weight.narrow(0, shard * width, width).copy_(tensor.narrow(0, start, width))
+    width = expert.intermediate_size
+    expert.gate_up_proj.weight.narrow(0, shard * width, width).copy_(tensor)
     return [f"{target}#{shard}"]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,13 +113,16 @@ class GgufCheckpoint:
         return {name for t in self.reader.tensors if GGMLQuantizationType(t.tensor_type) in QUANT_TYPES
                 for name, _ in self._hf_names(t.name, t.shape) if not self._is_router(t.name)}
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
-        """(HF name, dense fp32 tensor or QuantTensor) for every tensor we load; an experts
-        tensor as one per expert."""
+    def tensors(self, wanted: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """(HF name, dense fp32 tensor or QuantTensor) for every tensor we load, or only those
+        `wanted(name)` keeps (the others are never read from the file); an experts tensor as one
+        per expert."""
         for t in self.reader.tensors:
             qtype = GGMLQuantizationType(t.tensor_type)
             shape = (int(t.shape[1]) if len(t.shape) > 1 else 1, int(t.shape[0]))
             for name, expert in self._hf_names(t.name, t.shape):
+                if wanted is not None and not wanted(name):
+                    continue
                 data = np.asarray(t.data) if expert is None else np.asarray(t.data)[expert]
                 data = self._unpermute_rows(name, data)
                 if qtype not in QUANT_TYPES:

@@ -23,6 +23,7 @@ from support.hf_reference import hf_greedy, load_hf_model
 from services.common.sampling_params import SamplingParams
 from services.offline.llm import LLM
 from services.worker.models import moe
+from services.worker.models.checkpoint_parts import take
 from services.worker.models.load import load_model
 from services.worker.models.moe import MoeSpec, SparseMoeBlock, grouped_experts, route
 from services.worker.parallel import ExpertParallel, TensorParallel, expert_range
@@ -151,12 +152,13 @@ def _hf_qwen2_moe_block(config) -> torch.nn.Module:
 
 
 def _loaded_block(config, hf_block: torch.nn.Module) -> tuple[SparseMoeBlock, set[str]]:
-    """Our block with HF's block's weights (its in-memory names: experts stacked); the keys filled."""
+    """Our block with HF's block's weights (its in-memory names: experts stacked), each cut to
+    the part the block takes of it; the keys filled."""
     block = SparseMoeBlock(config, MoeSpec(shared_expert=True))
     keys = set()
     with torch.no_grad():
         for name, tensor in hf_block.state_dict().items():
-            keys.update(block.load(name, tensor))
+            keys.update(block.load(name, take(tensor, block.part(name, tensor.shape))))
     return block, keys
 
 
