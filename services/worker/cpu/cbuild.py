@@ -49,12 +49,16 @@ _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx51
 # The levels a kernel can be built for, highest first: (name, compiler flags, CPU flags needed).
 # avx512_vnni (AVX-512's int8 dot products, vpdpbusd) sits above avx512_bf16 although neither
 # implies the other, and amx_int8 (its tiles' int8 products, tdpbusd) above it: only the quantized
-# kernels (quant/quant_gemm.c) ask for them, and every kernel whose highest level is lower gets the
-# same levels as before.
+# kernels (quant/quant_gemm.c) ask for them. amx_bf16 (the tiles' bf16 products, tdpbf16ps) sits
+# between avx512_vnni and avx512_bf16: gemm.c and the whole-step kernel on its tiles ask for it,
+# the quantized kernels pass over it on a CPU with VNNI, and every kernel whose highest level is
+# avx512_bf16 or lower gets the same levels as before.
 ISA_LEVELS = [
     ("amx_int8", ["-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
      _X86_64_V4 | {"avx512_vnni", "amx_tile", "amx_int8"}),
     ("avx512_vnni", ["-march=x86-64-v4", "-mavx512vnni"], _X86_64_V4 | {"avx512_vnni"}),
+    ("amx_bf16", ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+     _X86_64_V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
     ("avx512_bf16", ["-march=x86-64-v4", "-mavx512bf16"], _X86_64_V4 | {"avx512_bf16"}),
     ("avx512", ["-march=x86-64-v4"], _X86_64_V4),
     ("avx2", ["-march=x86-64-v3"], _X86_64_V3),

@@ -1,8 +1,9 @@
 /* Linear layers for AVX-512 CPUs: y[M, N] = x[M, K] . W^T (+ bias) with W packed once into column
  * blocks that stream from memory; fp32, and bf16 by the CPU's bf16 dot products (AVX512_BF16).
  *
- * Built at first use by gemm.py (cpu/cbuild.py, up to the avx512_bf16 level; where the build has
+ * Built at first use by gemm.py (cpu/cbuild.py, up to the amx_bf16 level; where the build has
  * no AVX-512, or no AVX512_BF16 for bf16, the library says so and the layers keep oneDNN's GEMMs).
+ * On CPUs with AMX, bf16 products of 16 rows and more run on its tiles (gemm_tile.h).
  *
  * Why: in the engine every layer's weights stream from memory at each step (30 layers' weights do
  * not fit in any cache), and oneDNN's prepacked fp32 GEMMs lose much of their speed to that at
@@ -29,6 +30,16 @@
 
 /* Whether this build has the GEMM for fp32 (bf16 = 0) or bf16 (bf16 = 1). */
 int gemm_available(int bf16) { return tile_available(bf16); }
+
+/* Whether bf16 products of 16 rows and more run on AMX tiles (built for them, and the process
+ * may use them). */
+int gemm_amx_bf16(void) {
+#ifdef TILE_AMX_BF16
+    return amx_bf16_usable();
+#else
+    return 0;
+#endif
+}
 
 /* W [N, K] row-major into [N / NB][K][NB] (fp32) or [N / NB][K / 2][NB][2] (bf16, K even); N a
  * multiple of NB. */

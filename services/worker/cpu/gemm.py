@@ -21,15 +21,15 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("gemm.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int
 BLOCK = 32  # output columns per packed block (gemm.c's NB)
-HIGHEST_ISA = "avx512_bf16"
+HIGHEST_ISA = "amx_bf16"
 _loaded: dict[str | None, PanelGemm | None] = {}
 
 
-def keeps_onednn_for_bf16(flags: set[str] | None = None) -> bool:
-    """CPUs with AMX (`amx_bf16` among the CPU flags): oneDNN's bf16 GEMMs run on the AMX tiles,
-    several times vdpbf16ps's rate on prefill-sized batches, so bf16 layers stay on oneDNN there
-    (not measured on such a machine: the conservative choice)."""
-    return "amx_bf16" in (cpu_flags() if flags is None else flags)
+def keeps_onednn_for_bf16(flags: set[str] | None = None, has_amx_tiles: bool = False) -> bool:
+    """Whether bf16 layers stay on oneDNN: on CPUs with AMX (`amx_bf16` among the CPU flags)
+    oneDNN's bf16 GEMMs run on the tiles, several times vdpbf16ps's rate from a few rows up, so
+    they do unless this GEMM was built with the tiles too (`has_amx_tiles`)."""
+    return "amx_bf16" in (cpu_flags() if flags is None else flags) and not has_amx_tiles
 
 
 class PanelGemm:
@@ -43,13 +43,15 @@ class PanelGemm:
         lib.gemm_pack.restype = None
         lib.gemm.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
         lib.gemm.restype = None
+        lib.gemm_amx_bf16.restype = _I
         self.lib = lib
+        self.amx_bf16 = bool(lib.gemm_amx_bf16())
         self.dtypes = tuple(dtype for dtype, bf16 in ((torch.float32, 0), (torch.bfloat16, 1))
-                            if lib.gemm_available(bf16) and not (bf16 and keeps_onednn_for_bf16()))
+                            if lib.gemm_available(bf16) and not (bf16 and keeps_onednn_for_bf16(None, self.amx_bf16)))
 
     @classmethod
     def load(cls, level: str | None = None) -> PanelGemm | None:
-        """The shared instance built at `level` (None: the best this CPU runs, up to avx512_bf16), or
+        """The shared instance built at `level` (None: the best this CPU runs, up to amx_bf16), or
         None where this CPU has no AVX-512 or nothing could be built (logged once)."""
         if level not in _loaded:
             gemm: PanelGemm | None = None

@@ -110,6 +110,124 @@ static void rows_bf16(const void *x, const void *packed, const void *bias, void 
 }
 #endif
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+/* bf16 on AMX tiles (Intel's amx_bf16): the same packed blocks, 16 rows of x at a time.
+ *
+ * Why: from a few rows up a bf16 projection is bound by its multiply-adds, and one tdpbf16ps does
+ * 16 x 16 x 32 of them in the tile unit, where vdpbf16ps does 32 per instruction; oneDNN's bf16
+ * GEMMs take the tiles on such CPUs, so without them this GEMM (and the whole-step kernels built
+ * on it) lost to oneDNN there.
+ *
+ * Tiles: A = 16 rows of x x 32 bf16 values of k (row-major x, its row stride); B = 16 pairs of k
+ * x 16 output columns: a bf16 block's [K / 2][32][2] layout is exactly two such tiles side by side
+ * (columns 0-15 in the first 64 bytes of each 128-byte pair row, 16-31 in the next), loaded with
+ * a 128-byte stride, no repacking; C = 16 x 16 fp32. Two row groups share each B load (C tiles
+ * 0-3, A tiles 4-5, B tiles 6-7). The tail of fewer than 16 rows takes the vdpbf16ps tile.
+ *
+ * Arithmetic: each output is one fp32 sum over k, accumulated by the tile unit a pair of k at a
+ * time (products of bf16 values, exact in fp32; values below 2^-126 flushed to zero, as
+ * vdpbf16ps does) in k order, plus the bias at the end, rounded once to bf16 (nearest even).
+ * The order of the fp32 additions inside the unit differs from the vdpbf16ps tile's, so the two
+ * agree to rounding, not to the bit; a given row count always takes the same path.
+ *
+ * Linux hands out the tiles' register state on request, per process (arch_prctl
+ * ARCH_REQ_XCOMP_PERM); where that is refused the vdpbf16ps tiles run. */
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TILE_AMX_BF16 1
+#ifndef AMX_BF16_MIN_ROWS
+#define AMX_BF16_MIN_ROWS 4 /* rows of x from which a bf16 GEMM takes the tiles */
+#endif
+#ifndef AMX_CHUNK
+#define AMX_CHUNK 256
+#endif
+
+/* Whether this process may use the tiles (asked once). */
+static int amx_bf16_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* This thread's tile shapes (other kernels in the process configure their own: set per call):
+ * every tile 16 rows of 64 bytes, but C tiles 0, 1 and A tile 4 `tail` rows (a tail of rows). */
+static inline void amx_bf16_configure(int tail) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)tail;
+    _tile_loadconfig(&cfg);
+}
+
+/* C tiles c0, c1 (`rows` rows x columns 0-15, 16-31 of block b) + bias, rounded to bf16, into y's
+ * rows [r0, r0 + rows). */
+#define AMX_BF16_STORE(c0, c1, r0, rows)                                                 \
+    do {                                                                                 \
+        float cb[16 * NB] __attribute__((aligned(64)));                                  \
+        _tile_stored(c0, cb, NB * 4);                                                    \
+        _tile_stored(c1, cb + 16, NB * 4);                                               \
+        for (int m = 0; m < (rows); m++) {                                               \
+            __m512 y0 = _mm512_load_ps(cb + m * NB), y1 = _mm512_load_ps(cb + m * NB + 16); \
+            if (bias) y0 = _mm512_add_ps(y0, b0), y1 = _mm512_add_ps(y1, b1);            \
+            uint16_t *out = (uint16_t *)y + (int64_t)((r0) + m) * N + b * NB;            \
+            store16_bf16(out, (f32x16)y0);                                               \
+            store16_bf16(out + 16, (f32x16)y1);                                          \
+        }                                                                                \
+    } while (0)
+
+/* Rows [m0, m1) of bf16 block b (rows_bf16's arguments; K a multiple of 32) on the tiles: pairs
+ * of 16-row groups, then a group of 16, then the rows left (tiles configured that many rows high
+ * for them, then back). */
+static void rows_bf16_amx(const void *x, const void *packed, const void *bias, void *y, int K, int N, int b, int m0,
+                          int m1, const char *next) {
+    const char *block = (const char *)packed + (int64_t)b * K * NB * 2;
+    const int64_t xs = (int64_t)K * 2; /* bytes per row of x */
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = (__m512)load16_bf16((const uint16_t *)bias + b * NB);
+        b1 = (__m512)load16_bf16((const uint16_t *)bias + b * NB + 16);
+    }
+    while (m0 < m1) {
+        const int two = m0 + 32 <= m1, rows = m1 - m0 < 16 ? m1 - m0 : 16;
+        const char *a = (const char *)x + (int64_t)m0 * xs;
+        if (rows < 16) amx_bf16_configure(rows);
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int k = 0; k < K; k += 32) {
+            const char *w = block + (int64_t)k * 64; /* pair row k / 2, 128 bytes each */
+            if (next) /* the next block's k-th 2 KB, all of it by the end of the first groups */
+                for (int l = 0; l < 2048; l += 128) _mm_prefetch(next + (int64_t)k * 64 + l, _MM_HINT_T0);
+            _tile_loadd(6, w, 128);
+            _tile_loadd(7, w + 64, 128);
+            _tile_loadd(4, a + k * 2, xs);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, a + 16 * xs + k * 2, xs);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        next = NULL;
+        AMX_BF16_STORE(0, 1, m0, rows);
+        if (two) AMX_BF16_STORE(2, 3, m0 + 16, 16);
+        if (rows < 16) amx_bf16_configure(16);
+        m0 += two ? 32 : rows;
+    }
+}
+#undef AMX_BF16_STORE
+#endif
+
 #define M_CHUNK 96 /* rows per unit of work: a unit is (block, chunk of rows) */
 
 /* Thread t of n's share of y = x . W^T (+ bias) (gemm()'s arguments): units (block, chunk of
@@ -121,14 +239,29 @@ static inline void gemm_share(const void *x, const void *packed, const void *bia
 #ifdef __AVX512BF16__
     if (bf16) rows = rows_bf16;
 #endif
-    const int chunks = (M + M_CHUNK - 1) / M_CHUNK, units = N / NB * chunks;
+#ifdef TILE_AMX_BF16
+    int chunk_rows = M_CHUNK, chunk_major = 0;
+    if (bf16 && M >= AMX_BF16_MIN_ROWS && K % 32 == 0 && amx_bf16_usable()) {
+        /* the tiles consume a block's rows so fast that re-reading the rows of x for every block
+         * (block-major order) costs more than re-reading the blocks for every chunk of rows:
+         * chunk-major, a chunk of x stays in L2 while the blocks stream past it */
+        amx_bf16_configure(16);
+        rows = rows_bf16_amx;
+        chunk_rows = AMX_CHUNK;
+        chunk_major = 1;
+    }
+#else
+    const int chunk_rows = M_CHUNK, chunk_major = 0;
+#endif
+    const int chunks = (M + chunk_rows - 1) / chunk_rows, blocks = N / NB, units = blocks * chunks;
     const int64_t block_bytes = (int64_t)K * NB * (bf16 ? 2 : 4);
     const int u0 = (int)((int64_t)units * t / n), u1 = (int)((int64_t)units * (t + 1) / n);
     for (int u = u0; u < u1; u++) {
-        const int b = u / chunks, c = u % chunks;
-        const int m0 = c * M_CHUNK, m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
+        const int b = chunk_major ? u % blocks : u / chunks, c = chunk_major ? u / blocks : u % chunks;
+        const int m0 = c * chunk_rows, m1 = m0 + chunk_rows < M ? m0 + chunk_rows : M;
         /* the next unit's block, when it is another one */
-        const char *next = u + 1 < u1 && (u + 1) / chunks != b ? (const char *)packed + (b + 1) * block_bytes : NULL;
+        const int nb = chunk_major ? (u + 1) % blocks : (u + 1) / chunks;
+        const char *next = u + 1 < u1 && nb != b ? (const char *)packed + nb * block_bytes : NULL;
         rows(x, packed, bias, y, K, N, b, m0, m1, next);
     }
 }

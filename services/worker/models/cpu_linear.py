@@ -9,8 +9,8 @@ it runs about twice as fast for fp32 at decode and prefill sizes and faster for 
 The reordered copy replaces the layer's weight (the model keeps one copy of the weights);
 the tied LM head gets its own reordered copy beside the embedding table it shares.
 
-On AVX-512 CPUs fp32 weights (and bf16 ones where the CPU has AVX512_BF16 but no AMX) are
-packed for our own GEMM instead (`cpu/gemm.c`: column blocks that stream from memory; well ahead
+On AVX-512 CPUs fp32 weights (and bf16 ones where the CPU has AVX512_BF16, and on a CPU with AMX
+where our GEMM was built with its tiles) are packed for our own GEMM instead (`cpu/gemm.c`: column blocks that stream from memory; well ahead
 of oneDNN at decode sizes with each layer's own weights, level on prefill-sized batches), where the
 output size is a multiple of its 32-column blocks.
 """

@@ -32,13 +32,14 @@ NUM_BLOCKS = 12 * 40 + 1  # room for 40 requests of up to 12 blocks
 
 def _packed_step_or_skip(runner: ModelRunner) -> PackedStep:
     """The runner's packed step; a CPU without AVX-512 has no packed GEMM for it to run on, and one
-    with AMX keeps oneDNN (its AMX tiles) for bf16 layers, so it has no bf16 packed step."""
+    with AMX keeps oneDNN (its AMX tiles) for bf16 layers where our GEMM lacks the tiles, so it has
+    no bf16 packed step there."""
     step = runner.model.packed_step
     gemm = PanelGemm.load()
     if step is None and gemm is None:
         pytest.skip("no AVX-512: the linear layers keep oneDNN and there is no packed step")
     if step is None and runner.dtype not in gemm.dtypes:
-        assert runner.dtype == torch.bfloat16 and keeps_onednn_for_bf16()  # the only other reason
+        assert runner.dtype == torch.bfloat16 and keeps_onednn_for_bf16(None, gemm.amx_bf16)  # the only other reason
         pytest.skip("AMX: bf16 linear layers keep oneDNN and there is no bf16 packed step")
     assert isinstance(step, PackedStep)
     return step

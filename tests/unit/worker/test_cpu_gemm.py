@@ -76,9 +76,38 @@ def test_packed_linear_takes_it_where_it_applies() -> None:
     assert PackedLinear(torch.randn(2 * BLOCK, 41).bfloat16(), None).gemm is None  # bf16 needs pairs of k
 
 
-def test_bf16_stays_on_onednn_where_the_cpu_has_amx() -> None:
-    """oneDNN's bf16 GEMMs use AMX tiles where the CPU has them; ours only where it does not."""
+def test_bf16_stays_on_onednn_where_the_cpu_has_amx_and_this_build_not() -> None:
+    """oneDNN's bf16 GEMMs use AMX tiles where the CPU has them; ours are taken there only when
+    built with the tiles too."""
     from services.worker.cpu.gemm import keeps_onednn_for_bf16
 
     assert keeps_onednn_for_bf16({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    assert not keeps_onednn_for_bf16({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, has_amx_tiles=True)
     assert not keeps_onednn_for_bf16({"avx512f", "avx512_bf16"})
+
+
+AMX_LEVELS = [level for level in LEVELS if PanelGemm.load(level).amx_bf16]
+
+
+@pytest.mark.skipif(not AMX_LEVELS, reason="this CPU has no AMX tiles for bf16 (or they are not granted)")
+@pytest.mark.parametrize("rows", [16, 17, 31, 32, 33, 95, 96, 97, 130])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_bf16_tiles_match_exact_products(rows: int, threads: int) -> None:
+    """From 16 rows, bf16 with K a multiple of 32 runs on the AMX tiles: pairs of row groups, one
+    group alone, the vdpbf16ps tail, chunk boundaries (96 rows), with and without bias."""
+    gemm = PanelGemm.load(AMX_LEVELS[0])
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 3 * BLOCK, 96
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x, bias = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    packed = gemm.pack(w)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check(gemm.matmul(x, packed, None), x, w, None)
+        _check(gemm.matmul(x, packed, bias), x, w, bias)
+        # each row as it would come out alone or among others: the path depends on the row count only
+        one_group = gemm.matmul(x[:16], packed, bias)
+        assert torch.equal(gemm.matmul(x, packed, bias)[:16], one_group)
+    finally:
+        torch.set_num_threads(previous)
