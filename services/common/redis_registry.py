@@ -1,9 +1,10 @@
 """The replicas' registry in Redis: where it is, and which of its entries a gateway may trust.
 
-Every scheduler started with a Redis URL writes one entry to the hash `myvllm:engines`
-(field: its engine id; value: JSON {address, num_waiting, num_running, kv_cache_usage, ts,
-mac}); every gateway reading that hash routes requests to the addresses it finds there and
-presents them the internal token. Redis is therefore no trust root of its own:
+Every scheduler started with a Redis URL writes one entry to the hash `myvllm:engines` (field:
+its engine id; value: JSON {address, num_waiting, num_running, kv_cache_usage,
+prefill_tokens_per_s, step_s, ts, mac}); every gateway reading that hash routes requests to the
+addresses it finds there and presents them the internal token. Redis is therefore no trust root
+of its own:
 
 - **Entries are signed.** With an internal token (`--internal-token` / $MYVLLM_INTERNAL_TOKEN),
   a scheduler adds `mac`: HMAC-SHA256, keyed by a key derived from the token, over its engine
@@ -47,6 +48,9 @@ _KEY_LABEL = b"myvllm:engines entry MAC v1"
 # A GrpcConnector producer's entry: its worker's address, as its kv_transfer_params name it. A
 # consumer's worker presents the internal token only there (services/scheduler/kv_producers.py).
 KV_ADDRESS_FIELD = "kv_address"
+# Bound on a published measurement: far beyond any real rate or step time, and small enough that
+# costs built from it stay finite.
+MAX_MEASUREMENT = 1e12
 
 
 def redis_url_from_env(url: str | None = None) -> str | None:
@@ -130,6 +134,15 @@ def _number(value: object) -> bool:
 def _address(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 255 and value.isprintable() \
         and not any(c.isspace() for c in value)
+
+
+def measurement(value: object) -> float:
+    """A replica's measured pace (prefill_tokens_per_s, step_s) as routing may use it: a finite
+    number in (0, MAX_MEASUREMENT], else 0.0 (not measured: the router falls back). Never a
+    reason to refuse an entry: an older scheduler publishes none, a fresh one 0 until it steps."""
+    if not _number(value) or not 0.0 < value <= MAX_MEASUREMENT:
+        return 0.0
+    return float(value)
 
 
 def json_object(raw: bytes | str) -> dict:

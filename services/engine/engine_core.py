@@ -14,6 +14,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.engine.request import Request
 from services.engine.request_limits import InvalidRequest, validate_generate_request
 from services.engine.scheduler import Scheduler
+from services.engine.step_pace import StepPace, prompt_positions
 from services.engine.structured_output import RequestGrammar, StructuredOutputManager
 
 
@@ -37,6 +38,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_dummy_steps = 0  # lockstep steps with nothing scheduled (services/engine/step_loop.py)
         self.iteration_tokens = BucketCounts(ITERATION_TOKENS_BUCKETS)  # tokens per step
+        self.pace = StepPace()  # step time and prefill rate, published with the load for routing
 
     def add_request(self, req: pb.GenerateRequest) -> None:
         """Queue a request; raises ValueError (InvalidRequest for a bad request) with a clear
@@ -126,6 +128,7 @@ class EngineCore:
         for out in outputs:
             out.error, out.error_kind = message, kind
         self.scheduler.forget_worker_state()
+        self.pace.forget_in_flight()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -135,7 +138,16 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.num_scheduled_tokens:
             self.iteration_tokens.observe(sum(out.num_scheduled_tokens))
+            self.pace.scheduled(out.step_id, self._prompt_positions(out))
         return out
+
+    def _prompt_positions(self, so: pb.SchedulerOutput) -> int:
+        """Prompt tokens among what `so` computes (its new requests come first, then the cached)."""
+        steps = [*so.new_requests, *so.cached_requests]
+        requests = self.scheduler.requests
+        return prompt_positions([r.num_computed_tokens for r in steps], so.num_scheduled_tokens,
+                                [requests[r.request_id].num_prompt_tokens if r.request_id in requests else 0
+                                 for r in steps])
 
     def grammar_followup(self, so: pb.SchedulerOutput) -> pb.SchedulerOutput | None:
         """The bitmask message a step in flight waits for, once the step before it is processed."""
@@ -154,6 +166,7 @@ class EngineCore:
         if runner_output.error:
             raise RuntimeError(f"worker failed: {runner_output.error}")
         self.num_steps += 1
+        self.pace.processed(so.step_id)
         self.scheduler.counters.cudagraph_capture_failures += runner_output.cudagraph_capture_failures
         return self.scheduler.update_from_output(so, runner_output)
 
@@ -181,4 +194,5 @@ class EngineCore:
         s = self.scheduler
         kv = self.config.kv_transfer_config
         return pb.Load(num_waiting=s.num_waiting, num_running=s.num_running, kv_cache_usage=s.kv_cache_manager.usage,
-                       kv_role=kv.kv_role if kv is not None else "")
+                       kv_role=kv.kv_role if kv is not None else "",
+                       prefill_tokens_per_s=self.pace.prefill_tokens_per_s, step_s=self.pace.step_s)

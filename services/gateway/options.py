@@ -167,13 +167,9 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     routing = defaults.routing
     parser.add_argument("--routing", default=routing.policy.value, choices=[p.value for p in RoutingPolicy],
                         help="how requests are spread over engine replicas: by load (4*waiting + running), "
-                             "round-robin, or cache-aware (load plus the prompt's prefix cached on each replica)")
-    parser.add_argument("--routing-prefill-weight", type=float, default=routing.prefill_weight,
-                        help="cache-aware cost per prompt token not cached on the replica")
-    parser.add_argument("--routing-load-weight", type=float, default=routing.load_weight,
-                        help="cache-aware cost per unit of load (4 per waiting request, 1 per running one)")
-    parser.add_argument("--routing-kv-weight", type=float, default=routing.kv_weight,
-                        help="cache-aware cost per unit of KV cache usage (0-1)")
+                             "round-robin, or cache-aware: the replica where the first token is expected soonest, "
+                             "its uncached prompt tokens over its measured prefill rate plus its queue in its "
+                             "measured step times")
     parser.add_argument("--routing-max-imbalance", type=float, default=routing.max_imbalance,
                         help="cache-aware: replicas loaded more than this above the least loaded one are skipped")
     parser.add_argument("--routing-remote-prefill-min-tokens", type=int, default=routing.remote_prefill_min_tokens,
@@ -240,9 +236,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         api_key=args.api_key, internal_token=args.internal_token,
         tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice), chat_template=args.chat_template,
         strict_request_fields=args.strict_request_fields,
-        routing=RoutingConfig(args.routing, args.routing_prefill_weight, args.routing_load_weight,
-                              args.routing_kv_weight, args.routing_max_imbalance,
-                              args.routing_remote_prefill_min_tokens),
+        routing=RoutingConfig(args.routing, args.routing_max_imbalance, args.routing_remote_prefill_min_tokens),
         tokenizer=args.tokenizer,
         cors=CorsSettings(tuple(json.loads(args.allowed_origins)), tuple(json.loads(args.allowed_methods)),
                           tuple(json.loads(args.allowed_headers)), args.allow_credentials),

@@ -15,7 +15,8 @@ running`, using the last published load plus the requests this gateway sent ther
 a burst arriving between two load updates spreads out instead of piling onto one replica);
 round-robin; or cache-aware (the default), which also weighs how much of the prompt each
 replica has in its prefix cache, as known from that replica's KV event stream
-(services/gateway/kv_subscriber.py, one subscription per replica). Replicas given on the
+(services/gateway/kv_subscriber.py, one subscription per replica), against its queue, in
+seconds from the step time and prefill rate it publishes with its load. Replicas given on the
 command line without Redis are polled with `GetLoad` instead. A replica that fails is marked
 down and skipped until it answers again; the request that found it down is retried on another
 replica.
@@ -37,11 +38,17 @@ from services.common.proto import myvllm_pb2 as pb
 from services.gateway.dp_waves import GroupWaves
 from services.gateway.kv_subscriber import follow_kv_events
 from services.gateway.prefix_index import PrefixIndex
-from services.gateway.routing import Candidate, RoutePrompt, RoutingConfig, RoutingPolicy, choose_cache_aware
+from services.gateway.routing import (
+    WAITING_WEIGHT,
+    Candidate,
+    RoutePrompt,
+    RoutingConfig,
+    RoutingPolicy,
+    choose_cache_aware,
+)
 
 logger = logging.getLogger(__name__)
 
-WAITING_WEIGHT = 4           # vLLM's DP load balancer: score = 4 * waiting + running
 REFRESH_INTERVAL_S = 0.25
 REDIS_MAX_AGE_S = 5.0        # schedulers refresh their entry about once a second
 MAX_REJECTED_LOGGED = 1024   # refused Redis entries logged by (engine id, address), once each
@@ -63,6 +70,8 @@ class Replica:
     num_waiting: int = 0
     num_running: int = 0
     kv_cache_usage: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # its measured pace (0.0: not measured yet), for cache-aware costs
+    step_s: float = 0.0
     sent_since_update: int = 0    # requests routed here since the last load update
     healthy: bool = True
     load_ts: float = field(default=0.0)
@@ -92,11 +101,14 @@ class Replica:
         """A kv_producer: decodes go elsewhere while any other replica is up."""
         return self.kv_role == "kv_producer"
 
-    def update_load(self, num_waiting: int, num_running: int, ts: float, kv_cache_usage: float = 0.0) -> None:
+    def update_load(self, num_waiting: int, num_running: int, ts: float, kv_cache_usage: float = 0.0,
+                    prefill_tokens_per_s: float = 0.0, step_s: float = 0.0) -> None:
+        """A newer load report; the pace figures validated by the caller (0.0: not measured)."""
         if ts <= self.load_ts:
             return  # not newer than what we have: keep counting our own sends
         self.num_waiting, self.num_running, self.load_ts = num_waiting, num_running, ts
         self.kv_cache_usage = kv_cache_usage
+        self.prefill_tokens_per_s, self.step_s = prefill_tokens_per_s, step_s
         self.sent_since_update = 0
         self.healthy = True
 
@@ -181,7 +193,8 @@ class ReplicaRouter:
             cached = [self.cached_tokens(r, prompt) for r in healthy]
             chosen = healthy[choose_cache_aware(
                 self.routing, len(prompt.token_ids),
-                [Candidate(r.score, r.kv_cache_usage, c) for r, c in zip(healthy, cached, strict=True)])]
+                [Candidate(r.score, r.kv_cache_usage, c, r.prefill_tokens_per_s, r.step_s)
+                 for r, c in zip(healthy, cached, strict=True)])]
             logger.debug("routed a %d-token prompt to %s (cached tokens per replica: %s)", len(prompt.token_ids),
                          chosen.address, dict(zip((r.address for r in healthy), cached, strict=True)))
         else:
@@ -311,7 +324,9 @@ class ReplicaRouter:
                     address = entry["address"]
                     replica = self.replicas.get(address) or self._add(address, static=False)
                     replica.update_load(int(entry["num_waiting"]), int(entry["num_running"]), float(entry["ts"]),
-                                        float(entry.get("kv_cache_usage", 0.0)))
+                                        float(entry.get("kv_cache_usage", 0.0)),
+                                        redis_registry.measurement(entry.get("prefill_tokens_per_s")),
+                                        redis_registry.measurement(entry.get("step_s")))
                     replica.last_published = now
                     replica.dp_group, replica.dp_rank = entry.get("dp_group"), int(entry.get("dp_rank", 0))
                     replica.kv_role = entry.get("kv_role", "")
@@ -347,7 +362,9 @@ class ReplicaRouter:
         except SchedulerUnavailable as e:
             self.mark_down(replica, e)
             return
-        replica.update_load(load.num_waiting, load.num_running, time.time(), load.kv_cache_usage)
+        replica.update_load(load.num_waiting, load.num_running, time.time(), load.kv_cache_usage,
+                            redis_registry.measurement(load.prefill_tokens_per_s),
+                            redis_registry.measurement(load.step_s))
         replica.kv_role = load.kv_role
 
     # ------------------------------------------------------------------ engine-wide views

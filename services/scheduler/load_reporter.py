@@ -1,16 +1,17 @@
 """Publishes this engine replica's load to Redis for the gateways' DP routing.
 
-Redis hash `myvllm:engines`: field = engine id, value = JSON {address, num_waiting,
-num_running, kv_cache_usage, ts, mac} (plus dp_group, dp_rank for an engine of a data-parallel
-expert-parallel group: services/common/dp_wave.py), `mac` signing the rest with the internal token when
-there is one (services/common/redis_registry.py: gateways with a token route only to entries
-whose MAC checks out). Writes are throttled and never awaited by the engine
-loop: a slow or absent Redis must not slow down a step. A change is published at once,
-unless the last write was under `min_interval_s` ago or is still on the wire: then the
-latest load goes out as soon as that allows (a trailing write), so no change waits for
-the next step or heartbeat. A replica that loses its worker
-deletes its entry (`leave`) so gateways stop routing to it, and publishes again once the
-worker is back (`rejoin`).
+Redis hash `myvllm:engines`: field = engine id, value = JSON {address, num_waiting, num_running,
+kv_cache_usage, prefill_tokens_per_s, step_s, ts, mac} (plus dp_group, dp_rank for an engine of
+a data-parallel expert-parallel group: services/common/dp_wave.py), `mac` signing the rest with
+the internal token when there is one (services/common/redis_registry.py: gateways with a token
+route only to entries whose MAC checks out). Writes are throttled and never awaited by the
+engine loop: a slow or absent Redis must not slow down a step. A change is published at once,
+unless the last write was under `min_interval_s` ago or is still on the wire: then the latest
+load goes out as soon as that allows (a trailing write), so no change waits for the next step or
+heartbeat. The measured pace (prefill_tokens_per_s, step_s: 0 until measured) rides along with
+each write without triggering one: it changes every step, and a once-a-second refresh is recent
+enough for routing. A replica that loses its worker deletes its entry (`leave`) so gateways stop
+routing to it, and publishes again once the worker is back (`rejoin`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class LoadReporter:
             return
         self._held = None
         self._last_sent, self._last_load = now, key
-        self._in_flight = asyncio.create_task(self._send(key))
+        self._in_flight = asyncio.create_task(self._send(load))
 
     def _send_held(self) -> None:
         self._trailing = None
@@ -74,9 +75,11 @@ class LoadReporter:
         if load is not None:
             self.report(load)  # (re-checks pause, interval and the write on the wire)
 
-    async def _send(self, key: tuple[int, int, float]) -> None:
-        entry = {**self.extra, "address": self.address, "num_waiting": key[0], "num_running": key[1],
-                 "kv_cache_usage": key[2], "ts": time.time()}
+    async def _send(self, load: pb.Load) -> None:
+        num_waiting, num_running, kv_cache_usage = _load_key(load)
+        entry = {**self.extra, "address": self.address, "num_waiting": num_waiting, "num_running": num_running,
+                 "kv_cache_usage": kv_cache_usage, "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 1),
+                 "step_s": round(load.step_s, 6), "ts": time.time()}
         value = json.dumps(sign_entry(entry, self.engine_id, self.token))
         try:
             await self.client.hset(ENGINES_KEY, self.engine_id, value)
@@ -109,4 +112,4 @@ class LoadReporter:
         """Back in the set: publish at once."""
         self.paused = False
         self._last_sent, self._last_load = time.monotonic(), _load_key(load)
-        self._then(lambda: self._send(_load_key(load)))
+        self._then(lambda: self._send(load))

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from services.common.proto import myvllm_pb2 as pb
 from services.common.redis_registry import (
     ENGINES_KEY,
     MAC_FIELD,
@@ -142,7 +143,7 @@ async def _send(fake: FakeRedis, engine_id: str, address: str, token: str | None
     """What a scheduler's reporter writes (num_waiting 1, num_running 2, KV usage 0.5)."""
     reporter = LoadReporter("redis://127.0.0.1:1", engine_id, address, token=token)  # never dialled
     reporter.client = fake
-    await reporter._send((1, 2, 0.5))
+    await reporter._send(pb.Load(num_waiting=1, num_running=2, kv_cache_usage=0.5))
 
 
 def _publish(fake: FakeRedis, engine_id: str, address: str, token: str | None) -> None:

@@ -25,7 +25,16 @@ from services.gateway.kv_subscriber import follow_kv_events
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_index import KvEventGap, PrefixIndex
 from services.gateway.router import ReplicaRouter
-from services.gateway.routing import Candidate, RoutePrompt, RoutingConfig, choose_cache_aware
+from services.gateway.routing import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    DEFAULT_STEP_S,
+    Candidate,
+    RoutePrompt,
+    RoutingConfig,
+    choose_cache_aware,
+    cost,
+    with_measured_pace,
+)
 from services.scheduler.kv_events import KvEventLog, SubscriberTooSlow
 
 B = 4  # tokens per block
@@ -218,19 +227,71 @@ def test_subscriber_drops_the_index_when_the_scheduler_goes_and_resyncs_when_it_
 
 
 def test_cost_prefers_cached_prefix_within_the_imbalance_bound() -> None:
-    config = RoutingConfig(prefill_weight=1, load_weight=1, kv_weight=0, max_imbalance=16)
-    idle_cold, busy_warm = Candidate(load=0, kv_usage=0, cached_tokens=0), Candidate(8, 0, 96)
-    assert choose_cache_aware(config, 100, [idle_cold, busy_warm]) == 1      # 4 + 8 < 100
-    assert choose_cache_aware(config, 100, [idle_cold, Candidate(17, 0, 96)]) == 0  # over the bound
-    assert choose_cache_aware(config, 100, [Candidate(0, 0.9, 0), Candidate(0, 0, 0)]) == 0  # kv_weight 0
-    kv = RoutingConfig(kv_weight=100)
-    assert choose_cache_aware(kv, 100, [Candidate(0, 0.9, 0), Candidate(0, 0, 0)]) == 1
+    # 1000 prompt tokens/s and 10 ms steps: a load unit (a quarter step) is worth 2.5 prompt tokens.
+    config = RoutingConfig(max_imbalance=16)
+    pace = {"prefill_tokens_per_s": 1000.0, "step_s": 0.01}
+    idle_cold, busy_warm = Candidate(0, 0, 0, **pace), Candidate(8, 0, 96, **pace)
+    assert choose_cache_aware(config, 100, [idle_cold, busy_warm]) == 1      # 4 ms + 20 ms < 100 ms
+    assert choose_cache_aware(config, 100, [idle_cold, Candidate(17, 0, 96, **pace)]) == 0  # over the bound
+    # KV pressure: a full cache costs a step, as much as 10 prompt tokens here.
+    assert choose_cache_aware(config, 100, [Candidate(0, 1.0, 0, **pace), Candidate(0, 0, 0, **pace)]) == 1
+    assert choose_cache_aware(config, 100, [Candidate(0, 1.0, 12, **pace), Candidate(0, 0, 0, **pace)]) == 0
 
 
-def _router(policy: str, **weights: float) -> ReplicaRouter:
-    router = ReplicaRouter(["a:1", "b:2"], routing=RoutingConfig(policy, **weights))
+def test_a_queued_replica_with_the_prefix_wins_while_its_prefill_is_slow_and_loses_to_a_long_queue() -> None:
+    """The trade is in seconds: 2 waiting requests (load 8) ahead on the replica with a 400-token
+    prefix cached, against an idle replica without it."""
+    config = RoutingConfig()
+    prompt, cached = 416, 400
+
+    def choice(rate: float, step_s: float, load: float) -> int:
+        return choose_cache_aware(config, prompt, [Candidate(0, 0, 0, rate, step_s),
+                                                   Candidate(load, 0, cached, rate, step_s)])
+
+    # Slow prefill (400 tokens take 0.8 s), 50 ms steps: two steps of queue are cheaper.
+    assert choice(rate=500, step_s=0.05, load=8) == 1
+    # The same queue on fast prefill (400 tokens in 40 ms) is not worth waiting for.
+    assert choice(rate=10_000, step_s=0.05, load=8) == 0
+    # Slow prefill but a long queue: 24 waiting requests ahead are 1.2 s, more than the 0.8 s prefill.
+    assert choose_cache_aware(RoutingConfig(max_imbalance=1000), prompt,
+                              [Candidate(0, 0, 0, 500, 0.05), Candidate(4 * 24, 0, cached, 500, 0.05)]) == 0
+    assert choose_cache_aware(RoutingConfig(max_imbalance=1000), prompt,
+                              [Candidate(0, 0, 0, 500, 0.05), Candidate(4 * 12, 0, cached, 500, 0.05)]) == 1
+
+
+def test_each_replica_is_costed_at_its_own_pace() -> None:
+    """The same cached prefix is worth more on a slow replica: an idle fast replica without it
+    beats a queued slow one with it."""
+    fast_cold = Candidate(0, 0, 0, prefill_tokens_per_s=20_000, step_s=0.01)
+    slow_warm = Candidate(8, 0, 400, prefill_tokens_per_s=500, step_s=0.2)
+    assert choose_cache_aware(RoutingConfig(), 416, [fast_cold, slow_warm]) == 0
+    assert cost(416, fast_cold) == pytest.approx(416 / 20_000)
+    assert cost(416, slow_warm) == pytest.approx(16 / 500 + 2 * 0.2)
+
+
+def test_unmeasured_replicas_borrow_the_measured_pace_or_the_defaults() -> None:
+    unmeasured = Candidate(4, 0.5, 0)
+    (default,) = with_measured_pace([unmeasured])
+    assert (default.prefill_tokens_per_s, default.step_s) == (DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_STEP_S)
+    # The defaults keep the earlier weights' trade: a waiting request ahead is worth 256 prompt tokens.
+    assert DEFAULT_STEP_S * DEFAULT_PREFILL_TOKENS_PER_S == pytest.approx(256)
+    assert choose_cache_aware(RoutingConfig(), 300, [Candidate(0, 0, 0), Candidate(4, 0, 257)]) == 1
+    assert choose_cache_aware(RoutingConfig(), 300, [Candidate(0, 0, 0), Candidate(4, 0, 255)]) == 0
+    # One replica measured: the other borrows its figures (the mean of all that measured), so a
+    # replica that just joined is not priced on another scale.
+    measured = [Candidate(0, 0, 0, 1000, 0.02), Candidate(0, 0, 0, 3000, 0.04), unmeasured]
+    borrowed = with_measured_pace(measured)[2]
+    assert (borrowed.prefill_tokens_per_s, borrowed.step_s) == (2000, pytest.approx(0.03))
+    assert with_measured_pace(measured)[:2] == measured[:2]
+    half = with_measured_pace([Candidate(0, 0, 0, 1000, 0.0), Candidate(0, 0, 0, 0.0, 0.5)])
+    assert [(c.prefill_tokens_per_s, c.step_s) for c in half] == [(1000, 0.5), (1000, 0.5)]
+
+
+def _router(policy: str, step_s: float = 0.0, **config: float) -> ReplicaRouter:
+    """Two replicas, idle; `step_s` as they measured it (with slow prefill), 0: not measured."""
+    router = ReplicaRouter(["a:1", "b:2"], routing=RoutingConfig(policy, **config))
     for replica in router.replicas.values():
-        replica.update_load(0, 0, ts=1.0)
+        replica.update_load(0, 0, ts=1.0, prefill_tokens_per_s=100.0 if step_s else 0.0, step_s=step_s)
         replica.index.apply(pb.KvEventBatch(seq=1, snapshot=True, block_size=B))
     return router
 
@@ -245,7 +306,8 @@ PROMPT = RoutePrompt(list(range(16 * B + 1)))  # 16 cacheable blocks
 
 
 def test_router_picks_the_longest_cached_prefix_until_load_is_over_the_bound() -> None:
-    router = _router("cache-aware", load_weight=1, kv_weight=0, max_imbalance=16)
+    # 100 prompt tokens/s, 4 ms steps: a load unit (1 ms) is worth a tenth of a prompt token.
+    router = _router("cache-aware", step_s=0.004, max_imbalance=16)
     _cache(router, "a:1", PROMPT.hashes(B)[:4])    # 16 tokens cached
     _cache(router, "b:2", PROMPT.hashes(B)[:12])   # 48 tokens cached
     assert router.cached_tokens(router.replicas["b:2"], PROMPT) == 12 * B
@@ -280,8 +342,8 @@ def test_round_robin_ignores_load() -> None:
 def test_routing_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="bogus"):
         RoutingConfig("bogus")
-    with pytest.raises(ValueError, match="--routing-load-weight must not be negative"):
-        RoutingConfig(load_weight=-1)
+    with pytest.raises(ValueError, match="--routing-max-imbalance must not be negative"):
+        RoutingConfig(max_imbalance=-1)
 
 
 # ---------------------------------------------------------------------- load reporter, metrics
@@ -310,6 +372,91 @@ def test_load_reporter_sends_a_held_back_change_without_waiting_for_a_step() -> 
         assert [json.loads(w)["num_waiting"] for w in reporter.client.writes] == [1]
         await asyncio.sleep(0.15)                                # no further report() call
         assert [json.loads(w)["num_waiting"] for w in reporter.client.writes] == [1, 3]
+
+    asyncio.run(scenario())
+
+
+def test_load_reporter_publishes_the_measured_pace_without_writing_for_it_alone() -> None:
+    import json
+
+    from services.scheduler.load_reporter import LoadReporter
+
+    async def scenario() -> None:
+        reporter = LoadReporter("redis://127.0.0.1:1", "e", "a:1", min_interval_s=0.0)  # never dialled
+        reporter.client = _FakeRedis()
+        reporter.report(pb.Load(num_waiting=1, prefill_tokens_per_s=1234.56, step_s=0.0421234567))
+        await asyncio.sleep(0)
+        reporter.report(pb.Load(num_waiting=1, prefill_tokens_per_s=999.0, step_s=0.5))  # only the pace moved
+        await asyncio.sleep(0.02)
+        (entry,) = [json.loads(w) for w in reporter.client.writes]
+        assert (entry["prefill_tokens_per_s"], entry["step_s"]) == (1234.6, 0.042123)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("value, expected", [
+    (2000.0, 2000.0), (3, 3.0), (None, 0.0), (0, 0.0), (-1.5, 0.0), (float("nan"), 0.0), (float("inf"), 0.0),
+    (1e300, 0.0), ("fast", 0.0), (True, 0.0), ([1.0], 0.0)])
+def test_a_published_measurement_is_used_only_when_a_finite_positive_number(value: object, expected: float) -> None:
+    from services.common.redis_registry import measurement
+
+    assert measurement(value) == expected
+
+
+class _EntriesRedis:
+    """A Redis whose engines hash holds what the test wrote there, as raw JSON text."""
+
+    def __init__(self, entries: dict[str, str]) -> None:
+        self.entries = entries
+
+    async def hgetall(self, key: str) -> dict[bytes, bytes]:
+        return {k.encode(): v.encode() for k, v in self.entries.items()}
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_bad_pace_in_redis_falls_back_and_never_stops_routing() -> None:
+    """Redis is a trust boundary: a missing, negative, NaN or mistyped pace counts as not
+    measured (the replica borrows the others' figures); the entry itself is still routed to."""
+    now = time.time()
+
+    def entry(address: str, pace: str) -> str:
+        return f'{{"address": "{address}", "num_waiting": 0, "num_running": 0, "ts": {now}{pace}}}'
+
+    async def scenario() -> None:
+        router = ReplicaRouter([], redis_url="redis://127.0.0.1:1", routing=RoutingConfig("cache-aware"))
+        router._redis = _EntriesRedis({
+            "good": entry("10.0.0.1:1", ', "prefill_tokens_per_s": 500.0, "step_s": 0.05'),
+            "nan": entry("10.0.0.2:1", ', "prefill_tokens_per_s": NaN, "step_s": -1'),
+            "text": entry("10.0.0.3:1", ', "prefill_tokens_per_s": "fast", "step_s": Infinity'),
+            "none": entry("10.0.0.4:1", ""),
+        })
+        try:
+            await router.refresh()
+            paces = {a: (r.prefill_tokens_per_s, r.step_s) for a, r in router.replicas.items()}
+            assert paces == {"10.0.0.1:1": (500.0, 0.05), "10.0.0.2:1": (0.0, 0.0), "10.0.0.3:1": (0.0, 0.0),
+                             "10.0.0.4:1": (0.0, 0.0)}
+            picked = {router.pick(prompt=PROMPT).address for _ in range(8)}
+            assert picked == set(paces)  # every replica routable; equal costs rotate
+        finally:
+            await router.close()
+
+    asyncio.run(scenario())
+
+
+def test_get_load_pace_is_validated_too() -> None:
+    router = ReplicaRouter(["a:1", "b:2"])
+    replica = router.replicas["a:1"]
+
+    async def scenario() -> None:
+        async def get_load() -> pb.Load:
+            return pb.Load(num_waiting=1, prefill_tokens_per_s=float("nan"), step_s=0.25)
+
+        replica.client.get_load = get_load
+        await router._poll(replica)
+        assert (replica.num_waiting, replica.prefill_tokens_per_s, replica.step_s) == (1, 0.0, 0.25)
+        await router.close()
 
     asyncio.run(scenario())
 
