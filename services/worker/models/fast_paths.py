@@ -50,9 +50,12 @@ def use_fast_paths(model: nn.Module, attention_backend: str, compile_model: bool
             # packed_step.c reads gemm.c's packed dense weights only (quant/ops.py runs the rest).
             logger.info("cpu packed step off: the model keeps quantized weights; larger steps run layer by layer")
             packed_step = False
-        if pack_for_cpu(model) and packed_step:
-            use_cpu_packed_step(model)  # on the packed weights: after packing
+        if packed_step:
+            keep_router_weights(model)  # before packing: a packed router hides its weight
+        packed_linears = pack_for_cpu(model)
         use_cpu_moe(model)
+        if packed_linears and packed_step:
+            use_cpu_packed_step(model)  # on the packed weights and experts: after packing both
     use_fused_ops(model)
 
 
@@ -69,6 +72,14 @@ def use_cpu_moe(model: nn.Module) -> int:
     if packed:
         logger.info("cpu moe kernel: %d expert layers packed", packed)
     return packed
+
+
+def keep_router_weights(model: nn.Module) -> None:
+    """Keep each MoE block's router weight row-major beside the packed copy `pack_for_cpu` gives
+    the router, for the packed step's routing (E x hidden values a layer)."""
+    for block in model.moe_blocks():
+        if isinstance(block.gate, nn.Linear):
+            block.router_weight = block.gate.weight.detach()
 
 
 def cpu_ops(model: nn.Module) -> FusedCpuOps | None:
@@ -109,18 +120,19 @@ def c_step_for(model: nn.Module, meta: AttentionMetadata) -> CpuDecodeStep | Pac
 
 def c_steps_apply(model: nn.Module) -> bool:
     """Whether the C steps implement this model's layers on this rank: CPU, one rank and one
-    stage, plain dense layers (no routed experts, whole-projection q/k norms or clipped
-    q/k/v)."""
+    stage, no whole-projection q/k norms or clipped q/k/v. Routed experts only in the packed
+    step, which checks each MoE block itself (`PackedStep.supports`)."""
     return (CpuOps.supports(_param(model)) and get_tp().size == 1
-            and model.is_first_stage and model.is_last_stage and model.spec.moe is None
+            and model.is_first_stage and model.is_last_stage
             and not model.spec.full_qk_norm and not getattr(model.config, "clip_qkv", None))
 
 
 def use_cpu_packed_step(model: nn.Module) -> bool:
     """Run steps the small decode step does not take (more requests, prefill chunks) as one C
-    call on the packed weights (models/c_step/packed_step.c). Call after `pack_for_cpu`; off
-    where the C steps do not apply or a projection is not packed for gemm.c (no AVX-512,
-    another dtype)."""
+    call on the packed weights (models/c_step/packed_step.c). Call after `pack_for_cpu` and
+    `use_cpu_moe`; off where the C steps do not apply, a projection is not packed for gemm.c
+    (no AVX-512, another dtype) or a MoE layer is not one the step runs (a shared expert, experts
+    on other ranks or left unpacked)."""
     if not c_steps_apply(model):
         return False
     try:
@@ -139,10 +151,11 @@ def use_cpu_decode_step(model: nn.Module, max_extra_bytes: int) -> bool:
     before `pack_for_cpu`: the step keeps the row-major weights, which costs their bytes again
     beside the packed copies, so it is left off when that exceeds `max_extra_bytes`; also off
     where it does not apply (not CPU, tensor or pipeline parallel, another dtype, no C compiler,
-    a layer it does not implement: routed experts, whole-projection q/k norms, clipped q/k/v).
+    a layer it does not implement: routed experts (decode_step.c has none; the packed step takes
+    MoE models' decodes too), whole-projection q/k norms, clipped q/k/v).
     A quantized model's step reads its blocks in place, where every projection is one block type
     (or a dense linear layer): the quantized build of the step (models/c_step/quant_step.py)."""
-    if not c_steps_apply(model):
+    if not c_steps_apply(model) or model.spec.moe is not None:
         return False
     quantized = model.is_quantized()
     if quantized and (reason := quant_step.unsupported(model)) is not None:

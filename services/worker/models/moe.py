@@ -192,6 +192,9 @@ class SparseMoeBlock(nn.Module):
             self.expert_start, self.num_local_experts = 0, self.num_experts
             self.intermediate_start, self.intermediate_size = column_range(width, get_tp())
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)  # the router
+        # The router's row-major weight, kept by fast_paths for the CPU packed step before the
+        # linear layers are packed (a oneDNN-packed router no longer holds it).
+        self.router_weight: torch.Tensor | None = None
         self.experts = FusedExperts(self.num_local_experts, config.hidden_size, self.intermediate_size)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None

@@ -16,7 +16,9 @@ prepacked copies (`cpu_linear.py`): the step keeps the row-major tensors too, wh
 the projections' memory. `fast_paths.use_cpu_decode_step` therefore turns it on only
 when that copy is small next to the available RAM, and `MYVLLM_CPU_DECODE_STEP=0` turns it off.
 Projections kept in GGUF blocks are read in place by the small step's quantized build
-(`quant_step.py`); the packed step takes dense models only.
+(`quant_step.py`); the packed step takes dense weights only. Mixture-of-experts layers run in the
+packed step alone (routing and the experts' kernel, cpu/moe_share.h, on the packed experts; one
+rank, no shared expert); the small step never sees them (`fast_paths` keeps it off for MoE models).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import torch
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cpu import cbuild
 from services.worker.cpu.gemm import HIGHEST_ISA
+from services.worker.cpu.moe_experts import BLOCK as EXPERT_BLOCK
 from services.worker.models.c_step import quant_step
+from services.worker.models.moe import FusedExperts, SparseMoeBlock
 from services.worker.quant import kernels as quant_kernels
 from services.worker.quant.ops import quant_matmul
 from services.worker.quant.weights import QuantWeights
@@ -39,7 +43,7 @@ _PACKED_SOURCE = Path(__file__).with_name("packed_step.c")
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # The C side's per-layer pointer order (step_model.h's enum).
 LAYER_SLOTS = ("in_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
-               "gate_up_bias", "down", "down_bias")
+               "gate_up_bias", "down", "down_bias", "router", "experts13", "experts2")
 _lib: ctypes.CDLL | None = None
 _packed_libs: dict[str | None, ctypes.CDLL] = {}
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
@@ -49,7 +53,8 @@ class _StepModel(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I),
                 ("intermediate", _I), ("block_size", _I), ("bf16", _I), ("eps", _F), ("scale", _F),
                 ("layers", _P), ("kv", _P), ("final_norm", _P), ("cos", _P), ("sin", _P),
-                ("wtypes", _P), ("row_bytes", _P), ("int8_dot", _I)]
+                ("wtypes", _P), ("row_bytes", _P), ("int8_dot", _I), ("num_experts", _I), ("top_k", _I),
+                ("moe_ip", _I), ("moe_hp", _I), ("renormalize", _I), ("weights_fp32", _I)]
 
 
 def load_library() -> ctypes.CDLL:
@@ -90,7 +95,10 @@ class _CStep:
     def __init__(self, model: torch.nn.Module, weights: list[list[torch.Tensor | None]]) -> None:
         """weights: per layer, the tensors of LAYER_SLOTS in order (None where the model has none)."""
         layers = list(model._stage())
-        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        attn0 = layers[0].self_attn
+        # the dense MLPs' width (0 where every layer's MLP is a mixture of experts)
+        intermediate = next((layer.mlp.intermediate_size for layer in layers
+                             if not isinstance(layer.mlp, SparseMoeBlock)), 0)
         self.dtype = next(model.parameters()).dtype
         # Kept alive here: the C side holds their addresses.
         self._weights = [t for layer in weights for t in layer]
@@ -100,7 +108,7 @@ class _CStep:
         self._final_norm = model.norm.weight
         self._model = _StepModel(
             num_layers=len(layers), hidden=model.config.hidden_size, num_heads=attn0.num_heads,
-            num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim, intermediate=mlp0.intermediate_size,
+            num_kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim, intermediate=intermediate,
             block_size=0, bf16=int(self.dtype == torch.bfloat16), eps=float(layers[0].input_layernorm.eps),
             scale=float(attn0.attn.scale), layers=ctypes.addressof(self._layer_ptrs), kv=None,
             final_norm=self._final_norm.data_ptr(), cos=self._rope[0].data_ptr(), sin=self._rope[1].data_ptr())
@@ -163,7 +171,7 @@ class CpuDecodeStep(_CStep):
                 proj = quant_step.projection(module)
                 slots[name], slots[f"{name}_bias"], types[name], sizes[name] = (proj.weight, proj.bias, proj.qtype,
                                                                                 proj.row_bytes)
-            weights.append([slots[name] for name in LAYER_SLOTS])
+            weights.append([slots.get(name) for name in LAYER_SLOTS])
             qtypes += [types[name] for name in LAYER_SLOTS]
             row_bytes += [sizes[name] for name in LAYER_SLOTS]
         super().__init__(model, weights)
@@ -248,36 +256,68 @@ class CpuDecodeStep(_CStep):
         return out
 
 
+def router_weight(block: SparseMoeBlock) -> torch.Tensor | None:
+    """The router's row-major [E, hidden] weight: kept aside by `fast_paths` before the linear
+    layers were packed (a packed router hides it), or the plain layer's own."""
+    if block.router_weight is not None:
+        return block.router_weight
+    return block.gate.weight.detach() if isinstance(block.gate, torch.nn.Linear) else None
+
+
 class PackedStep(_CStep):
     """Runs whole steps (decodes, prefill chunks, or both; `packed_step.c`) on the weights the
-    linear layers already hold packed for gemm.c: no copy of its own."""
+    linear layers already hold packed for gemm.c, and the experts packed for their kernel: no
+    copy of its own."""
 
     def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
-        weights = []
+        weights, moe = [], None
         for layer in model._stage():
             attn, mlp = layer.self_attn, layer.mlp
             slots = {**self._norms(layer)}
-            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
+            linears = [("qkv", attn.qkv_proj), ("o", attn.o_proj)]
+            if isinstance(mlp, SparseMoeBlock):
+                moe = mlp
+                slots.update(router=router_weight(mlp).contiguous(), experts13=mlp.experts.w13,
+                             experts2=mlp.experts.w2)
+            else:
+                linears += [("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)]
+            for name, linear in linears:
                 slots[name], slots[f"{name}_bias"] = linear.packed, linear.bias
-            weights.append([slots[name] for name in LAYER_SLOTS])
+            weights.append([slots.get(name) for name in LAYER_SLOTS])
         super().__init__(model, weights)
+        if moe is not None:  # every MoE layer of a model alike
+            self._model.num_experts, self._model.top_k = moe.num_experts, moe.top_k
+            self._model.moe_ip = moe.experts.w13.shape[1] * EXPERT_BLOCK
+            self._model.moe_hp = moe.experts.w2.shape[1] * EXPERT_BLOCK
+            self._model.renormalize, self._model.weights_fp32 = int(moe.renormalize), int(moe.spec.fp32_weights)
         self.lib = lib
         self.max_tokens = int(lib.packed_step_max_tokens())
 
     @staticmethod
     def supports(model: torch.nn.Module, lib: ctypes.CDLL) -> bool:
-        """Every projection of every layer is packed for gemm.c, in a dtype this build runs, and
-        the head size suits the prefill tiles (a multiple of 8)."""
+        """Every projection of every layer is packed for gemm.c, in a dtype this build runs, the
+        head size suits the prefill tiles (a multiple of 8), and every mixture-of-experts layer
+        is one the step runs (`runs_moe_block`)."""
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.bfloat16) or not lib.packed_step_available(int(dtype == torch.bfloat16)):
             return False
         layers = list(model._stage())
-        return layers[0].self_attn.head_dim % 8 == 0 and all(
-            getattr(linear, "gemm", None) is not None
-            for layer in layers
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj))
+        linears = [linear for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
+        linears += [linear for layer in layers if not isinstance(layer.mlp, SparseMoeBlock)
+                    for linear in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        return (layers[0].self_attn.head_dim % 8 == 0
+                and all(getattr(linear, "gemm", None) is not None for linear in linears)
+                and all(PackedStep.runs_moe_block(layer.mlp, dtype) for layer in layers
+                        if isinstance(layer.mlp, SparseMoeBlock)))
+
+    @staticmethod
+    def runs_moe_block(block: SparseMoeBlock, dtype: torch.dtype) -> bool:
+        """The step's MoE layer: every expert on this rank, packed for the experts' kernel, routed
+        here (no data-parallel dispatch), no shared expert, the router's row-major weight at hand."""
+        router = router_weight(block)
+        return (isinstance(block.experts, FusedExperts) and block.experts.packed and block.shared_expert is None
+                and block.dispatch_starts is None and block.num_local_experts == block.num_experts
+                and router is not None and router.dtype == dtype and block.experts.w13.dtype == dtype)
 
     def applies(self, meta: AttentionMetadata) -> bool:
         """Any step of at most `max_tokens` tokens."""

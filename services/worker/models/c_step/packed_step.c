@@ -1,7 +1,8 @@
 /* The whole decoder forward of a step in one call, on the weights gemm.c packed for the linear
  * layers: every layer's RMSNorm, QKV projection, RoPE, KV-cache write, attention (paged decode for
- * requests bringing one token, paged prefill tiles for chunks of more), output projection, MLP,
- * and the final norm; the LM head stays the packed linear layer it is. Decode batches of a few
+ * requests bringing one token, paged prefill tiles for chunks of more), output projection, MLP
+ * (or a mixture-of-experts layer's routing and experts: moe_route.h, cpu/moe_share.h), and the
+ * final norm; the LM head stays the packed linear layer it is. Decode batches of a few
  * requests go to decode_step.c instead (row-major weights, bound by reading them).
  *
  * Built at first use by decode_step.py (cpu/cbuild.py, up to the avx512_bf16 level as cpu/gemm.c
@@ -20,6 +21,8 @@
 #include <stdlib.h>
 
 #include "gemm_tile.h"
+#include "moe_route.h"
+#include "moe_share.h"
 #include "paged_attend.h"
 #include "prefill_attend.h"
 #include "row_ops.h"
@@ -44,7 +47,9 @@ typedef struct {
  * (model dtype, [T, hidden] embeddings), at positions[t] with KV slots slots[t] (int64);
  * seq_lens[b] (its context and these tokens) and block_table [B, bt_stride] (int32) as for
  * paged attention; out: [T, hidden], the final norm's output. The layers' projection pointers
- * are gemm_pack's copies (every output size a multiple of NB); head_dim a multiple of 8.
+ * are gemm_pack's copies (every output size a multiple of NB); head_dim a multiple of 8. A layer
+ * with a router runs its experts (one rank holding every expert, no shared expert) where a
+ * dense layer runs its MLP.
  * Returns 0, -1 when T or B is out of range, -2 when memory could not be allocated, -3 when
  * this build has no step for the dtype. */
 int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t *positions, const int64_t *slots,
@@ -91,10 +96,23 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
     const size_t prefill_scratch = prefill_scratch_floats(G, D);
     const size_t per_thread = decode_scratch > prefill_scratch ? decode_scratch : prefill_scratch;
     const StepBuffers buf = step_buffers(md, T, x, per_thread, nthreads);
-    if (buf.mem == NULL) {
-        free(units);
+    /* mixture-of-experts layers: each token's expert ids and weights, the router's
+     * probabilities, and the experts' scratch at its most for this step (planned per layer) */
+    const int E = md->num_experts, K = md->top_k;
+    const size_t moe_bytes = E > 0 ? moe_align64((size_t)T * K * (sizeof(int64_t) + sizeof(float))) +
+                                         moe_align64((size_t)T * E * sizeof(float)) +
+                                         moe_scratch_bytes(T, K, E, H, md->moe_ip, md->moe_hp, bf16, nthreads)
+                                   : 0;
+    char *moe_mem = E > 0 ? aligned_alloc(64, moe_align64(moe_bytes)) : NULL;
+    if (buf.mem == NULL || (E > 0 && moe_mem == NULL)) {
+        free(buf.mem), free(moe_mem), free(units);
         return -2;
     }
+    int64_t *expert_ids = (int64_t *)moe_mem;
+    float *expert_weights = (float *)(moe_mem + (size_t)T * K * sizeof(int64_t));
+    float *router_probs = (float *)(moe_mem + moe_align64((size_t)T * K * (sizeof(int64_t) + sizeof(float))));
+    char *moe_scratch = (char *)router_probs + moe_align64((size_t)T * E * sizeof(float));
+    MoePlan moe_plan_of_layer; /* shared: one thread plans, the team runs it */
     void *const res = buf.res, *const h = buf.h, *const qkv = buf.qkv, *const att = buf.att, *const gu = buf.gu;
     void *const act = buf.act;
     float *const scratch = buf.scratch;
@@ -167,6 +185,19 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
             for (int t = 0; t < T; t++)
                 add_rms_norm_row((char *)h + (size_t)t * H * es, (char *)res + (size_t)t * H * es, w[W_POST_NORM], H,
                                  md->eps, bf16);
+            if (w[W_ROUTER] != NULL) {
+                /* the experts' sum of each token into h, where a dense layer's down projection goes */
+#pragma omp for schedule(static)
+                for (int t = 0; t < T; t++)
+                    route_row((char *)h + (size_t)t * H * es, w[W_ROUTER], H, E, K, bf16, md->renormalize,
+                              md->weights_fp32, router_probs + (size_t)t * E, expert_ids + (size_t)t * K,
+                              expert_weights + (size_t)t * K);
+#pragma omp single
+                moe_plan(&moe_plan_of_layer, moe_scratch, expert_ids, T, K, E, H, md->moe_ip, md->moe_hp, bf16);
+                moe_share(&moe_plan_of_layer, h, w[W_EXPERTS13], w[W_EXPERTS2], expert_weights, 0, h, tid, nth);
+#pragma omp barrier
+                continue;
+            }
             gemm_share(h, w[W_GATE_UP], w[B_GATE_UP], gu, T, H, 2 * I, bf16, tid, nth);
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -184,6 +215,7 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
     }
     memcpy(out, h, (size_t)T * H * es);
     free(buf.mem);
+    free(moe_mem);
     free(units);
     return 0;
 #else

@@ -8,9 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Per-layer weight pointers, in this order (NULL where the model has none). */
+/* Per-layer weight pointers, in this order (NULL where the model has none). A mixture-of-experts
+ * layer (packed_step.c only) has no dense MLP but W_ROUTER (the router [E, hidden], row-major in
+ * the model's dtype) and its experts as cpu/moe_experts.c packs them (W_EXPERTS13, W_EXPERTS2). */
 enum { W_IN_NORM, W_QKV, B_QKV, W_Q_NORM, W_K_NORM, W_O, B_O, W_POST_NORM, W_GATE_UP, B_GATE_UP, W_DOWN, B_DOWN,
-       LAYER_PTRS };
+       W_ROUTER, W_EXPERTS13, W_EXPERTS2, LAYER_PTRS };
 
 typedef struct {
     int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, bf16;
@@ -26,6 +28,10 @@ typedef struct {
     const int *wtypes;        /* [num_layers * LAYER_PTRS] */
     const int64_t *row_bytes; /* [num_layers * LAYER_PTRS] */
     int int8_dot;
+    /* Mixture-of-experts layers (0 experts: none): experts, slots per token, the experts' padded
+     * intermediate and hidden widths (moe_experts.c's Ip and Hp), whether the top-k weights are
+     * renormalised over the k, and whether they stay fp32 (else rounded to the model's dtype). */
+    int num_experts, top_k, moe_ip, moe_hp, renormalize, weights_fp32;
 } StepModel;
 
 /* A step's working memory, one allocation: shared, in the model's dtype, the residual stream, h
