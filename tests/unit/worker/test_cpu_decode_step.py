@@ -12,12 +12,13 @@ import pytest
 import torch
 from support.gguf_fixtures import UNIFORM_QTYPES, write_quantized_pair
 from support.isa_levels import levels_here
+from support.packed_step_cases import packed_step_or_skip, step_meta
 from support.runners import runner_for
 
-from services.worker.attention.base import AttentionMetadata, forward_context
-from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm, keeps_onednn_for_bf16
+from services.worker.attention.base import forward_context
+from services.worker.cpu.gemm import HIGHEST_ISA, PanelGemm
 from services.worker.model_runner import ModelRunner
-from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep, load_packed_library
+from services.worker.models.c_step.decode_step import CpuDecodeStep, load_packed_library
 from services.worker.models.c_step.quant_step import load_quant_library
 from services.worker.models.fast_paths import c_step_for
 from services.worker.quant import kernels as quant_kernels
@@ -30,38 +31,11 @@ BLOCK = 16
 NUM_BLOCKS = 12 * 40 + 1  # room for 40 requests of up to 12 blocks
 
 
-def _packed_step_or_skip(runner: ModelRunner) -> PackedStep:
-    """The runner's packed step; a CPU without AVX-512 has no packed GEMM for it to run on, and one
-    with AMX keeps oneDNN (its AMX tiles) for bf16 layers where our GEMM lacks the tiles, so it has
-    no bf16 packed step there."""
-    step = runner.model.packed_step
-    gemm = PanelGemm.load()
-    if step is None and gemm is None:
-        pytest.skip("no AVX-512: the linear layers keep oneDNN and there is no packed step")
-    if step is None and runner.dtype not in gemm.dtypes:
-        assert runner.dtype == torch.bfloat16 and keeps_onednn_for_bf16(None, gemm.amx_bf16)  # the only other reason
-        pytest.skip("AMX: bf16 linear layers keep oneDNN and there is no bf16 packed step")
-    assert isinstance(step, PackedStep)
-    return step
-
-
-def _meta(runner: ModelRunner, ctx: np.ndarray, num_new: np.ndarray) -> AttentionMetadata:
-    """Request i owns blocks 1 + 12i .. 12i + 12 and brings num_new[i] tokens after ctx[i]."""
-    tables = np.arange(1, 1 + 12 * len(ctx), dtype=np.int32).reshape(len(ctx), 12)
-    rows = np.repeat(np.arange(len(ctx)), num_new)
-    pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, num_new, strict=True)])
-    slots = tables[rows, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
-    qsl = np.concatenate([[0], np.cumsum(num_new)])
-    meta = AttentionMetadata.from_host(slots, qsl, ctx + num_new, ctx, tables, BLOCK, "cpu")
-    meta.backend_data = runner.attn_backend.prepare(meta)
-    return meta
-
-
 def _forward(runner: ModelRunner, ids: torch.Tensor, ctx: np.ndarray, num_new: np.ndarray, logits: bool = True):
     """The final hidden states and (`logits`) every token's logits; without, only the K/V
     cache filled (the setup prefills: their thousands of tokens' logits, 49,152 wide, would
     be the bulk of the test's work, under AddressSanitizer most of all)."""
-    meta = _meta(runner, ctx, num_new)
+    meta = step_meta(runner, ctx, num_new)
     pos = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, num_new, strict=True)]))
     with torch.inference_mode(), forward_context(runner.attn_backend, meta):
         hidden = runner.model(ids, pos)
@@ -98,7 +72,7 @@ def test_c_steps_match_the_eager_forward(tiny_model_dir, arch: str, dtype: str, 
     if kind == "small":
         step, cases = small, [_decodes(rows) for rows in range(1, small.max_rows + 1)]
     else:
-        step = _packed_step_or_skip(runner)
+        step = packed_step_or_skip(runner)
         cases = [_decodes(rows) for rows in (small.max_rows + 1, 13, 40)] if kind == "packed-decode" else MIXED
     gen = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
@@ -149,10 +123,10 @@ def test_each_step_takes_its_batches(tiny_model_dir) -> None:
     runner = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0)
     runner.init_kv_cache(NUM_BLOCKS, BLOCK)
     model = runner.model
-    small, packed = model.decode_step, _packed_step_or_skip(runner)
+    small, packed = model.decode_step, packed_step_or_skip(runner)
 
     def chosen(ctx: np.ndarray, num_new: np.ndarray):
-        return c_step_for(model, _meta(runner, ctx, num_new))
+        return c_step_for(model, step_meta(runner, ctx, num_new))
 
     assert chosen(np.full(small.max_rows, 3), np.ones(small.max_rows, np.int64)) is small
     assert chosen(np.full(small.max_rows + 1, 3), np.ones(small.max_rows + 1, np.int64)) is packed
@@ -281,7 +255,7 @@ def test_the_quantized_step_matches_the_layer_by_layer_forward(quantized_model, 
         _forward(runner, torch.randint(0, vocab, (int(setup.sum()),), generator=gen), np.zeros(len(ctx), np.int64),
                  setup, logits=False)
         ids = torch.randint(0, vocab, (rows,), generator=gen)
-        assert c_step_for(runner.model, _meta(runner, ctx, num_new)) is step
+        assert c_step_for(runner.model, step_meta(runner, ctx, num_new)) is step
         got_hidden, got_logits = _forward(runner, ids, ctx, num_new)
         runner.model.decode_step = None
         want_hidden, want_logits = _forward(runner, ids, ctx, num_new)

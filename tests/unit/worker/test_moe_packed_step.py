@@ -10,10 +10,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from support.packed_step_cases import packed_step_or_skip, step_meta
 from support.runners import runner_for
 
-from services.worker.attention.base import AttentionMetadata, forward_context
-from services.worker.cpu.gemm import PanelGemm, keeps_onednn_for_bf16
+from services.worker.attention.base import forward_context
 from services.worker.model_runner import ModelRunner
 from services.worker.models.c_step.decode_step import PackedStep, load_packed_library
 from services.worker.models.moe import SparseMoeBlock
@@ -24,35 +24,9 @@ BLOCK = 16
 NUM_BLOCKS = 12 * 40 + 1  # room for 40 requests of up to 12 blocks
 
 
-def _packed_step_or_skip(runner: ModelRunner) -> PackedStep:
-    """The runner's packed step; none without AVX-512 (no packed GEMM), nor for bf16 on an AMX
-    CPU whose GEMM build lacks the tiles (the linear layers keep oneDNN there)."""
-    step = runner.model.packed_step
-    gemm = PanelGemm.load()
-    if step is None and gemm is None:
-        pytest.skip("no AVX-512: the linear layers keep oneDNN and there is no packed step")
-    if step is None and runner.dtype not in gemm.dtypes:
-        assert runner.dtype == torch.bfloat16 and keeps_onednn_for_bf16(None, gemm.amx_bf16)
-        pytest.skip("AMX: bf16 linear layers keep oneDNN and there is no bf16 packed step")
-    assert isinstance(step, PackedStep)
-    return step
-
-
-def _meta(runner: ModelRunner, ctx: np.ndarray, num_new: np.ndarray) -> AttentionMetadata:
-    """Request i owns blocks 1 + 12i .. 12i + 12 and brings num_new[i] tokens after ctx[i]."""
-    tables = np.arange(1, 1 + 12 * len(ctx), dtype=np.int32).reshape(len(ctx), 12)
-    rows = np.repeat(np.arange(len(ctx)), num_new)
-    pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, num_new, strict=True)])
-    slots = tables[rows, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
-    qsl = np.concatenate([[0], np.cumsum(num_new)])
-    meta = AttentionMetadata.from_host(slots, qsl, ctx + num_new, ctx, tables, BLOCK, "cpu")
-    meta.backend_data = runner.attn_backend.prepare(meta)
-    return meta
-
-
 def _forward(runner: ModelRunner, ids: torch.Tensor, ctx: np.ndarray, num_new: np.ndarray, logits: bool = True):
     """The final hidden states and (`logits`) every token's logits."""
-    meta = _meta(runner, ctx, num_new)
+    meta = step_meta(runner, ctx, num_new)
     pos = torch.from_numpy(np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, num_new, strict=True)]))
     with torch.inference_mode(), forward_context(runner.attn_backend, meta):
         hidden = runner.model(ids, pos)
@@ -116,7 +90,7 @@ def test_the_packed_step_runs_moe_layers_as_the_eager_forward(tiny_model_dir, ar
     step, rebuilt from the blocks, follows it)."""
     runner = runner_for(tiny_model_dir(arch), dtype=dtype, seed=0)
     runner.init_kv_cache(NUM_BLOCKS, BLOCK)
-    _packed_step_or_skip(runner)
+    packed_step_or_skip(runner)
     blocks = [layer.mlp for layer in runner.model._stage() if isinstance(layer.mlp, SparseMoeBlock)]
     assert blocks and all(block.experts.packed for block in blocks)
     for block in blocks:
@@ -162,7 +136,7 @@ def test_a_moe_model_gets_the_packed_step(tiny_model_dir, arch: str) -> None:
     """Routed experts on one rank with no shared expert: the packed step takes the model's steps
     (every one: the small decode step has no MoE layers)."""
     runner = runner_for(tiny_model_dir(arch), dtype="float32", seed=0)
-    step = _packed_step_or_skip(runner)
+    step = packed_step_or_skip(runner)
     assert runner.model.decode_step is None
     assert step._model.num_experts == 8 and step._model.top_k == 2
     assert all(block.router_weight is not None for block in runner.model.moe_blocks())
@@ -178,7 +152,7 @@ def test_moe_layers_the_step_does_not_run_keep_the_eager_path(tiny_model_dir, ar
 def test_a_block_the_step_cannot_run_keeps_it_off(tiny_model_dir) -> None:
     """Experts left unpacked, or on other ranks: `supports` says no."""
     runner = runner_for(tiny_model_dir("qwen3_moe"), dtype="float32", seed=0)
-    _packed_step_or_skip(runner)
+    packed_step_or_skip(runner)
     lib = load_packed_library()
     block = runner.model.moe_blocks()[0]
     assert PackedStep.supports(runner.model, lib)
