@@ -162,6 +162,8 @@ def resolve_dtype_name(dtype: str, device_type: str, flags: Iterable[str] | None
 # sampler's per-row state are sized by them before any request arrives).
 MAX_NUM_SEQS_LIMIT = 16384
 MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
+# vLLM's largest supported LoRA rank (its max_lora_rank choices end at 512).
+MAX_LORA_RANK_LIMIT = 512
 
 
 class JoinSizes(argparse.Action):
@@ -346,10 +348,29 @@ class StructuredOutputsConfig:
              f"ends with a 400 naming this flag (default {DEFAULT_STRUCTURED_OUTPUTS_REQUEST_TIMEOUT_S:g})"))
 
 
+@dataclass
+class LoRAConfig:
+    """LoRA adapters over the base model (vLLM's LoRAConfig): how many one step may mix, their
+    largest rank, how many the worker keeps loaded. Read by the scheduler (slots per step) and the
+    worker (slot table, CPU cache); the gateway's --lora-modules name the adapters served."""
+
+    enable_lora: bool = field(default=False, metadata=flag(
+        help="serve LoRA adapters (PEFT format) over the base model: --lora-modules, a request's model naming an "
+             "adapter, LLM.generate(lora_request=...)"))
+    max_loras: int = field(default=1, metadata=flag(
+        help="distinct LoRA adapters one step may run (the worker's slot table)"))
+    max_lora_rank: int = field(default=16, metadata=flag(help="the largest LoRA rank an adapter may have"))
+    # None: max_loras (vLLM's default); never fewer than max_loras.
+    max_cpu_loras: int | None = field(default=None, metadata=flag(
+        help="LoRA adapters the worker keeps loaded in host memory, least recently used dropped first (default: "
+             "--max-loras)"))
+
+
 # The parts, in VllmConfig's order, that are dataclasses of flags of their own (the other
 # fields of VllmConfig are one JSON-valued flag each).
 PARTS = {"model_config": ModelConfig, "cache_config": CacheConfig, "parallel_config": ParallelConfig,
-         "scheduler_config": SchedulerConfig, "structured_outputs_config": StructuredOutputsConfig}
+         "scheduler_config": SchedulerConfig, "structured_outputs_config": StructuredOutputsConfig,
+         "lora_config": LoRAConfig}
 
 
 @dataclass
@@ -383,6 +404,7 @@ class VllmConfig:
         help='prefill/decode disaggregation, vLLM\'s JSON: \'{"kv_connector": "SharedMemoryConnector", '
              '"kv_role": "kv_producer"}\' (or "kv_consumer", "kv_both"); "kv_connector_extra_config": '
              '{"shm_dir": DIR, "segment_ttl_s": S}', comment="absent = no KV connector (no P/D disaggregation)"))
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_engine_args(cls, **engine_args: Any) -> VllmConfig:
@@ -444,6 +466,20 @@ class VllmConfig:
             raise ValueError(f"data_parallel_size must be positive, got {p.data_parallel_size}")
         if self.expert_parallel_group:
             self._check_expert_parallel_group()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        lora = self.lora_config
+        if lora.max_loras < 1:
+            raise ValueError(f"max_loras (--max-loras) must be positive, got {lora.max_loras}")
+        if not 1 <= lora.max_lora_rank <= MAX_LORA_RANK_LIMIT:
+            raise ValueError(f"max_lora_rank (--max-lora-rank) must be in [1, {MAX_LORA_RANK_LIMIT}], "
+                             f"got {lora.max_lora_rank}")
+        if lora.max_cpu_loras is None:
+            lora.max_cpu_loras = lora.max_loras
+        if lora.max_cpu_loras < lora.max_loras:
+            raise ValueError(f"max_cpu_loras (--max-cpu-loras) must be at least max_loras ({lora.max_loras}), "
+                             f"got {lora.max_cpu_loras}")
 
     def _apply_runner(self) -> None:
         """The pooling runner's rules, in one place (also run when a scheduler adopts its

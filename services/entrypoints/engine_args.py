@@ -18,6 +18,7 @@ from services.common.config import (
     DEFAULT_MAX_WAITING_REQUESTS,
     PARTS,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -38,8 +39,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """Read by the worker (a rank loads its shard once its scheduler assigns its rank) and by the
-    scheduler (its --workers are T ranks per stage, stage-major; it keeps P steps in flight)."""
+    scheduler (its --workers are T ranks per stage, stage-major; it keeps P steps in flight); so
+    are the LoRA slots (the scheduler assigns them, the worker holds the adapters in them)."""
     add_flags(p, ParallelConfig)
+    add_flags(p, LoRAConfig)
 
 
 def add_scheduling_args(p: argparse.ArgumentParser) -> None:

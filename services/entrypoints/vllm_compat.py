@@ -39,9 +39,7 @@ class RefusedFlag:
 
 
 REFUSED = (
-    RefusedFlag(("--enable-lora",), _NOT_YET_LORA, nargs=0),
     RefusedFlag(("--lora-modules",), _NOT_YET_LORA, nargs="+", metavar="NAME=PATH"),
-    RefusedFlag(("--max-lora-rank",), _NOT_YET_LORA, metavar="RANK"),
     RefusedFlag(("--no-enable-chunked-prefill",), "chunked prefill is always on here: a prompt longer than "
                 "--max-num-batched-tokens is computed in chunks of it", nargs=0),
 )
