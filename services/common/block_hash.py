@@ -4,8 +4,9 @@ gateway (which predicts, from a prompt's token ids, which blocks a replica has c
 Both sides must compute bit-identical hashes, so this is the only implementation. Hashes
 chain: hash(block k) = sha256(hash(block k-1) || token ids of block k as int32 [|| 0xff ||
 extra keys]), starting from NONE_HASH, so equal hashes mean equal whole prefixes. Only full
-blocks are hashed. Extra keys (the request's `cache_salt`) go into the first block only: the
-chain carries them into every later one.
+blocks are hashed. Extra keys (the request's `cache_salt` and its LoRA adapter's name: one
+adapter's KV never serves another's request, nor the base model's) go into the first block
+only: the chain carries them into every later one.
 """
 
 from __future__ import annotations
@@ -27,19 +28,21 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra_keys: 
     return h.digest()
 
 
-def salt_keys(cache_salt: str | None) -> bytes:
-    """The extra keys of a request's first block."""
-    return cache_salt.encode() if cache_salt else b""
+def salt_keys(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """The extra keys of a request's first block. The adapter's name (as vLLM keys it) follows a
+    byte that UTF-8 text never contains (0xfe), so no salt can pose as an adapter."""
+    keys = cache_salt.encode() if cache_salt else b""
+    return keys + b"\xfe" + lora_name.encode() if lora_name else keys
 
 
 def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                  ) -> list[bytes]:
+                  lora_name: str | None = None) -> list[bytes]:
     """Append to `hashes` (the hashes of the first len(hashes) blocks of `token_ids`) the hashes of
     every further full block; returns `hashes`. Incremental, so a running request hashes each
     block once."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    extra = salt_keys(cache_salt)
+    extra = salt_keys(cache_salt, lora_name)
     for k in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[k - 1] if k > 0 else NONE_HASH
         hashes.append(hash_block_tokens(parent, token_ids[k * block_size:(k + 1) * block_size],
@@ -47,6 +50,7 @@ def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int
     return hashes
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                 lora_name: str | None = None) -> list[bytes]:
     """The chained hashes of every full block of `token_ids`."""
-    return extend_hashes([], token_ids, block_size, cache_salt)
+    return extend_hashes([], token_ids, block_size, cache_salt, lora_name)
