@@ -36,16 +36,11 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     assert bool(((got.double() - exact).abs() <= bound).all()), float((got.double() - exact).abs().max())
 
 
-LEVEL_DTYPES = [(level, dtype) for level in LEVELS for dtype in PanelGemm.load(level).dtypes]
-
-
-@pytest.mark.parametrize(("level", "dtype"), LEVEL_DTYPES)
-@pytest.mark.parametrize("rows", [1, 11, 12, 13, 64, 97, 300])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_gemm_matches_exact_products(level: str, dtype: torch.dtype, rows: int, threads: int) -> None:
-    gemm = PanelGemm.load(level)
+def _check_with_and_without_bias(gemm: PanelGemm, n: int, k: int, rows: int, dtype: torch.dtype,
+                                 threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random [rows, k] x [n, k]^T (+ bias) at `threads` threads, checked against the exact
+    products; returns the packed weight, the inputs and the bias for further checks."""
     gen = torch.Generator().manual_seed(rows)
-    n, k = 3 * BLOCK, 78
     w = torch.randn(n, k, generator=gen).to(dtype)
     x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
     packed = gemm.pack(w)
@@ -56,6 +51,17 @@ def test_gemm_matches_exact_products(level: str, dtype: torch.dtype, rows: int, 
         _check(gemm.matmul(x, packed, bias), x, w, bias)
     finally:
         torch.set_num_threads(previous)
+    return packed, x, bias
+
+
+LEVEL_DTYPES = [(level, dtype) for level in LEVELS for dtype in PanelGemm.load(level).dtypes]
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVEL_DTYPES)
+@pytest.mark.parametrize("rows", [1, 11, 12, 13, 64, 97, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_matches_exact_products(level: str, dtype: torch.dtype, rows: int, threads: int) -> None:
+    _check_with_and_without_bias(PanelGemm.load(level), 3 * BLOCK, 78, rows, dtype, threads)
 
 
 def test_packed_linear_takes_it_where_it_applies() -> None:
@@ -96,18 +102,6 @@ def test_amx_bf16_tiles_match_exact_products(rows: int, threads: int) -> None:
     """From 16 rows, bf16 with K a multiple of 32 runs on the AMX tiles: pairs of row groups, one
     group alone, the vdpbf16ps tail, chunk boundaries (96 rows), with and without bias."""
     gemm = PanelGemm.load(AMX_LEVELS[0])
-    gen = torch.Generator().manual_seed(rows)
-    n, k = 3 * BLOCK, 96
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    x, bias = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
-    packed = gemm.pack(w)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        _check(gemm.matmul(x, packed, None), x, w, None)
-        _check(gemm.matmul(x, packed, bias), x, w, bias)
-        # each row as it would come out alone or among others: the path depends on the row count only
-        one_group = gemm.matmul(x[:16], packed, bias)
-        assert torch.equal(gemm.matmul(x, packed, bias)[:16], one_group)
-    finally:
-        torch.set_num_threads(previous)
+    packed, x, bias = _check_with_and_without_bias(gemm, 3 * BLOCK, 96, rows, torch.bfloat16, threads)
+    # each row as it would come out alone or among others: the path depends on the row count only
+    assert torch.equal(gemm.matmul(x, packed, bias)[:16], gemm.matmul(x[:16], packed, bias))
