@@ -475,6 +475,15 @@ class VllmConfig:
         if not 1 <= lora.max_lora_rank <= MAX_LORA_RANK_LIMIT:
             raise ValueError(f"max_lora_rank (--max-lora-rank) must be in [1, {MAX_LORA_RANK_LIMIT}], "
                              f"got {lora.max_lora_rank}")
+        if lora.enable_lora:
+            p, m = self.parallel_config, self.model_config
+            if p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1:
+                raise ValueError("LoRA adapters (--enable-lora) with tensor or pipeline parallelism are not "
+                                 "supported yet: serve with one rank per replica (--data-parallel-size for more)")
+            if m.compile_model:
+                raise ValueError("LoRA adapters (--enable-lora) do not combine with --compile yet")
+            if m.runner == "pooling":
+                raise ValueError("LoRA adapters (--enable-lora) need the generate runner")
         if lora.max_cpu_loras is None:
             lora.max_cpu_loras = lora.max_loras
         if lora.max_cpu_loras < lora.max_loras:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from services.common.config import VllmConfig
 from services.common.kv_transfer_params import check_params
+from services.common.lora_adapter_config import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS
 from services.common.metric_buckets import ITERATION_TOKENS_BUCKETS, BucketCounts
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
@@ -62,12 +63,29 @@ class EngineCore:
         request = Request(
             req.request_id, prompt, req.sampling, self.eos_token_ids, max_tokens=max_tokens,
             priority=req.priority, cache_salt=req.cache_salt, resumed_output_token_ids=resumed,
-            kv_transfer_params=kv_params)
+            kv_transfer_params=kv_params, lora_request=self._check_lora_request(req))
         if req.sampling.HasField("structured_outputs"):
             # Parsed and compiled in the background, within --structured-outputs-compile-timeout (the
             # request waits for it, the batch does not).
             request.grammar = self.structured_output.grammar_for(req.sampling.structured_outputs)
         self.scheduler.add_request(request)
+
+    def _check_lora_request(self, req: pb.GenerateRequest) -> pb.LoRARequest | None:
+        """The request's adapter, where LoRA is on and the adapter is named whole (vLLM's
+        LoRARequest fields); the worker reads and checks the adapter itself."""
+        if not req.HasField("lora_request"):
+            return None
+        lora = req.lora_request
+        if not self.config.lora_config.enable_lora:
+            raise InvalidRequest(f"LoRA adapter {lora.lora_name[:100]!r} requested, but this engine serves no "
+                                 "adapters (start it with --enable-lora)")
+        if not lora.lora_name or len(lora.lora_name) > MAX_LORA_NAME_CHARS:
+            raise InvalidRequest(f"lora_request.lora_name must be 1 to {MAX_LORA_NAME_CHARS} characters")
+        if lora.lora_int_id < 1:
+            raise InvalidRequest(f"lora_request.lora_int_id must be >= 1, got {lora.lora_int_id}")
+        if not lora.lora_path or len(lora.lora_path) > MAX_LORA_PATH_CHARS:
+            raise InvalidRequest(f"lora_request.lora_path must be 1 to {MAX_LORA_PATH_CHARS} characters")
+        return lora
 
     def _check_runner(self, req: pb.GenerateRequest) -> None:
         """A pooling engine serves embedding requests only, a generate engine none (vLLM's rule);
@@ -172,6 +190,7 @@ class EngineCore:
 
     def stats(self) -> pb.Stats:
         s = self.scheduler.stats()
+        running_loras, waiting_loras = self.scheduler.lora_adapters()
         info = self.model_info
         c = self.config
         return pb.Stats(max_model_len=self.max_model_len, model=c.model_config.model,
@@ -188,7 +207,9 @@ class EngineCore:
                         iteration_tokens_counts=self.iteration_tokens.counts,
                         iteration_tokens_sum=int(self.iteration_tokens.sum),
                         spec_decode_enabled=c.speculative_config is not None,
-                        enable_prefix_caching=self.scheduler.kv_cache_manager.enable_prefix_caching, **s)
+                        enable_prefix_caching=self.scheduler.kv_cache_manager.enable_prefix_caching,
+                        running_lora_adapters=running_loras, waiting_lora_adapters=waiting_loras,
+                        max_lora=c.lora_config.max_loras if c.lora_config.enable_lora else 0, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

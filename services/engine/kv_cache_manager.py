@@ -17,7 +17,8 @@ __all__ = ["NONE_HASH", "KVCacheManager", "extend_block_hashes", "hash_block_tok
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Hash every full block of `request` not hashed yet (services/common/block_hash.py: the
     gateway computes the same hashes to route by cached prefix)."""
-    extend_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)
+    extend_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt,
+                  request.lora_request.lora_name if request.lora_request is not None else None)
 
 
 class KVCacheManager:

@@ -53,6 +53,7 @@ class Request:
         resumed_output_token_ids: list[int] | None = None,
         pooling_params: pb.PoolingParams | None = None,
         kv_transfer_params: pb.KVTransferParams | None = None,
+        lora_request: pb.LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -69,6 +70,10 @@ class Request:
         self.min_tokens = sampling.min_tokens
         self.priority = priority
         self.cache_salt = cache_salt
+        # LoRA: the adapter it runs with (None: the base model), and the worker slot it holds while
+        # running (services/engine/lora_slots.py).
+        self.lora_request = lora_request
+        self.lora_slot: int | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

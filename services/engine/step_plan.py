@@ -102,7 +102,8 @@ def new_request_data(request: Request, block_ids: list[int]) -> pb.NewRequestDat
     return pb.NewRequestData(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=request.sampling,
         block_ids=block_ids, num_computed_tokens=request.num_computed_tokens,
-        output_token_ids=request.output_token_ids, pooling=request.pooling_params)
+        output_token_ids=request.output_token_ids, pooling=request.pooling_params,
+        lora_request=request.lora_request, lora_slot=request.lora_slot or 0)
 
 
 def cached_request_data(request: Request, num_new: int, new_block_ids: list[int],

@@ -3,6 +3,7 @@ ranks in this process and its children, with vLLM's output types."""
 
 from __future__ import annotations
 
+from services.common.lora_request import LoRARequest
 from services.common.pooling_config import PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.structured_outputs import StructuredOutputsParams
@@ -10,4 +11,4 @@ from services.offline.llm import LLM, EngineFault
 from services.offline.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 
 __all__ = ["LLM", "EngineFault", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "EmbeddingOutput", "EmbeddingRequestOutput"]
+           "CompletionOutput", "Logprob", "EmbeddingOutput", "EmbeddingRequestOutput", "LoRARequest"]

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from services.common.config import VllmConfig
 from services.common.kv_transfer_params import params_from_dict, params_to_dict
+from services.common.lora_request import LoRARequest
 from services.common.pooling_config import PoolingParams
 from services.common.proto import myvllm_pb2 as pb
 from services.common.rendezvous import RendezvousStore
@@ -132,9 +133,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions; outputs come back in input order."""
+        """Generate completions; outputs come back in input order. `lora_request`: one adapter for
+        every prompt or one per prompt (None: the base model), vLLM's LoRARequest."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -143,6 +146,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput, ChoiceOutputProcessor]] = {}
         per_engine = [e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines]
@@ -167,7 +173,8 @@ class LLM:
                     engine = min(range(len(self.engines)), key=per_engine.__getitem__)  # the least loaded
                     self.engines[engine].add_request(pb.GenerateRequest(
                         request_id=rid, prompt_token_ids=token_ids, sampling=msg,
-                        priority=priority[i] if priority else 0, kv_transfer_params=kv_params))
+                        priority=priority[i] if priority else 0, kv_transfer_params=kv_params,
+                        lora_request=loras[i].to_proto() if loras[i] is not None else None))
                     per_engine[engine] += 1
                     children[rid] = (result, child,
                                      ChoiceOutputProcessor(index, self.text_tokenizer, token_ids, sp))
@@ -215,12 +222,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template)}
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:

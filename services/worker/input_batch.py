@@ -62,6 +62,8 @@ class InputBatch:
         # done) and the dimensions each asked for (0 = all).
         self.is_pooling = np.zeros(max_num_reqs, dtype=bool)
         self.pooling_dimensions = np.zeros(max_num_reqs, dtype=np.int64)
+        # LoRA: the adapter slot each row runs with (-1: the base model alone).
+        self.lora_slot = np.full(max_num_reqs, -1, dtype=np.int32)
         self.version = 0  # bumped whenever membership changes (invalidates cached metadata)
         self.seed = seed
 
@@ -95,6 +97,7 @@ class InputBatch:
         self.sampling[row] = data.sampling
         self.is_pooling[row] = data.HasField("pooling")
         self.pooling_dimensions[row] = data.pooling.dimensions
+        self.lora_slot[row] = data.lora_slot if data.HasField("lora_request") else -1
         if data.sampling.HasField("seed"):
             # A request's own generator: seeded outputs do not depend on the batch around them.
             gen = torch.Generator()

@@ -29,6 +29,7 @@ from services.worker.cuda_graphs import StaticDecode, build_static_decode, graph
 from services.worker.grammar_mask import apply_grammar_bitmask
 from services.worker.input_batch import InputBatch, runs_own_counts
 from services.worker.kv_memory import zeroed_kv_cache
+from services.worker.lora.manager import LoraManager, load_step_adapters
 from services.worker.memory_profile import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     MemoryProfile,
@@ -190,6 +191,10 @@ class ModelRunner:
         # packed weights). The small C step's row-major copy of the weights may take at most a
         # tenth of the RAM.
         use_fast_paths(self.model, self.attn_backend.name, compile_model, _available_ram_bytes() // 10)
+        # LoRA (--enable-lora): the adapters' slot table, bound into the layers.
+        lora_config = vllm_config.lora_config
+        self.lora = LoraManager(lora_config, self.model, self.dtype, self.device) if lora_config.enable_lora \
+            else None
         # torch.compile, CPU only: on CUDA the Triton kernels and the GPU's own speed leave little to gain.
         self.compiled: CompiledForward | None = None
         if self.device.type == "cpu" and compile_model:
@@ -398,6 +403,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.from_host(slot_mapping, query_start_loc, seq_lens, context_lens, block_table,
                                           bs, dev)
+        if self.lora is not None:
+            meta.lora = self.lora.batch(batch.lora_slot[token_rows])
         # The C decode step attends without the backend's plan; a draft model mirrors the
         # target's forward with the same metadata, so it needs the plan either way.
         if self.proposer is not None or c_step_for(self.model, meta) is None:
@@ -465,14 +472,17 @@ class ModelRunner:
         returns None; the next message, `grammar_bitmask_only` with the same step id, brings
         the bitmask and gets the step's output."""
         validate_step(so, self.input_batch, self.num_kv_blocks, self.vocab_size,  # before anything is applied
-                      self.pooling_limits)
+                      self.pooling_limits, self.lora.config.max_loras if self.lora is not None else 0)
         if so.grammar_bitmask_only:
             pending, self._pending = self._pending, None
             if pending is None or pending[0].step_id != so.step_id:
                 return None  # the step it completes failed (already reported) or was reset
             return self._sample(*pending, so)
+        lora_failures = []
+        if self.lora is not None and so.new_requests:
+            so, lora_failures = load_step_adapters(self.lora, so, self.input_batch)
         rows, num_scheduled = self._apply_scheduler_output(so)
-        out = pb.ModelRunnerOutput(step_id=so.step_id)
+        out = pb.ModelRunnerOutput(step_id=so.step_id, lora_load_failures=lora_failures)
         out.cudagraph_capture_failures, self.unreported_capture_failures = self.unreported_capture_failures, 0
         if self.lockstep:  # every engine's ranks, once per step: does the group go on after it?
             out.dp_global_unfinished = any_engine_unfinished(so.dp_local_unfinished)
@@ -482,7 +492,8 @@ class ModelRunner:
             return out
         input_ids, positions, meta, samples, logits_indices = self._prepare_inputs(rows, num_scheduled)
         with forward_context(self.attn_backend, meta):
-            if self.static_decode is not None and self.static_decode.applies(self, rows, num_scheduled):
+            if self.static_decode is not None and meta.lora is None and \
+                    self.static_decode.applies(self, rows, num_scheduled):
                 hidden = self.static_decode.forward(input_ids, positions, meta)  # padded; graphs on CUDA
             elif self.pp.is_first:
                 hidden = self.forward(input_ids, positions)

@@ -80,10 +80,22 @@ def _check_pooling(field: str, r: pb.NewRequestData, pooling: PoolingLimits | No
         raise InvalidStep(f"{field}.pooling", error)
 
 
+def _check_lora(field: str, r: pb.NewRequestData, max_loras: int) -> None:
+    if max_loras == 0:
+        raise InvalidStep(f"{field}.lora_request", "this worker serves no LoRA adapters (start it with --enable-lora)")
+    if not 0 <= r.lora_slot < max_loras:
+        raise InvalidStep(f"{field}.lora_slot", f"{r.lora_slot} outside the {max_loras} slots (--max-loras)")
+    if r.lora_request.lora_int_id < 1:
+        raise InvalidStep(f"{field}.lora_request.lora_int_id", f"{r.lora_request.lora_int_id} (must be >= 1)")
+    if not r.lora_request.lora_path:
+        raise InvalidStep(f"{field}.lora_request.lora_path", "empty")
+
+
 def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int, vocab_size: int,
-                  pooling: PoolingLimits | None = None) -> None:
+                  pooling: PoolingLimits | None = None, max_loras: int = 0) -> None:
     """Raise `InvalidStep` unless applying `so` to `batch` keeps every index in bounds (and, on a
-    pooling worker (`pooling`), every pooling request is one it can pool)."""
+    pooling worker (`pooling`), every pooling request is one it can pool; a request with a LoRA
+    adapter names a slot of the `max_loras` this worker has, 0 = LoRA off)."""
     if so.grammar_bitmask_only:
         if so.new_requests or so.cached_requests or so.num_scheduled_tokens:
             raise InvalidStep("grammar_bitmask_only", "a bitmask-only message schedules nothing")
@@ -122,6 +134,8 @@ def validate_step(so: pb.SchedulerOutput, batch: InputBatch, num_kv_blocks: int,
                               f"or its {len(r.block_ids)} blocks of {bs}")
         _check_sampling(f"{field}.sampling", r.sampling, vocab_size)
         _check_pooling(field, r, pooling)
+        if r.HasField("lora_request"):
+            _check_lora(field, r, max_loras)
 
     seen: set[str] = set()
     offset = len(so.new_requests)

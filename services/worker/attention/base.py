@@ -40,6 +40,9 @@ class AttentionMetadata:
     context_lens_np: np.ndarray = field(repr=False, default=None)
     # Whatever the backend derived once per step (shared by every layer).
     backend_data: Any = None
+    # LoRA: which adapter slot each token runs with (services/worker/lora/apply.py LoraBatch);
+    # None when no token of the step uses an adapter.
+    lora: Any = None
 
     @classmethod
     def from_host(cls, slot_mapping: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,

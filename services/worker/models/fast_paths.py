@@ -113,7 +113,10 @@ def use_triton_ops(model: nn.Module) -> bool:
 
 def c_step_for(model: nn.Module, meta: AttentionMetadata) -> CpuDecodeStep | PackedStep | None:
     """The C step that runs this batch's whole decoder, or None: the eager layers do. The small
-    decode step first: for the few requests it takes it beats the packed one."""
+    decode step first: for the few requests it takes it beats the packed one. A step with LoRA
+    adapters runs the eager layers, which add the adapters' products."""
+    if meta.lora is not None:
+        return None
     return next((step for step in (model.decode_step, model.packed_step)
                  if step is not None and step.applies(meta)), None)
 

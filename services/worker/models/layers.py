@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.base import AttentionLayer, current_metadata
+from services.worker.lora.apply import LoraBatch
+from services.worker.lora.slots import LayerLora
 from services.worker.models.c_step.decode_step import CpuDecodeStep, PackedStep
 from services.worker.models.fast_paths import c_step_for
 from services.worker.models.layer_ops import TORCH_OPS, FusedCpuOps, LayerOps, TritonOps
@@ -151,9 +153,14 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps) if qk_norm else None
         self.clip_qkv = getattr(config, "clip_qkv", None)
         self.attn = AttentionLayer(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        # This layer's LoRA slots (set by the runner under --enable-lora).
+        self.lora: LayerLora | None = None
 
     def forward(self, ops: LayerOps, rope_state: object, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        lora = _step_lora(self.lora)
+        if lora is not None:
+            qkv = self.lora.add("qkv", qkv, x, lora)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv  # q and k: its first q_size + kv_size columns (a backend may rotate them in place)
         if self.full_qk_norm:
@@ -169,8 +176,18 @@ class SelfAttention(nn.Module):
             v = v.clamp(-self.clip_qkv, self.clip_qkv)
         q, k = ops.rope(qk, heads, self.head_dim, rope_state).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.attn(q, k, v).reshape(-1, self.q_size)
+        if lora is not None:
+            return self.lora.add("o", self.o_proj(out), out, lora)
+        return self.o_proj(out)
+
+
+def _step_lora(layer_lora: LayerLora | None) -> LoraBatch | None:
+    """The step's adapter slots per token, where this layer has LoRA slots and the step uses them."""
+    if layer_lora is None:
+        return None
+    meta = current_metadata()
+    return None if meta is None else meta.lora
 
 
 def _full_width_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -196,9 +213,14 @@ class MLP(nn.Module):
         bias = spec.mlp_bias or getattr(config, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = RowParallelLinear(self.intermediate_size, config.hidden_size, bias=bias)
+        self.lora: LayerLora | None = None  # set by the runner under --enable-lora
 
     def forward(self, ops: LayerOps, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        lora = _step_lora(self.lora)
+        if lora is None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        h = ops.silu_and_mul(self.lora.add("gate_up", self.gate_up_proj(x), x, lora))
+        return self.lora.add("down", self.down_proj(h), h, lora)
 
 
 class DecoderLayer(nn.Module):
