@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from services.common.config import VllmConfig
 from services.common.kv_transfer_params import params_from_dict, params_to_dict
+from services.common.lora_adapter_config import read_adapter_config
 from services.common.lora_request import LoRARequest
 from services.common.pooling_config import PoolingParams
 from services.common.proto import myvllm_pb2 as pb
@@ -149,6 +150,9 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lora in {lora.lora_path: lora for lora in loras if lora is not None}.values():
+            # The engine checks them too; a bad adapter is the caller's mistake, raised here before anything runs.
+            read_adapter_config(lora.lora_path, self.config.lora_config.max_lora_rank)
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput, ChoiceOutputProcessor]] = {}
         per_engine = [e.scheduler.num_waiting + e.scheduler.num_running for e in self.engines]
