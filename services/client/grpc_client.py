@@ -266,6 +266,7 @@ class AsyncClient:
         dp_wave: int = 0,
         pooling: pb.PoolingParams | None = None,
         kv_transfer_params: pb.KVTransferParams | None = None,
+        lora_request: pb.LoRARequest | None = None,
     ) -> AsyncGenerator[pb.RequestOutput, None]:
         """Submit one request and yield its `RequestOutput`s as engine steps produce them.
 
@@ -278,7 +279,8 @@ class AsyncClient:
         `pooling`: an embedding request (a pooling engine; `sampling_params` is ignored): one output,
         its `pooled_output` the embedding. `kv_transfer_params` (P/D disaggregation, an engine with
         --kv-transfer-config): do_remote_decode, whose final output carries the params for the
-        consumer; or do_remote_prefill with those params.
+        consumer; or do_remote_prefill with those params. `lora_request`: run with that LoRA adapter
+        (an engine with --enable-lora).
         """
         if isinstance(sampling_params, SamplingParams):
             sampling_params = sampling_params.to_proto()
@@ -298,6 +300,7 @@ class AsyncClient:
             dp_wave=dp_wave,
             pooling=pooling,
             kv_transfer_params=kv_transfer_params,
+            lora_request=lora_request,
         )))
         finished = False
         try:

@@ -209,7 +209,8 @@ class EngineCore:
                         spec_decode_enabled=c.speculative_config is not None,
                         enable_prefix_caching=self.scheduler.kv_cache_manager.enable_prefix_caching,
                         running_lora_adapters=running_loras, waiting_lora_adapters=waiting_loras,
-                        max_lora=c.lora_config.max_loras if c.lora_config.enable_lora else 0, **s)
+                        max_lora=c.lora_config.max_loras if c.lora_config.enable_lora else 0,
+                        max_lora_rank=c.lora_config.max_lora_rank, **s)
 
     def load(self) -> pb.Load:
         s = self.scheduler

@@ -42,6 +42,7 @@ from services.entrypoints.engine_args import (
     add_speculative_arg,
     engine_kwargs,
 )
+from services.gateway.lora_registry import LoraRegistry, parse_lora_module
 from services.gateway.options import CREDENTIAL_OPTIONS, add_gateway_options
 
 REDIS, WORKER, SCHEDULER, GATEWAY = "redis", "worker", "scheduler", "gateway"
@@ -115,6 +116,7 @@ def check_topology(args: argparse.Namespace, model: str, shapes_dir: str | None 
     if min(args.data_parallel_size, args.tensor_parallel_size, args.pipeline_parallel_size) < 1:
         raise ValueError("--data-parallel-size, --tensor-parallel-size and --pipeline-parallel-size must be at least 1")
     check_disaggregation(args)
+    check_lora_modules(args)
     VllmConfig.from_engine_args(**{**engine_kwargs(args), "model": model,
                                    "kv_transfer_config": kv_transfer_config_of(args, 0)})
     shapes_dir = shapes_dir or model
@@ -127,6 +129,16 @@ def check_topology(args: argparse.Namespace, model: str, shapes_dir: str | None 
             check_tensor_parallel_shapes(shapes, tp, expert_parallel=expert_parallel)
         except ValueError as e:
             raise ValueError(f"--tensor-parallel-size {tp} does not fit the model ({shapes_dir}): {e}") from None
+
+
+def check_lora_modules(args: argparse.Namespace) -> None:
+    """--lora-modules needs --enable-lora, and each adapter must be one the engine takes (its rank
+    within --max-lora-rank): checked here, where both the gateway's and the engine's flags are."""
+    if not args.lora_modules:
+        return
+    if not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (the engine then holds the adapters)")
+    LoraRegistry([parse_lora_module(text) for text in args.lora_modules], args.lora_root, args.max_lora_rank)
 
 
 def num_replicas(args: argparse.Namespace) -> int:

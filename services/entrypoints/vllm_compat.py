@@ -27,7 +27,6 @@ from services.entrypoints.model_source import resolve_model
 
 logger = logging.getLogger("myvllm.flags")
 
-_NOT_YET_LORA = "LoRA adapters are not supported yet (serve a model with the adapter merged into its weights)"
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,6 @@ class RefusedFlag:
 
 
 REFUSED = (
-    RefusedFlag(("--lora-modules",), _NOT_YET_LORA, nargs="+", metavar="NAME=PATH"),
     RefusedFlag(("--no-enable-chunked-prefill",), "chunked prefill is always on here: a prompt longer than "
                 "--max-num-batched-tokens is computed in chunks of it", nargs=0),
 )

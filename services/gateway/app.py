@@ -30,6 +30,8 @@ from services.gateway.errors import (
     unavailable,
     unsupported,
 )
+from services.gateway.lora_registry import LoraRegistry, runtime_updates_allowed
+from services.gateway.lora_routes import add_lora_routes
 from services.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from services.gateway.options import GatewayOptions
 from services.gateway.prompts import PromptBound, chat_prompt, check_token_ids
@@ -86,6 +88,7 @@ def create_app(
     addresses = split_addresses(scheduler_addresses)
     options = options or GatewayOptions()
     admission = AdmissionController(options.max_concurrent_requests, options.max_queued_requests)
+    lora = LoraRegistry(options.lora_modules, options.lora_root)  # a bad adapter stops start-up, naming it
     request_defaults = RequestDefaults(generation_config_defaults(options.generation_config, model_path),
                                        options.max_logprobs, options.response_role)
 
@@ -98,7 +101,8 @@ def create_app(
                                internal_token=options.internal_token, routing=options.routing)
         ctx = GatewayContext(router, tokenizer, model_path, served_model_name, options.migration, options.tools,
                              options.max_choices_per_request, options.limits, options.tokenizer_pool_size,
-                             request_defaults, options.enable_log_requests)
+                             request_defaults, options.enable_log_requests,
+                             lora)
         app.state.ctx = ctx
         router.start()
         warmup = asyncio.create_task(ctx.fetch_max_model_len_until_known())
@@ -169,13 +173,17 @@ def create_app(
     @app.get("/v1/models")
     async def list_models(request: Request) -> ModelList:
         ctx = _ctx(request)
-        return ModelList(data=[ctx.model_card(name) for name in ctx.served_model_names])
+        return ModelList(data=ctx.model_cards())
 
     @app.get("/v1/models/{model_name:path}")
     async def retrieve_model(model_name: str, request: Request) -> ModelCard:
         ctx = _ctx(request)
         ctx.check_model(model_name)
-        return ctx.model_card(model_name if model_name in ctx.served_model_names else None)
+        return ctx.model_card(model_name if model_name in ctx.served_model_names or ctx.lora.get(model_name)
+                              else None)
+
+    if runtime_updates_allowed():
+        add_lora_routes(app, _ctx)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -15,9 +15,11 @@ from typing import ParamSpec, TypeVar
 
 from services.client.grpc_client import SchedulerUnavailable
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE
+from services.common.proto import myvllm_pb2 as pb
 from services.gateway.errors import OpenAIError, invalid_request
 from services.gateway.generation import PromptSampling
 from services.gateway.limits import RequestLimits
+from services.gateway.lora_registry import LoraRegistry
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import MigrationPolicy
 from services.gateway.options import DEFAULT_TOKENIZER_POOL_SIZE
@@ -45,7 +47,8 @@ class GatewayContext:
                  tools: ToolSettings | None = None, max_choices_per_request: int | None = None,
                  limits: RequestLimits | None = None,
                  tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE,
-                 request_defaults: RequestDefaults | None = None, log_requests: bool = False) -> None:
+                 request_defaults: RequestDefaults | None = None, log_requests: bool = False,
+                 lora: LoraRegistry | None = None) -> None:
         self.router = router
         self.tools = tools or ToolSettings()
         self.migration = migration or MigrationPolicy()
@@ -60,6 +63,7 @@ class GatewayContext:
         names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
         self.served_model_names = names or [os.path.basename(os.path.normpath(model_path))]
         self.served_model_name = self.served_model_names[0]
+        self.lora = lora or LoraRegistry()
         self.request_defaults = request_defaults or RequestDefaults()
         self._request_log = request_logger() if log_requests else None
         self.metrics = GatewayMetrics(self.served_model_name)
@@ -140,16 +144,29 @@ class GatewayContext:
             self._ready = True
         return self._ready
 
-    def check_model(self, requested: str | None) -> None:
-        """404 unless `requested` names this model (its served name or its path)."""
+    def check_model(self, requested: str | None) -> pb.LoRARequest | None:
+        """404 unless `requested` names this model (its served name or its path) or one of its LoRA
+        adapters; returns the adapter (None: the base model)."""
         if requested is None or requested == self.model_path or requested in self.served_model_names:
-            return
+            return None
+        lora = self.lora.get(requested)
+        if lora is not None:
+            return lora
         raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist.",
                           param="model", code="model_not_found")
 
     def model_card(self, name: str | None = None) -> ModelCard:
-        """The card of `name` (one of the served names; default the first)."""
+        """The card of `name` (one of the served names or an adapter's; default the first served
+        name). An adapter's card names its directory as `root` and the base model as `parent`."""
+        lora = self.lora.get(name)
+        if lora is not None:
+            return ModelCard(id=name, root=lora.lora_path, parent=self.lora.parents[name] or self.served_model_name,
+                             max_model_len=self._max_model_len)
         return ModelCard(id=name or self.served_model_name, root=self.model_path, max_model_len=self._max_model_len)
+
+    def model_cards(self) -> list[ModelCard]:
+        """/v1/models: the served names, then the adapters."""
+        return [self.model_card(name) for name in [*self.served_model_names, *self.lora.adapters]]
 
     def log_request(self, request_id: str, prompts: Sequence[PromptSampling]) -> None:
         """--enable-log-requests: each prompt's parameters and length, at INFO (vLLM's line)."""

@@ -25,7 +25,6 @@ from services.common.proto import myvllm_pb2 as pb
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import ResumableRequest
 from services.gateway.router import ReplicaRouter
-from services.gateway.routing import RoutePrompt
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ async def remote_prefill(router: ReplicaRouter, request: ResumableRequest,
                          metrics: GatewayMetrics) -> pb.KVTransferParams | None:
     """Prefill `request`'s prompt on a prefill replica; the params its decode replica gets, or
     None: the decode replica computes the prompt itself (the outcome is counted in `metrics`)."""
-    prompt = RoutePrompt(request.prompt_token_ids, request.cache_salt)
+    prompt = request.route_prompt()
     tried: set[str] = set()
     while True:
         try:
@@ -56,7 +55,8 @@ async def remote_prefill(router: ReplicaRouter, request: ResumableRequest,
         try:
             async for output in replica.client.generate(
                     request.prompt_token_ids, PREFILL_SAMPLING, request_id=f"{request.request_id}-prefill",
-                    priority=request.priority, cache_salt=request.cache_salt, kv_transfer_params=PREFILL_PARAMS):
+                    priority=request.priority, cache_salt=request.cache_salt, kv_transfer_params=PREFILL_PARAMS,
+                    lora_request=request.lora_request):
                 final = output
         except SchedulerUnavailable as e:
             router.mark_down(replica, e)

@@ -85,8 +85,7 @@ async def _run_choice(run: _Run, choice: ChoiceRequest, timer: RequestTimer,
     # Prediction vs. outcome of cache-aware routing, for the engine requests of the routed prompt.
     check_prediction = choice.engine.prompt_token_ids is run.route_prompt.token_ids
     try:
-        prompt = run.route_prompt if check_prediction else RoutePrompt(choice.engine.prompt_token_ids,
-                                                                        choice.engine.cache_salt)
+        prompt = run.route_prompt if check_prediction else choice.engine.route_prompt()
         if wants_remote_prefill(choice.engine) and run.router.disaggregates(run.replica, prompt):
             if choice.first_of_prompt:  # (before the generator's first step, which reads the params)
                 choice.engine.kv_transfer_params = await remote_prefill(run.router, choice.engine, run.metrics)
@@ -201,8 +200,7 @@ async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metr
     tried (a prompt 503 when none answers); once submitted, a choice migrates instead."""
     arrival_time = time.monotonic() if arrival_time is None else arrival_time
     # The replica is chosen for the first prompt (a completions batch may carry several).
-    prompt = RoutePrompt(choices[0].engine.prompt_token_ids, choices[0].engine.cache_salt) if choices else \
-        RoutePrompt([])
+    prompt = choices[0].engine.route_prompt() if choices else RoutePrompt([])
     replica = await connect_some_replica(router, prompt)
     run = _Run(router, replica, metrics, migration or MigrationPolicy(), arrival_time, prompt,
                router.cached_tokens(replica, prompt))
@@ -273,7 +271,7 @@ def request_ids(prefix: str, client_request_id: str | None) -> RequestIds:
 
 
 def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: Tokenizer, priority: int = 0,
-            cache_salt: str = "") -> list[ChoiceRequest]:
+            cache_salt: str = "", lora_request: pb.LoRARequest | None = None) -> list[ChoiceRequest]:
     """One engine request per (prompt, sample): choice index = prompt_index * n + i and
     engine id `{request_id}-{index}`. The n samples of a prompt share its KV blocks
     through the scheduler's prefix cache; seeded samples get the offline `LLM`'s seeds."""
@@ -285,7 +283,7 @@ def fan_out(request_id: str, prompts: list[PromptSampling], tokenizer: Tokenizer
             index = prompt_index * n + sample
             engine = ResumableRequest(request_id=f"{request_id}-{index}", prompt_token_ids=prompt.token_ids,
                                       sampling=sampling_for_choice(prompt.sampling, sample), priority=priority,
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, lora_request=lora_request)
             choices.append(ChoiceRequest(engine, ChoiceOutputProcessor(index, tokenizer, prompt.token_ids,
                                                                        prompt.params),
                                          first_of_prompt=sample == 0, prompt_started=started))

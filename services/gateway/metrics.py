@@ -139,6 +139,18 @@ class _Scrape:
             family.add_metric(list(labels.values()), 1)
             self.families.append(family)
 
+    def add_lora_info(self, stats: pb.Stats) -> None:
+        """vLLM's lora_requests_info: the adapters of running and waiting requests and the slots, in
+        its labels (names comma-joined), its value the time of the scrape (vLLM's gauge labels
+        neither model nor engine)."""
+        labels = {"max_lora": str(stats.max_lora), "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters),
+                  "running_lora_adapters": ",".join(stats.running_lora_adapters)}
+        for prefix in ("myvllm:", "vllm:"):
+            family = GaugeMetricFamily(prefix + "lora_requests_info", "Running requests' and waiting requests' "
+                                       "LoRA adapters, and the adapters one step may run.", labels=list(labels))
+            family.add_metric(list(labels.values()), time.time())
+            self.families.append(family)
+
     def add_histogram(self, histogram: Histogram, vllm: bool = False) -> None:
         for prefix in ("myvllm:", "vllm:") if vllm else ("myvllm:",):
             labels = self.names[prefix]
@@ -268,6 +280,8 @@ class GatewayMetrics:
                             "source", ((source, cached.get(source, 0)) for source in CACHE_HIT_SOURCES), vllm=True)
         scrape.add("counter", "num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions,
                    vllm=True)
+        if stats.max_lora:
+            scrape.add_lora_info(stats)
         scrape.add("counter", "grammar_compiles", "Structured-output grammars compiled (grammar cache misses).",
                    stats.grammar_compiles)
         scrape.add("counter", "grammar_compile_seconds", "Time spent compiling structured-output grammars.",

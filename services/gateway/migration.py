@@ -28,6 +28,7 @@ from services.client.grpc_client import AsyncClient, RequestRejected, SchedulerU
 from services.common.grpc_utils import cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.router import Replica, ReplicaRouter
+from services.gateway.routing import RoutePrompt
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +69,18 @@ class ResumableRequest:
     cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)  # every token received, over all replicas
     num_migrations: int = 0
+    # The LoRA adapter it runs with (None: the base model), on every replica it runs on.
+    lora_request: pb.LoRARequest | None = None
     # Its prompt's KV on a prefill replica (services/gateway/disaggregation.py): for the first
     # attempt, on a replica that loads remote KV (a migrated request computes what it needs).
     kv_transfer_params: pb.KVTransferParams | None = None
     # Where the request runs now: the replica's client and the engine request id there.
     _current: tuple[AsyncClient, str] | None = field(default=None, repr=False)
+
+    def route_prompt(self) -> RoutePrompt:
+        """What cache-aware routing hashes: the prompt, keyed by its salt and adapter."""
+        return RoutePrompt(self.prompt_token_ids, self.cache_salt,
+                           self.lora_request.lora_name if self.lora_request is not None else "")
     _aborted: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
@@ -124,7 +132,8 @@ async def resumable_outputs(router: ReplicaRouter, request: ResumableRequest, re
             priority=request.priority, cache_salt=request.cache_salt,
             resumed_output_token_ids=request.output_token_ids, dp_wave=router.dp_wave_for(replica),
             kv_transfer_params=request.kv_transfer_params
-            if request.num_migrations == 0 and replica.loads_remote_kv else None)
+            if request.num_migrations == 0 and replica.loads_remote_kv else None,
+            lora_request=request.lora_request)
         try:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:

@@ -12,6 +12,7 @@ from services.common.sampling_params import MAX_LOGPROBS
 from services.common.secret_check import API_KEY_ENV, split_api_keys
 from services.gateway.cors import CorsSettings
 from services.gateway.limits import RequestLimits
+from services.gateway.lora_registry import RUNTIME_UPDATES_ENV, LoraModule, parse_lora_module
 from services.gateway.migration import MigrationPolicy
 from services.gateway.request_defaults import DEFAULT_RESPONSE_ROLE
 from services.gateway.routing import RoutingConfig, RoutingPolicy
@@ -78,6 +79,10 @@ class GatewayOptions:
     max_logprobs: int = MAX_LOGPROBS
     response_role: str = DEFAULT_RESPONSE_ROLE
     generation_config: str = "auto"
+    # LoRA adapters served by name (--lora-modules, vLLM's), and the directory runtime loads may
+    # come from (--lora-root).
+    lora_modules: tuple[LoraModule, ...] = ()
+    lora_root: str | None = None
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -107,6 +112,8 @@ class GatewayOptions:
         if self.tokenizer is not None and not (os.path.isdir(self.tokenizer) or (
                 self.tokenizer.endswith(".gguf") and os.path.isfile(self.tokenizer))):
             raise ValueError(f"--tokenizer {self.tokenizer} is not a directory or a .gguf file")
+        if self.lora_root is not None and not os.path.isdir(self.lora_root):
+            raise ValueError(f"--lora-root {self.lora_root} is not a directory")
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # a missing file fails at start-up, not at the first chat
 
@@ -164,6 +171,13 @@ def add_gateway_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="the tokenizer's directory, when not the model's (default: the model directory)")
     add_frontend_options(parser, defaults)
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve (the engine needs --enable-lora): NAME=PATH (a PEFT directory) "
+                             "or vLLM's JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request "
+                             "whose model is NAME runs with the adapter")
+    parser.add_argument("--lora-root", default=None,
+                        help="the directory LoRA adapters may be loaded from at runtime (/v1/load_lora_adapter, "
+                             f"with {RUNTIME_UPDATES_ENV}=true); without it runtime loads are refused")
     routing = defaults.routing
     parser.add_argument("--routing", default=routing.policy.value, choices=[p.value for p in RoutingPolicy],
                         help="how requests are spread over engine replicas: by load (4*waiting + running), "
@@ -244,4 +258,5 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         disable_uvicorn_access_log=args.disable_uvicorn_access_log, disable_log_stats=args.disable_log_stats,
         enable_log_requests=args.enable_log_requests,
         max_logprobs=MAX_LOGPROBS if args.max_logprobs == -1 else args.max_logprobs,
-        response_role=args.response_role, generation_config=args.generation_config)
+        response_role=args.response_role, generation_config=args.generation_config,
+        lora_modules=tuple(parse_lora_module(text) for text in args.lora_modules or ()), lora_root=args.lora_root)

@@ -404,6 +404,11 @@ class ReplicaRouter:
             for name in KV_TRANSFER_STATS:
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.dp_wave = max(total.dp_wave, s.dp_wave)
+            total.max_lora = max(total.max_lora, s.max_lora)
+            # (An adapter must fit every replica's rank bound.)
+            total.max_lora_rank = min(total.max_lora_rank or s.max_lora_rank, s.max_lora_rank)
+            total.running_lora_adapters[:] = sorted({*total.running_lora_adapters, *s.running_lora_adapters})
+            total.waiting_lora_adapters[:] = sorted({*total.waiting_lora_adapters, *s.waiting_lora_adapters})
             total.dp_engines_running |= s.dp_engines_running
             total.dp_wave_messages_stale += s.dp_wave_messages_stale
             total.dp_wave_messages_replayed += s.dp_wave_messages_replayed

@@ -73,11 +73,13 @@ class RoutingConfig:
 
 @dataclass
 class RoutePrompt:
-    """What cache-aware routing needs of a request: its prompt token ids and cache salt;
-    block hashes are computed once per block size."""
+    """What cache-aware routing needs of a request: its prompt token ids, cache salt and LoRA
+    adapter (its blocks are keyed by the adapter's name); block hashes are computed once per block
+    size."""
 
     token_ids: Sequence[int]
     cache_salt: str = ""
+    lora_name: str = ""
     _hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
 
     def hashes(self, block_size: int) -> list[bytes]:
@@ -85,7 +87,8 @@ class RoutePrompt:
         last prompt token, which is always computed (its logits are needed)."""
         if block_size not in self._hashes:
             usable = (len(self.token_ids) - 1) // block_size * block_size
-            self._hashes[block_size] = block_hashes(self.token_ids[:max(usable, 0)], block_size, self.cache_salt)
+            self._hashes[block_size] = block_hashes(self.token_ids[:max(usable, 0)], block_size, self.cache_salt,
+                                                    self.lora_name)
         return self._hashes[block_size]
 
 

@@ -110,7 +110,8 @@ async def start_chat(ctx: GatewayContext, request: ChatCompletionRequest, chat: 
     """Submit a prepared chat request's choices to a replica; its merged stream of deltas."""
     prompts = [PromptSampling(chat.prompt.token_ids, chat.params, chat.sampling)]
     ctx.log_request(request_id, prompts)
-    choices = fan_out(request_id, prompts, ctx.tokenizer, request.priority, request.cache_salt or "")
+    choices = fan_out(request_id, prompts, ctx.tokenizer, request.priority, request.cache_salt or "",
+                      ctx.check_model(request.model))
     return await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
 
 

@@ -34,7 +34,7 @@ from services.text.output_processor import ChoiceDelta
 async def create_completion(ctx: GatewayContext, request: CompletionRequest,
                             http_request: Request | None = None) -> Response:
     arrival_time = time.monotonic()
-    ctx.check_model(request.model)
+    lora_request = ctx.check_model(request.model)
     if (field := request.unsupported_field()) is not None:
         raise unsupported(field)
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
@@ -54,7 +54,7 @@ async def create_completion(ctx: GatewayContext, request: CompletionRequest,
 
     ids = request_ids("cmpl", request.request_id)
     ctx.log_request(ids.response, sampled)
-    choices = fan_out(ids.engine, sampled, ctx.tokenizer, request.priority, request.cache_salt or "")
+    choices = fan_out(ids.engine, sampled, ctx.tokenizer, request.priority, request.cache_salt or "", lora_request)
     deltas = await start_routed(ctx.router, choices, ctx.metrics, http_request, arrival_time, ctx.migration)
     writer = _CompletionWriter(ctx, request, ids.response, prompts, request.n)
     if request.stream:

@@ -7,12 +7,18 @@ names answer, and /metrics has vLLM's series. One serve for the whole file."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.mesh import Mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from make_lora_adapters import make_adapters  # noqa: E402
 
 # The command line as a vLLM user types it (vLLM's spellings: half, 4k, several names and keys).
 VLLM_COMMAND = ("models/SmolLM2-135M-Instruct --dtype half --max-model-len 4k --enable-prefix-caching "
@@ -22,8 +28,16 @@ MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
 
 
 @pytest.fixture(scope="module")
-def serve():
-    mesh = Mesh(VLLM_COMMAND)
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Two random PEFT adapters of the model: one served from the start, one loaded at runtime."""
+    return make_adapters("models/SmolLM2-135M-Instruct", str(tmp_path_factory.mktemp("loras")), num=2)
+
+
+@pytest.fixture(scope="module")
+def serve(adapters: list[str]):
+    lora = ["--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"ada={adapters[0]}",
+            "--lora-root", os.path.dirname(adapters[0])]
+    mesh = Mesh(VLLM_COMMAND + lora, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     yield mesh
     assert mesh.stop() == 0, "serve did not stop cleanly on Ctrl-C"
 
@@ -126,7 +140,7 @@ def test_either_key_is_needed(serve: Mesh) -> None:
 
 
 def test_both_served_names_answer(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == ["a", "b"]
+    assert [m.id for m in client.models.list().data] == ["a", "b", "ada"]
     reply = client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=2)
     assert reply.model == "a" and reply.choices[0].message.content is not None
 
@@ -148,3 +162,29 @@ def test_metrics_has_vllms_series(serve: Mesh, client: openai.OpenAI) -> None:
     assert value("vllm:prompt_tokens_total") > 0 and value("vllm:generation_tokens_total") > 0
     info = [dict(labels) for name, labels in samples if name == "vllm:cache_config_info"]
     assert info and info[0]["enable_prefix_caching"] == "True"
+
+
+def test_lora_adapters_stream_and_load_at_runtime(serve: Mesh, client: openai.OpenAI, adapters: list[str]) -> None:
+    """vLLM's LoRA serving: an adapter named in `model` streams its own greedy text (not the base
+    model's); /v1/models shows it with its parent; one more is loaded and unloaded at runtime
+    (with the key only)."""
+    def greedy(model: str) -> str:
+        stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                stream=True)
+        return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+    base, adapted = greedy(MODEL), greedy("ada")
+    assert adapted and adapted != base and greedy("ada") == adapted
+    card = next(m for m in client.models.list().data if m.id == "ada")
+    assert card.parent == "a"
+    body = {"lora_name": "adb", "lora_path": adapters[1]}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{serve.base_url}/v1/load_lora_adapter", json=body, timeout=60).status_code == 401
+    assert httpx.post(f"{serve.base_url}/v1/load_lora_adapter", json=body, headers=headers,
+                      timeout=60).status_code == 200
+    second = greedy("adb")
+    assert second and second not in (base, adapted)
+    assert httpx.post(f"{serve.base_url}/v1/unload_lora_adapter", json={"lora_name": "adb"}, headers=headers,
+                      timeout=60).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        greedy("adb")

@@ -51,6 +51,9 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
     # > 0: a request (not a resumed one) fails with ENGINE_FAULT after this many tokens.
     fail_after_tokens: int = 0
     healthy: bool = True
+    # LoRA as the engine reports it (0: --enable-lora off) and the rank it takes.
+    max_lora: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
@@ -162,7 +165,10 @@ class FakeScheduler(pb_grpc.SchedulerServicer):
             num_preemptions=3, num_waiting=1, num_running=2, kv_cache_usage=0.25,
             max_model_len=self.max_model_len, model=self.model, block_size=16, num_steps=7,
             iteration_tokens_counts=[0, 2, 1] + [0] * 11, iteration_tokens_sum=30, spec_decode_enabled=True,
-            enable_prefix_caching=True, dtype="float32", attention_backend="torch")
+            enable_prefix_caching=True, dtype="float32", attention_backend="torch", max_lora=self.max_lora,
+            max_lora_rank=self.max_lora_rank,
+            running_lora_adapters=sorted({r.lora_request.lora_name for r in self.requests
+                                          if r.HasField("lora_request")}) if self.max_lora else [])
 
 
 async def start_fake_scheduler(servicer: FakeScheduler, port: int = 0) -> tuple[grpc.aio.Server, str]:
