@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import httpx
 import openai
@@ -17,8 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.mesh import Mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from make_lora_adapters import make_adapters  # noqa: E402
+from services.entrypoints.bench.lora_adapters import write_random_adapters
 
 # The command line as a vLLM user types it (vLLM's spellings: half, 4k, several names and keys).
 VLLM_COMMAND = ("models/SmolLM2-135M-Instruct --dtype half --max-model-len 4k --enable-prefix-caching "
@@ -30,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Two random PEFT adapters of the model: one served from the start, one loaded at runtime."""
-    return make_adapters("models/SmolLM2-135M-Instruct", str(tmp_path_factory.mktemp("loras")), num=2)
+    return write_random_adapters("models/SmolLM2-135M-Instruct", str(tmp_path_factory.mktemp("loras")), num=2)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,8 @@ import torch
 
 from services.common.lora_adapter_config import AdapterConfigError
 from services.common.sampling_params import SamplingParams
+from services.entrypoints.bench.lora_adapters import write_random_adapters
 from services.offline import LLM, LoRARequest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from make_lora_adapters import make_adapters  # noqa: E402
 
 MAX_NEW_TOKENS = 24
 BLOCK_SIZE = 16
@@ -31,7 +28,7 @@ SHARED = list(range(1000, 1064))  # a 64-token prefix that five requests share, 
 
 @pytest.fixture(scope="module")
 def adapters(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
-    paths = make_adapters(smollm2_dir, str(tmp_path_factory.mktemp("loras")), NUM_ADAPTERS)
+    paths = write_random_adapters(smollm2_dir, str(tmp_path_factory.mktemp("loras")), NUM_ADAPTERS)
     return [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
 
 
