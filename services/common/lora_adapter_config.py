@@ -12,13 +12,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.message_limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS  # noqa: F401 (re-exported)
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The decoder's linear layers an adapter may target (HF's module names).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The longest adapter name and path a request may carry (names are model ids; paths are local).
-MAX_LORA_NAME_CHARS = 256
-MAX_LORA_PATH_CHARS = 4096
 # A config file is a few hundred bytes; a larger one is not PEFT's.
 MAX_CONFIG_BYTES = 1 << 20
 

@@ -29,6 +29,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 128        # tokens in one bad-word sequence
+MAX_LORA_NAME_CHARS = 256        # a LoRA adapter's served name
+MAX_LORA_PATH_CHARS = 4096       # its directory (the longest path Linux resolves)
 # A worker's error text is cut to this many characters before it is sent.
 MAX_ERROR_CHARS = 4096
 # The widest embedding the pooling runner sends (float32 values: a model's hidden size); a worker
@@ -76,17 +78,26 @@ def token_logprobs_bytes() -> int:
                             top_logprobs=[-1.0] * MAX_LOGPROBS).ByteSize()
 
 
+def lora_request_bytes() -> int:
+    """The largest LoRARequest (its name, positive id and path)."""
+    return _FIELD + _string_bytes(MAX_LORA_NAME_CHARS) + _INT + _string_bytes(MAX_LORA_PATH_CHARS)
+
+
 def generate_request_bytes(max_model_len: int) -> int:
     """The largest legal ClientMessage a scheduler receives: a GenerateRequest whose prompt and
-    resumed tokens stay under max_model_len, with the largest sampling parameters and ids."""
+    resumed tokens stay under max_model_len, with the largest sampling parameters, ids and adapter."""
     return (4 * _FIELD + _INT * max_model_len + sampling_params_bytes() + _string_bytes(MAX_REQUEST_ID_CHARS)
-            + _string_bytes(MAX_CACHE_SALT_CHARS) + 2 * _ANY_INT + 2 * _FIELD + _INT)  # (+ pooling params)
+            + _string_bytes(MAX_CACHE_SALT_CHARS) + 2 * _ANY_INT + 2 * _FIELD + _INT  # (+ pooling params)
+            + lora_request_bytes())
 
 
-def new_request_bytes(request_id_chars: int, num_tokens: int, num_blocks: int, sampling_bytes: int) -> int:
-    """A NewRequestData in a SchedulerOutput: the request's tokens, blocks and sampling."""
+def new_request_bytes(request_id_chars: int, num_tokens: int, num_blocks: int, sampling_bytes: int,
+                      lora_bytes: int = 0) -> int:
+    """A NewRequestData in a SchedulerOutput: the request's tokens, blocks, sampling and adapter
+    (`lora_bytes`: its LoRARequest's size, 0 for none)."""
     return (6 * _FIELD + 4 * request_id_chars + _INT * (num_tokens + num_blocks + 2) + sampling_bytes
-            + _INT)  # + its num_scheduled_tokens entry (and its pooling params: one int)
+            + _INT  # + its num_scheduled_tokens entry (and its pooling params: one int)
+            + (lora_bytes + 2 * _FIELD + _INT if lora_bytes else 0))  # (+ its slot)
 
 
 def cached_request_bytes(request_id_chars: int, num_ids: int) -> int:
@@ -117,7 +128,7 @@ WORKER_RECEIVE_BYTES = STEP_BUDGET_BYTES + finished_ids_bytes(2 * MAX_NUM_SEQS_L
 def runner_output_bytes(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:
     """The largest ModelRunnerOutput of one step: for each sequence its id, sampled tokens (one
     plus accepted drafts), their logprobs and its next drafts; prompt logprobs for every token
-    the step computed; an error text."""
+    the step computed; an error text; a LoRA load failure (id and error text) per sequence."""
     tokens_per_seq = 1 + num_speculative_tokens
     per_seq = (2 * _string_bytes(MAX_REQUEST_ID_CHARS) + tokens_per_seq * (2 * _INT + token_logprobs_bytes() + _FIELD)
                + 2 * _FIELD + 2 * _INT)
@@ -126,8 +137,9 @@ def runner_output_bytes(max_num_seqs: int, max_num_batched_tokens: int, num_spec
     # (each has at least one token in the step). An engine runs one runner: the larger of the two.
     pooled = min(max_num_seqs, max_num_batched_tokens) * (
         _string_bytes(MAX_REQUEST_ID_CHARS) + 4 * MAX_POOLED_DIMENSIONS + 3 * _FIELD)
+    lora_failures = max_num_seqs * (2 * _FIELD + _string_bytes(MAX_REQUEST_ID_CHARS) + _string_bytes(MAX_ERROR_CHARS))
     return (8 * _FIELD + max(max_num_seqs * per_seq + prompt_logprobs, pooled) + _string_bytes(MAX_ERROR_CHARS)
-            + 2 * _ANY_INT)
+            + 2 * _ANY_INT + lora_failures)
 
 
 def receive_limit(legal_bytes: int) -> int:

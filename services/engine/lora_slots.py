@@ -35,9 +35,13 @@ class LoraSlots:
         return slot
 
     def release(self, slot: int) -> None:
-        self.users[slot] -= 1
-        if self.users[slot] < 0:
+        """A request using `slot` left the running set; the slot keeps its adapter until another
+        adapter needs it (its last use now: the least recently used slot goes first)."""
+        if self.users[slot] <= 0:
             raise RuntimeError(f"LoRA slot {slot} released more often than acquired")
+        self.users[slot] -= 1
+        self._clock += 1
+        self.last_used[slot] = self._clock
 
     def forget(self) -> None:
         """The worker lost its state (restart): it holds no adapter any more."""

@@ -19,6 +19,7 @@ from collections import deque
 
 from services.common import message_limits
 from services.common.config import VllmConfig
+from services.common.message_limits import MAX_ERROR_CHARS
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.engine_counters import EngineCounters
 from services.engine.kv_cache_manager import KVCacheManager
@@ -67,10 +68,10 @@ class Scheduler:
         self.spec = SpecDecodeHooks(config.speculative_config, max_model_len, self.async_scheduling)
         self.kv = KVTransferHooks(config.kv_transfer_config, self.kv_cache_manager, self._requeue,
                                   kv_producer_address)
-        self.sizer = StepSizer(self.block_size, self.spec.num_lookahead_slots, self.grammar.row_bytes,
-                               self.pipeline_parallel)
-        self.sizer.check(max_model_len, self.spec.num_drafts)
         lora = config.lora_config
+        self.sizer = StepSizer(self.block_size, self.spec.num_lookahead_slots, self.grammar.row_bytes,
+                               self.pipeline_parallel, message_limits.lora_request_bytes() if lora.enable_lora else 0)
+        self.sizer.check(max_model_len, self.spec.num_drafts)
         self.lora = LoraSlots(lora.max_loras) if lora.enable_lora else None
 
     # ------------------------------------------------------------------ queue management
@@ -442,7 +443,9 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             outputs.append(pb.RequestOutput(request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
                                             num_prompt_tokens=request.num_prompt_tokens,
-                                            error_kind=pb.INVALID_REQUEST, error=failure.error))
+                                            error_kind=pb.INVALID_REQUEST,
+                                            error=f"LoRA adapter {request.lora_request.lora_name!r} could not be "
+                                                  f"loaded: {failure.error}"[:MAX_ERROR_CHARS]))
         return outputs
 
     def lora_adapters(self) -> tuple[list[str], list[str]]:

@@ -56,9 +56,12 @@ class StepPlan:
 class StepSizer:
     """How many bytes a request adds to a step's message, at most."""
 
-    def __init__(self, block_size: int, lookahead_slots: int, row_bytes: int, pipeline_parallel: bool) -> None:
+    def __init__(self, block_size: int, lookahead_slots: int, row_bytes: int, pipeline_parallel: bool,
+                 max_lora_bytes: int = 0) -> None:
         """`row_bytes`: a constrained request's bitmask row; `pipeline_parallel`: cached requests
-        carry the tokens each step computes."""
+        carry the tokens each step computes; `max_lora_bytes`: the largest LoRARequest a request may
+        carry (0: LoRA off)."""
+        self.max_lora_bytes = max_lora_bytes
         self.block_size = block_size
         self.lookahead_slots = lookahead_slots
         self.row_bytes = row_bytes
@@ -72,7 +75,7 @@ class StepSizer:
         """One request's data must fit a step (the first request of a step always goes)."""
         largest = message_limits.new_request_bytes(
             message_limits.MAX_REQUEST_ID_CHARS, max_model_len, self.max_blocks(max_model_len),
-            message_limits.sampling_params_bytes()) + (1 + num_drafts) * self.row_bytes
+            message_limits.sampling_params_bytes(), self.max_lora_bytes) + (1 + num_drafts) * self.row_bytes
         if largest > STEP_BUDGET_BYTES:
             raise ValueError(f"max_model_len {max_model_len}: one request's data in a step could take {largest} "
                              f"bytes, above the {STEP_BUDGET_BYTES} a step may carry (lower --max-model-len)")
@@ -87,8 +90,10 @@ class StepSizer:
                 num_ids += num_new  # the tokens the step computes
             num_bytes = message_limits.cached_request_bytes(len(request.request_id), num_ids)
         else:
+            lora_bytes = request.lora_request.ByteSize() if request.lora_request is not None else 0
             num_bytes = message_limits.new_request_bytes(len(request.request_id), request.num_tokens,
-                                                         self.max_blocks(request.num_tokens), request.sampling_bytes)
+                                                         self.max_blocks(request.num_tokens), request.sampling_bytes,
+                                                         lora_bytes)
         if request.grammar is not None:
             num_bytes += self.row_bytes * (1 + len(request.spec_token_ids))
         if request.kv_transfer_params is not None and request.kv_transfer_params.do_remote_decode:

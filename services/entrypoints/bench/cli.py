@@ -51,6 +51,9 @@ def add_subcommand(sub: argparse._SubParsersAction, add_engine_args: AddEngineAr
     t.add_argument("--json-schema", metavar="FILE", default=None,
                    help="also run my-vllm with every request's output constrained to this JSON schema "
                         "(structured outputs) and report its output tok/s over the unconstrained run's")
+    t.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="also run my-vllm with N random LoRA adapters (PEFT format, made for the model), request i "
+                        "with adapter i %% N, in one batch, and report its output tok/s over the base model's")
     _add_common_args(t)
     add_engine_args(t)
     t.set_defaults(func=run_throughput)
@@ -176,6 +179,13 @@ def _peer_specs(args: argparse.Namespace, max_seq_len: int) -> tuple[list[PeerSp
         specs.append(PeerSpec(SPEC_PEER, lambda: MyVllmPeer({**kwargs, "speculative_config": speculative},
                                                             name=SPEC_PEER)))
         notes.append(f"{SPEC_PEER}: my-vllm with --speculative-config {speculative}")
+    num_loras = getattr(args, "lora_adapters", 0)
+    if num_loras:
+        specs.append(PeerSpec(throughput.LORA, lambda: MyVllmPeer(
+            {**kwargs, "enable_lora": True, "max_loras": num_loras, "max_lora_rank": max(args.max_lora_rank, 16)},
+            name=throughput.LORA, lora_adapters=num_loras)))
+        notes.append(f"{throughput.LORA}: my-vllm with {num_loras} random LoRA adapters (ranks 2-16, different "
+                     "target modules), every request with one of them, all in one batch")
     schema = _json_schema(args)
     if schema is not None:
         specs.append(PeerSpec(throughput.STRUCTURED, lambda: MyVllmPeer(kwargs, json_schema=schema)))

@@ -28,6 +28,7 @@ RATIO_LABEL = "ratio my-vllm / hf (output tok/s)"
 RIVALS = ("llama.cpp", "vllm")
 # The peer name of `--json-schema`'s run: my-vllm with every request constrained to the schema.
 STRUCTURED = "my-vllm json-schema"
+LORA = "my-vllm+lora"  # --lora-adapters: every request with one of N adapters
 STRUCTURED_LABEL = "ratio my-vllm json-schema / my-vllm (output tok/s)"
 
 
@@ -78,6 +79,14 @@ def ratio(results: Sequence[ThroughputResult], other: str = "hf") -> float | Non
     return by_name["my-vllm"].output_tok_s / by_name[other].output_tok_s
 
 
+def lora_ratio(results: Sequence[ThroughputResult]) -> float | None:
+    """The run with LoRA adapters' output tok/s over the base model's (None without both)."""
+    by_name = {r.peer: r for r in results}
+    if LORA not in by_name or "my-vllm" not in by_name:
+        return None
+    return by_name[LORA].output_tok_s / by_name["my-vllm"].output_tok_s
+
+
 def structured_ratio(results: Sequence[ThroughputResult]) -> float | None:
     """The constrained run's output tok/s over the unconstrained one's (None without both)."""
     by_name = {r.peer: r for r in results}
@@ -102,6 +111,9 @@ def report(results: Sequence[ThroughputResult]) -> str:
     rows = [[r.peer, r.num_requests, r.prompt_tokens, r.output_tokens, f"{r.elapsed_s:.2f}", f"{r.output_tok_s:.1f}",
              f"{r.total_tok_s:.1f}", r.threads] for r in results]
     text = format_table(header, rows)
+    lora = lora_ratio(results)
+    if lora is not None:
+        text += f"\nratio {LORA} / my-vllm (output tok/s): {lora:.2f}"
     structured = structured_ratio(results)
     if structured is not None:
         text += f"\n{STRUCTURED_LABEL}: {structured:.2f}"

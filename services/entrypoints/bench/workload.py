@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -170,7 +171,7 @@ class MyVllmPeer:
     name = "my-vllm"
 
     def __init__(self, engine_kwargs: dict[str, Any], json_schema: dict[str, Any] | None = None,
-                 name: str = "my-vllm") -> None:
+                 name: str = "my-vllm", lora_adapters: int = 0) -> None:
         from services.common.structured_outputs import StructuredOutputsParams
         from services.offline import LLM
 
@@ -178,6 +179,15 @@ class MyVllmPeer:
         self.structured_outputs = StructuredOutputsParams(json=json_schema) if json_schema is not None else None
         self.llm = LLM(**engine_kwargs)
         self.num_output_tokens: int | None = None
+        # `lora_adapters` > 0: random adapters for the model, request i runs with adapter i % N.
+        self.loras = []
+        if lora_adapters:
+            from services.entrypoints.bench.lora_adapters import write_random_adapters
+            from services.offline import LoRARequest
+
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="myvllm-bench-lora-")
+            paths = write_random_adapters(engine_kwargs["model"], self._lora_dir.name, lora_adapters)
+            self.loras = [LoRARequest(f"bench-lora-{i}", i + 1, path) for i, path in enumerate(paths)]
 
     def generate(self, requests: Sequence[BenchRequest], knobs: SamplingKnobs) -> float:
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -185,7 +195,8 @@ class MyVllmPeer:
         for p in params:
             p.structured_outputs = self.structured_outputs
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        loras = [self.loras[i % len(self.loras)] for i in range(len(requests))] if self.loras else None
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         elapsed = time.perf_counter() - start
         counts = [len(output.outputs[0].token_ids) for output in outputs]
         for request, got in zip(requests, counts, strict=True):
@@ -197,6 +208,8 @@ class MyVllmPeer:
     def close(self) -> None:
         self.llm.close()  # model-parallel rank processes stop here, not at interpreter exit
         del self.llm
+        if self.loras:
+            self._lora_dir.cleanup()
 
 
 def run_peer(spec: PeerSpec, warmup: BenchRequest, knobs: SamplingKnobs, measure: Callable[[Peer], T]) -> T:

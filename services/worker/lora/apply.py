@@ -1,50 +1,64 @@
-"""Adding the adapters' products to a projection's output, token by token by slot (Punica's
-SGMV, shrink then expand): the step's tokens are grouped by slot once (`LoraBatch`), and each
-group of each layer takes one shrink product over the fused projection's shared input and one
-expand product per output part, as plain GEMMs over that slot's rows. Base-only tokens are not
-touched."""
+"""Adding the adapters' products to a projection's output for every token at once, whatever
+adapter slot each token runs with (Punica's BGMV, as two dense GEMMs): the shrink multiplies the
+tokens by every slot's A (stacked: [parts x slots x rank, in]), a per-token mask keeps only the
+columns of the token's own slot (zeros elsewhere and for base-only tokens), and the expand
+multiplies by every slot's B (block-diagonal over the projection's fused parts) straight into the
+projection's output. No gather, scatter or loop over slots or tokens: two GEMMs and one multiply
+per projection, with work proportional to the slots (--max-loras) rather than to the adapters the
+step uses, which is what keeps them dense. Exact zeros in the mask contribute nothing to the sums."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:  # slots.py imports this module
+    from services.worker.cpu.gemm import PanelGemm
     from services.worker.lora.slots import GroupTable
+
+# Up to this many tokens the packed GEMM multiplies the adapters (twice torch's speed at decode
+# sizes, level or behind at prefill sizes).
+PACKED_GEMM_MAX_ROWS = 256
 
 
 @dataclass
 class LoraBatch:
-    """The step's tokens grouped by adapter slot: (slot, row indices or None for every row)."""
+    """The step's tokens' slots as a mask over every slot's rank columns: [T, slots x rank]."""
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    slot_mask: torch.Tensor
+    _by_parts: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def from_token_slots(cls, token_slots: np.ndarray, device: torch.device) -> LoraBatch | None:
+    def from_token_slots(cls, token_slots: np.ndarray, max_loras: int, max_rank: int, dtype: torch.dtype,
+                         device: torch.device) -> LoraBatch | None:
         """None when no token uses an adapter (the step runs exactly as without LoRA)."""
-        used = np.unique(token_slots)
-        used = used[used >= 0]
-        if used.size == 0:
+        if not (token_slots >= 0).any():
             return None
-        if used.size == 1 and bool((token_slots == used[0]).all()):
-            return cls([(int(used[0]), None)])
-        return cls([(int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in used])
+        slots = torch.from_numpy(token_slots.astype(np.int64)).to(device)
+        one_hot = (slots.unsqueeze(1) == torch.arange(max_loras, device=device)).to(dtype)  # [T, slots]
+        return cls(one_hot.repeat_interleave(max_rank, dim=1))
+
+    def mask(self, parts: int) -> torch.Tensor:
+        """The mask for a fused projection of `parts` parts (columns part-major: part, slot, rank)."""
+        if parts not in self._by_parts:
+            self._by_parts[parts] = self.slot_mask.repeat(1, parts)
+        return self._by_parts[parts]
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, table: "GroupTable", layer: int, batch: LoraBatch) -> torch.Tensor:
-    """y[t, part columns] += B_part[slot_t] @ (A[slot_t] @ x[t]) for every adapted token t; in place
-    into `y` (the projection's own output), which it returns."""
-    r = table.bs[0].shape[-1]
-    for slot, rows in batch.groups:
-        xs = x if rows is None else x.index_select(0, rows)
-        shrunk = xs @ table.a[layer, slot].t()  # [n, parts * r]
-        for part, (start, end) in enumerate(table.columns):
-            delta = shrunk[:, part * r:(part + 1) * r] @ table.bs[part][layer, slot].t()
-            if rows is None:
-                y[:, start:end] += delta
-            else:
-                y[:, start:end].index_add_(0, rows, delta)
-    return y
+def add_lora(y: torch.Tensor, x: torch.Tensor, table: GroupTable, layer: int, batch: LoraBatch,
+             gemm: PanelGemm | None = None) -> torch.Tensor:
+    """y[t] += B[slot_t] @ (A[slot_t] @ x[t]) for every adapted token t, each fused part into its
+    columns; in place into `y` (the projection's own output), which it returns. `gemm`: the CPU's
+    packed GEMM, taken for decode-sized batches (torch's is as fast on prefill-sized ones)."""
+    if gemm is not None and table.a_packed is not None and x.shape[0] <= PACKED_GEMM_MAX_ROWS:
+        shrunk = gemm.matmul(x, table.a_packed[layer], None)
+        shrunk.mul_(batch.mask(table.parts))
+        return y.add_(gemm.matmul(shrunk, table.b_packed[layer], None))
+    shrunk = x @ table.a[layer].t()
+    shrunk.mul_(batch.mask(table.parts))
+    if y.is_contiguous():
+        return y.addmm_(shrunk, table.b[layer].t())
+    return y.add_(shrunk @ table.b[layer].t())

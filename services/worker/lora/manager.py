@@ -12,6 +12,7 @@ from torch import nn
 
 from services.common.config import LoRAConfig
 from services.common.lora_adapter_config import AdapterConfigError
+from services.common.message_limits import MAX_ERROR_CHARS
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.input_batch import InputBatch
 from services.worker.lora.adapter import LoraAdapter, ModuleShape, load_adapter
@@ -65,7 +66,7 @@ class LoraManager:
             self.cache.move_to_end(request.lora_int_id)
 
     def batch(self, token_slots: np.ndarray) -> LoraBatch | None:
-        return LoraBatch.from_token_slots(token_slots, self.device)
+        return self.slots.batch(token_slots)
 
 
 def load_step_adapters(manager: LoraManager, so: pb.SchedulerOutput, batch: InputBatch,
@@ -90,7 +91,7 @@ def load_step_adapters(manager: LoraManager, so: pb.SchedulerOutput, batch: Inpu
         try:
             manager.activate(slot, r.lora_request)
         except AdapterConfigError as e:
-            failed[r.request_id] = str(e)
+            failed[r.request_id] = str(e)[:MAX_ERROR_CHARS]
     if not failed:
         return so, []
     kept = pb.SchedulerOutput()

@@ -1,9 +1,12 @@
-"""The slot table: the adapters a step may use, stacked per layer so that the tokens of one slot
-take one shrink and one expand product per layer group. The scheduler assigns the slots
-(NewRequestData.lora_slot); a slot not holding an adapter holds zeros.
+"""The slot table: the adapters a step may use (--max-loras slots, which the scheduler assigns:
+NewRequestData.lora_slot), stacked per layer as services/worker/lora/apply.py multiplies them. A
+slot not holding an adapter holds zeros, as do an adapter's rows beyond its rank and the modules
+it does not adapt.
 
-Layer groups follow the decoder's fused projections: `qkv` (q|k|v columns of qkv_proj, one shrink
-over the shared input, one expand per part), `o` (o_proj), `gate_up` (gate|up) and `down`."""
+Layer groups follow the decoder's fused projections: `qkv` (q|k|v columns of qkv_proj), `o`
+(o_proj), `gate_up` (gate|up) and `down`. Per group and layer: A [parts x slots x rank, in]
+(part-major) and B [out, parts x slots x rank], block-diagonal over the parts (part p's output
+columns read only part p's rank columns)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.cpu.gemm import PanelGemm
 from services.worker.lora.adapter import LoraAdapter, ModuleShape
 from services.worker.lora.apply import LoraBatch, add_lora
 
@@ -21,46 +25,70 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 
 @dataclass
 class GroupTable:
-    a: torch.Tensor              # [layers, slots, parts * max_rank, in]
-    bs: list[torch.Tensor]       # per part: [layers, slots, out_part, max_rank]
+    a: torch.Tensor                 # [layers, parts * slots * max_rank, in]
+    b: torch.Tensor                 # [layers, out, parts * slots * max_rank]
+    parts: int
     columns: list[tuple[int, int]]  # per part: its output column range in the fused projection
+    # CPU: a and b per layer packed for gemm.c (None where it does not take them), which multiplies
+    # decode-sized batches about twice as fast as torch; refreshed whenever a slot changes.
+    a_packed: list[torch.Tensor] | None = None
+    b_packed: list[torch.Tensor] | None = None
 
 
 class LoraSlots:
     def __init__(self, num_layers: int, max_loras: int, max_lora_rank: int, shapes: dict[str, ModuleShape],
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_layers, self.max_loras, self.max_rank = num_layers, max_loras, max_lora_rank
-        self.shapes = shapes
+        self.dtype, self.device = dtype, device
         self.groups: dict[str, GroupTable] = {}
         for group, modules in GROUPS.items():
-            in_features = shapes[modules[0]].in_features
-            a = torch.zeros(num_layers, max_loras, len(modules) * max_lora_rank, in_features, dtype=dtype,
-                            device=device)
-            bs, columns, start = [], [], 0
+            width = len(modules) * max_loras * max_lora_rank
+            columns, start = [], 0
             for module in modules:
-                out = shapes[module].out_features
-                bs.append(torch.zeros(num_layers, max_loras, out, max_lora_rank, dtype=dtype, device=device))
-                columns.append((start, start + out))
-                start += out
-            self.groups[group] = GroupTable(a, bs, columns)
+                columns.append((start, start + shapes[module].out_features))
+                start += shapes[module].out_features
+            self.groups[group] = GroupTable(
+                torch.zeros(num_layers, width, shapes[modules[0]].in_features, dtype=dtype, device=device),
+                torch.zeros(num_layers, start, width, dtype=dtype, device=device), len(modules), columns)
         self.held: list[int] = [0] * max_loras  # lora_int_id per slot, 0 = empty
+        self.gemm = PanelGemm.load() if device.type == "cpu" else None
+        if self.gemm is not None and not all(self.gemm.supports(t.a[0]) and self.gemm.supports(t.b[0])
+                                             for t in self.groups.values()):
+            self.gemm = None
+        self._pack()
+
+    def _pack(self) -> None:
+        if self.gemm is None:
+            return
+        for table in self.groups.values():
+            table.a_packed = [self.gemm.pack(a) for a in table.a]
+            table.b_packed = [self.gemm.pack(b) for b in table.b]
+
+    def _rank_columns(self, part: int, slot: int) -> slice:
+        first = (part * self.max_loras + slot) * self.max_rank
+        return slice(first, first + self.max_rank)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write `adapter` into `slot` (zeros where it adapts nothing)."""
         r = adapter.rank
         for group, modules in GROUPS.items():
             table = self.groups[group]
-            table.a[:, slot].zero_()
             for part, module in enumerate(modules):
-                table.bs[part][:, slot].zero_()
+                ranks = self._rank_columns(part, slot)
+                start, end = table.columns[part]
+                table.a[:, ranks].zero_()
+                table.b[:, start:end, ranks].zero_()
                 for layer in range(self.num_layers):
                     weights = adapter.weights.get((layer, module))
-                    if weights is None:
-                        continue
-                    a, b = weights
-                    table.a[layer, slot, part * self.max_rank:part * self.max_rank + r].copy_(a)
-                    table.bs[part][layer, slot, :, :r].copy_(b)
+                    if weights is not None:
+                        a, b = weights
+                        table.a[layer, ranks.start:ranks.start + r].copy_(a)
+                        table.b[layer, start:end, ranks.start:ranks.start + r].copy_(b)
+        self._pack()
         self.held[slot] = adapter.lora_int_id
+
+    def batch(self, token_slots) -> LoraBatch | None:
+        return LoraBatch.from_token_slots(token_slots, self.max_loras, self.max_rank, self.dtype, self.device)
 
     def layer(self, index: int) -> LayerLora:
         return LayerLora(self, index)
@@ -73,4 +101,4 @@ class LayerLora:
         self.slots, self.index = slots, index
 
     def add(self, group: str, y: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-        return add_lora(y, x, self.slots.groups[group], self.index, batch)
+        return add_lora(y, x, self.slots.groups[group], self.index, batch, self.slots.gemm)

@@ -12,13 +12,15 @@ from support.processes import free_port
 from support.schedulers import scheduler_for
 from test_config_agreement import scheduler_config, with_worker, worker_config
 
-from services.common.config import MAX_NUM_BATCHED_TOKENS_LIMIT
+from services.common.config import MAX_NUM_BATCHED_TOKENS_LIMIT, LoRAConfig
 from services.common.message_limits import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_CACHE_SALT_CHARS,
     MAX_ERROR_CHARS,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LORA_NAME_CHARS,
+    MAX_LORA_PATH_CHARS,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_TOKEN_IDS,
     STEP_BUDGET_BYTES,
@@ -75,7 +77,9 @@ def test_the_largest_legal_request_fits_what_a_scheduler_reads(structured: pb.St
     req = pb.GenerateRequest(request_id=WIDE * MAX_REQUEST_ID_CHARS, prompt_token_ids=[vocab_size - 1] * 4000,
                              resumed_output_token_ids=[vocab_size - 1] * (max_model_len - 4001),
                              sampling=largest_sampling(vocab_size, structured), priority=-1,
-                             cache_salt=WIDE * MAX_CACHE_SALT_CHARS)
+                             cache_salt=WIDE * MAX_CACHE_SALT_CHARS,
+                             lora_request=pb.LoRARequest(lora_name=WIDE * MAX_LORA_NAME_CHARS, lora_int_id=2**31 - 1,
+                                                         lora_path=WIDE * MAX_LORA_PATH_CHARS))
     validate_generate_request(req, vocab_size, max_model_len)  # legal
     size = pb.ClientMessage(generate=req).ByteSize()
     assert size <= generate_request_bytes(max_model_len)
@@ -94,7 +98,8 @@ def test_the_largest_step_answer_fits_what_a_scheduler_reads_from_its_worker() -
         spec_token_ids=[pb.TokenIds(ids=[2**31 - 1] * k)] * max_num_seqs, error=WIDE * MAX_ERROR_CHARS,
         prompt_logprobs=[pb.PromptLogprobs(request_id=ids[0], first_position=2**31 - 1, logprobs=[top] * 4),
                          pb.PromptLogprobs(request_id=ids[1], first_position=2**31 - 1, logprobs=[top] * 3),
-                         pb.PromptLogprobs(request_id=ids[2], first_position=2**31 - 1, logprobs=[top] * 3)])
+                         pb.PromptLogprobs(request_id=ids[2], first_position=2**31 - 1, logprobs=[top] * 3)],
+        lora_load_failures=[pb.LoRALoadFailure(request_id=i, error=WIDE * MAX_ERROR_CHARS) for i in ids])
     assert out.ByteSize() <= runner_output_bytes(max_num_seqs, max_num_batched_tokens, k)
 
 
@@ -125,6 +130,23 @@ def test_the_scheduler_spreads_new_requests_too_big_for_one_step_over_several() 
     assert sent == [f"r{i}" for i in range(128)]
     assert steps >= 2
     assert STEP_BUDGET_BYTES <= WORKER_RECEIVE_BYTES
+
+
+def test_a_new_request_with_the_largest_adapter_takes_no_more_of_a_step_than_its_estimate() -> None:
+    sched = scheduler_for(num_blocks=64, block_size=16, max_model_len=64,
+                          lora_config=LoRAConfig(enable_lora=True, max_loras=1))
+    lora = pb.LoRARequest(lora_name=WIDE * MAX_LORA_NAME_CHARS, lora_int_id=2**31 - 1,
+                          lora_path=WIDE * MAX_LORA_PATH_CHARS)
+    sched.add_request(Request(WIDE * MAX_REQUEST_ID_CHARS, [2**31 - 1] * 40, pb.SamplingParams(), frozenset(),
+                              max_tokens=1, lora_request=lora))
+    estimate = sched.sizer.request_bytes(sched.waiting[0], 40, known=False)
+    so = sched.schedule()
+    assert so.new_requests[0].lora_request == lora
+    bare = pb.SchedulerOutput()
+    bare.CopyFrom(so)
+    bare.ClearField("new_requests")
+    bare.ClearField("num_scheduled_tokens")
+    assert so.ByteSize() - bare.ByteSize() <= estimate
 
 
 def test_a_context_length_whose_one_request_could_overflow_a_step_is_refused_at_start() -> None:
