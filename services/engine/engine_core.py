@@ -12,6 +12,7 @@ from services.common.lora_adapter_config import MAX_LORA_NAME_CHARS, MAX_LORA_PA
 from services.common.metric_buckets import ITERATION_TOKENS_BUCKETS, BucketCounts
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
+from services.engine.lora_slots import lora_adapters
 from services.engine.request import Request
 from services.engine.request_limits import InvalidRequest, validate_generate_request
 from services.engine.scheduler import Scheduler
@@ -190,7 +191,7 @@ class EngineCore:
 
     def stats(self) -> pb.Stats:
         s = self.scheduler.stats()
-        running_loras, waiting_loras = self.scheduler.lora_adapters()
+        running_loras, waiting_loras = lora_adapters(self.scheduler.running, self.scheduler.waiting)
         info = self.model_info
         c = self.config
         return pb.Stats(max_model_len=self.max_model_len, model=c.model_config.model,

@@ -7,7 +7,12 @@ the worker never sees a slot change under a request it holds."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
+from services.common.message_limits import MAX_ERROR_CHARS
 from services.common.proto import myvllm_pb2 as pb
+from services.engine.request import Request, RequestStatus
 
 
 class LoraSlots:
@@ -43,6 +48,49 @@ class LoraSlots:
         self._clock += 1
         self.last_used[slot] = self._clock
 
+    def take(self, request: Request) -> bool:
+        """Give a request being scheduled its adapter's slot (if it has an adapter and holds none
+        yet); False: no slot is free for it, it waits."""
+        if request.lora_request is not None and request.lora_slot is None:
+            request.lora_slot = self.acquire(request.lora_request)
+            return request.lora_slot is not None
+        return True
+
+    def give_back(self, request: Request) -> None:
+        """The request left the running set (finished, aborted, preempted, not admitted)."""
+        if request.lora_slot is not None:
+            self.release(request.lora_slot)
+            request.lora_slot = None
+
     def forget(self) -> None:
         """The worker lost its state (restart): it holds no adapter any more."""
         self.held = [0] * self.max_loras
+
+
+def lora_adapters(running: Iterable[Request], waiting: Iterable[Request]) -> tuple[list[str], list[str]]:
+    """The adapters (names) of running and of waiting requests: vLLM's lora_requests_info."""
+    def names(requests: Iterable[Request]) -> list[str]:
+        return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+    return names(running), names(waiting)
+
+
+def fail_lora_loads(failures: Iterable[pb.LoRALoadFailure], scheduler: Any) -> list[pb.RequestOutput]:
+    """Requests the worker left out of a step because their adapter could not be read (the worker
+    never held them): each ended with the error, a 400 (the adapter named is not servable). The
+    blocks the step was to fill hold no KV: their hashes are dropped before the blocks are freed
+    (the prefix hits before them stay). `scheduler`: services/engine/scheduler.py's."""
+    outputs = []
+    for failure in failures:
+        request = scheduler.requests.get(failure.request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            continue
+        scheduler.worker_known.discard(request.request_id)
+        scheduler.kv_cache_manager.uncache_blocks_from(request, max(request.num_cached_tokens, 0)
+                                                       // scheduler.block_size)
+        scheduler.running.remove(request)
+        scheduler._finish(request, RequestStatus.FINISHED_ABORTED)
+        error = f"LoRA adapter {request.lora_request.lora_name!r} could not be loaded: {failure.error}"
+        outputs.append(pb.RequestOutput(request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
+                                        num_prompt_tokens=request.num_prompt_tokens, error_kind=pb.INVALID_REQUEST,
+                                        error=error[:MAX_ERROR_CHARS]))
+    return outputs

@@ -8,7 +8,8 @@ the head of the waiting queue (the prefix cache usually hands most blocks back l
 
 Features hook into the loop at named points, each through one object that is inert when the
 feature is off: `grammar` (structured outputs: sched_grammar.py), `spec` (speculative
-decoding: spec_decode.py), `kv` (prefill/decode disaggregation: sched_kv_transfer.py).
+decoding: spec_decode.py), `kv` (prefill/decode disaggregation: sched_kv_transfer.py), `lora`
+(the adapters' slots: lora_slots.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from collections import deque
 
 from services.common import message_limits
 from services.common.config import VllmConfig
-from services.common.message_limits import MAX_ERROR_CHARS
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.engine_counters import EngineCounters
 from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.lora_slots import LoraSlots
+from services.engine.lora_slots import LoraSlots, fail_lora_loads
+from services.engine.prompt_logprobs import gather_prompt_logprobs
 from services.engine.request import Request, RequestStatus
 from services.engine.request_limits import check_request_fits
 from services.engine.sched_grammar import GrammarHooks
@@ -68,11 +69,11 @@ class Scheduler:
         self.spec = SpecDecodeHooks(config.speculative_config, max_model_len, self.async_scheduling)
         self.kv = KVTransferHooks(config.kv_transfer_config, self.kv_cache_manager, self._requeue,
                                   kv_producer_address)
-        lora = config.lora_config
+        self.lora = LoraSlots(config.lora_config.max_loras if config.lora_config.enable_lora else 0)
         self.sizer = StepSizer(self.block_size, self.spec.num_lookahead_slots, self.grammar.row_bytes,
-                               self.pipeline_parallel, message_limits.lora_request_bytes() if lora.enable_lora else 0)
+                               self.pipeline_parallel,
+                               message_limits.lora_request_bytes() if self.lora.max_loras else 0)
         self.sizer.check(max_model_len, self.spec.num_drafts)
-        self.lora = LoraSlots(lora.max_loras) if lora.enable_lora else None
 
     # ------------------------------------------------------------------ queue management
 
@@ -130,7 +131,7 @@ class Scheduler:
         Returns the KV transfer params its final output carries (a producer's), if any."""
         request.status = status
         request.spec_token_ids = []
-        self._release_lora(request)
+        self.lora.give_back(request)
         params = self.kv.finish(request, status == RequestStatus.FINISHED_ABORTED)
         del self.requests[request.request_id]
         self.grammar.constrained.pop(request.request_id, None)
@@ -162,8 +163,7 @@ class Scheduler:
         self.grammar.deferred_bitmasks.clear()
         self.kv.reset()
         self.kv_cache_manager.block_pool.reset_prefix_cache()
-        if self.lora is not None:
-            self.lora.forget()
+        self.lora.forget()
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or transfers the worker has yet to report (it must see steps)."""
@@ -190,7 +190,7 @@ class Scheduler:
             raise RuntimeError(f"request {victim.request_id} preempted while its KV save is in flight")
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
-        self._release_lora(victim)
+        self.lora.give_back(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0  # an in-flight token of a preempted request is dropped
@@ -202,11 +202,6 @@ class Scheduler:
             self.worker_known.discard(victim.request_id)
             self.finished_req_ids.add(victim.request_id)
         self._requeue(victim)
-
-    def _release_lora(self, request: Request) -> None:
-        if request.lora_slot is not None:
-            self.lora.release(request.lora_slot)
-            request.lora_slot = None
 
     def _pick_victim(self, request: Request, idx: int) -> Request | None:
         """Whom to preempt for `request` (running[idx]) to get blocks. FCFS: the last running
@@ -324,15 +319,13 @@ class Scheduler:
             num_bytes = self.sizer.request_bytes(request, num_new, known=False)
             if not plan.fits(num_bytes):
                 break  # the next step takes it
-            if request.lora_request is not None and request.lora_slot is None:
-                request.lora_slot = self.lora.acquire(request.lora_request)
-                if request.lora_slot is None:  # every slot runs other adapters: base requests go on
-                    self.waiting.popleft()
-                    skipped.append(request)
-                    continue
+            if not self.lora.take(request):  # every slot runs other adapters: base requests go on
+                self.waiting.popleft()
+                skipped.append(request)
+                continue
             lookahead = self.spec.lookahead(request, num_hit_tokens + num_new)
             if self.kv_cache_manager.allocate_slots(request, num_new + lookahead, hit_blocks) is None:
-                self._release_lora(request)
+                self.lora.give_back(request)
                 break
             self.waiting.popleft()
             self._admit(request, num_hit_tokens, num_computed)
@@ -395,10 +388,10 @@ class Scheduler:
     ) -> list[pb.RequestOutput]:
         """Append sampled tokens, check token-level stops, free finished requests."""
         outputs: list[pb.RequestOutput] = self.grammar.take_failed_outputs()
-        outputs += self._fail_lora_loads(runner_output.lora_load_failures)
+        outputs += fail_lora_loads(runner_output.lora_load_failures, self)
         outputs += self.kv.update_from_output(runner_output)
         outputs += finish_pooled(runner_output.pooler_output, self.requests, self._end_pooled)
-        self._gather_prompt_logprobs(runner_output.prompt_logprobs)
+        gather_prompt_logprobs(runner_output.prompt_logprobs, self.requests)
         # Speculative decoding: a request may produce several tokens (accepted drafts + one).
         counts = runner_output.num_sampled_tokens or [1] * len(runner_output.request_ids)
         starts = list(itertools.accumulate(counts, initial=0))
@@ -427,33 +420,6 @@ class Scheduler:
                 outputs.append(out)
         return outputs
 
-    def _fail_lora_loads(self, failures) -> list[pb.RequestOutput]:
-        """Requests the worker left out of a step because their adapter could not be read: ended
-        with its error (a 400: the adapter named is not servable). The blocks the step was to fill
-        hold no KV: their hashes are dropped before the blocks are freed (the prefix hits before
-        them stay)."""
-        outputs = []
-        for failure in failures:
-            request = self.requests.get(failure.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            self.worker_known.discard(request.request_id)  # the worker never added it
-            self.kv_cache_manager.uncache_blocks_from(request, max(request.num_cached_tokens, 0) // self.block_size)
-            self.running.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(pb.RequestOutput(request_id=request.request_id, finish_reason="abort", stop_token_id=-1,
-                                            num_prompt_tokens=request.num_prompt_tokens,
-                                            error_kind=pb.INVALID_REQUEST,
-                                            error=f"LoRA adapter {request.lora_request.lora_name!r} could not be "
-                                                  f"loaded: {failure.error}"[:MAX_ERROR_CHARS]))
-        return outputs
-
-    def lora_adapters(self) -> tuple[list[str], list[str]]:
-        """The adapters (names) of running and of waiting requests, vLLM's lora_requests_info."""
-        def names(requests) -> list[str]:
-            return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
-        return names(self.running), names(self.waiting)
-
     def _end_with(self, request: Request, status: RequestStatus, out: pb.RequestOutput) -> bool:
         """End `request` with its final output `out`; True if that output is held (a producer's,
         until its save is reported)."""
@@ -471,28 +437,10 @@ class Scheduler:
         self.running.remove(request)
         self._finish(request, RequestStatus.FINISHED_STOPPED)
 
-    def _gather_prompt_logprobs(self, chunks) -> None:
-        """File each step's prompt logprobs by position (a preempted request recomputes its
-        prompt and simply overwrites the same positions)."""
-        for chunk in chunks:
-            request = self.requests.get(chunk.request_id)
-            if request is None or not request.needs_prompt_logprobs:
-                continue
-            start = chunk.first_position - 1
-            request.prompt_logprobs[start:start + len(chunk.logprobs)] = list(chunk.logprobs)
-
     def stats(self) -> dict[str, float]:
         kv = self.kv_cache_manager
-        return {
-            "num_free_blocks": kv.block_pool.num_free_blocks,
-            "num_total_blocks": kv.block_pool.num_blocks - 1,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            **self.counters.as_dict(),
-            "num_waiting": self.num_waiting,
-            "num_waiting_deferred": self.num_waiting_deferred,
-            "num_running": self.num_running,
-            "kv_cache_usage": kv.usage,
-            **self.spec.stats.as_dict(),
-            **self.kv.stats(),
-        }
+        return {"num_free_blocks": kv.block_pool.num_free_blocks, "num_total_blocks": kv.block_pool.num_blocks - 1,
+                "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
+                **self.counters.as_dict(), "num_waiting": self.num_waiting,
+                "num_waiting_deferred": self.num_waiting_deferred, "num_running": self.num_running,
+                "kv_cache_usage": kv.usage, **self.spec.stats.as_dict(), **self.kv.stats()}

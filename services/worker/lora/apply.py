@@ -15,13 +15,26 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # slots.py imports this module
+if TYPE_CHECKING:
     from services.worker.cpu.gemm import PanelGemm
-    from services.worker.lora.slots import GroupTable
 
 # Up to this many tokens the packed GEMM multiplies the adapters (twice torch's speed at decode
 # sizes, level or behind at prefill sizes).
 PACKED_GEMM_MAX_ROWS = 256
+
+
+@dataclass
+class GroupTable:
+    """One fused projection's slot table (services/worker/lora/slots.py fills it)."""
+
+    a: torch.Tensor                 # [layers, parts * slots * max_rank, in]
+    b: torch.Tensor                 # [layers, out, parts * slots * max_rank]
+    parts: int
+    columns: list[tuple[int, int]]  # per part: its output column range in the fused projection
+    # CPU: a and b per layer packed for gemm.c (None where it does not take them), which multiplies
+    # decode-sized batches about twice as fast as torch; refreshed whenever a slot changes.
+    a_packed: list[torch.Tensor] | None = None
+    b_packed: list[torch.Tensor] | None = None
 
 
 @dataclass

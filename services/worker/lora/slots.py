@@ -10,29 +10,15 @@ columns read only part p's rank columns)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from services.worker.cpu.gemm import PanelGemm
 from services.worker.lora.adapter import LoraAdapter, ModuleShape
-from services.worker.lora.apply import LoraBatch, add_lora
+from services.worker.lora.apply import GroupTable, LoraBatch, add_lora
 
 # group -> the modules whose outputs it writes, in column order
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
-
-
-@dataclass
-class GroupTable:
-    a: torch.Tensor                 # [layers, parts * slots * max_rank, in]
-    b: torch.Tensor                 # [layers, out, parts * slots * max_rank]
-    parts: int
-    columns: list[tuple[int, int]]  # per part: its output column range in the fused projection
-    # CPU: a and b per layer packed for gemm.c (None where it does not take them), which multiplies
-    # decode-sized batches about twice as fast as torch; refreshed whenever a slot changes.
-    a_packed: list[torch.Tensor] | None = None
-    b_packed: list[torch.Tensor] | None = None
 
 
 class LoraSlots:
