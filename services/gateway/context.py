@@ -155,6 +155,11 @@ class GatewayContext:
         raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist.",
                           param="model", code="model_not_found")
 
+    def response_model(self, requested: str | None) -> str:
+        """The `model` a response reports: the adapter's name for a LoRA request (vLLM's), else the
+        first served name."""
+        return requested if self.lora.get(requested) is not None else self.served_model_name
+
     def model_card(self, name: str | None = None) -> ModelCard:
         """The card of `name` (one of the served names or an adapter's; default the first served
         name). An adapter's card names its directory as `root` and the base model as `parent`."""

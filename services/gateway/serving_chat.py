@@ -247,7 +247,8 @@ class _ChatWriter:
         if usage is None and self._request.continuous_usage:
             usage = self._usage()
         return sse_event(ChatCompletionChunk(
-            id=self._id, created=self._created, model=self._ctx.served_model_name, choices=choices, usage=usage,
+            id=self._id, created=self._created, model=self._ctx.response_model(self._request.model), choices=choices,
+            usage=usage,
             prompt_token_ids=self._prompt_token_ids if first and self._return_token_ids else None,
             prompt_text=self._prompt.text if first and self._request.return_prompt_text else None))
 
@@ -284,7 +285,7 @@ class _ChatWriter:
             token_ids=token_ids[i] if self._return_token_ids else None,
         ) for i in range(n)]
         return ChatCompletionResponse(
-            id=self._id, created=self._created, model=self._ctx.served_model_name, choices=choices,
+            id=self._id, created=self._created, model=self._ctx.response_model(self._request.model), choices=choices,
             usage=self._usage(), prompt_logprobs=prompt_logprobs,
             prompt_token_ids=self._prompt_token_ids if self._return_token_ids else None,
             prompt_text=self._prompt.text if self._request.return_prompt_text else None)

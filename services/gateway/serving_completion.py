@@ -139,8 +139,8 @@ class _CompletionWriter:
                          total_tokens=self._num_prompt_tokens + self._num_completion_tokens)
 
     def _response(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> CompletionResponse:
-        return CompletionResponse(id=self._id, created=self._created, model=self._ctx.served_model_name,
-                                  choices=choices, usage=usage)
+        return CompletionResponse(id=self._id, created=self._created,
+                                  model=self._ctx.response_model(self._request.model), choices=choices, usage=usage)
 
     async def collect(self, deltas: AsyncGenerator[ChoiceDelta, None]) -> CompletionResponse:
         texts: list[list[str]] = [[] for _ in range(self._num_choices)]

@@ -371,7 +371,7 @@ class _ResponseWriter:
         return ResponsesResponse(
             id=self._id, created_at=self._created_at, status=status,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish_reason == "length" else None,
-            model=self._ctx.served_model_name, instructions=request.instructions, output=list(self._output),
+            model=self._ctx.response_model(request.model), instructions=request.instructions, output=list(self._output),
             parallel_tool_calls=request.parallel_tool_calls is not False, temperature=request.temperature,
             top_p=request.top_p, max_output_tokens=request.max_output_tokens,
             previous_response_id=request.previous_response_id, store=request.store is not False,

@@ -81,8 +81,9 @@ def test_a_request_naming_an_adapter_runs_with_it_and_the_base_without(stack, ad
     lora = fake.requests[-1].lora_request
     real = os.path.realpath(adapters["ada"])
     assert (lora.lora_name, lora.lora_path, lora.lora_int_id) == ("ada", real, lora_int_id("ada", real))
-    client.completions.create(model="ada", prompt="hello", max_tokens=2)
-    assert fake.requests[-1].lora_request.lora_name == "ada"
+    reply = client.completions.create(model="ada", prompt="hello", max_tokens=2)
+    assert fake.requests[-1].lora_request.lora_name == "ada" and reply.model == "ada"  # (vLLM reports the adapter)
+    assert chunks[0].model == "ada"
     client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
     assert not fake.requests[-1].HasField("lora_request")
     with pytest.raises(openai.NotFoundError):
