@@ -39,9 +39,13 @@ class GroupTable:
 
 @dataclass
 class LoraBatch:
-    """The step's tokens' slots as a mask over every slot's rank columns: [T, slots x rank]."""
+    """The step's tokens' slots: as a mask over every slot's rank columns ([T, slots x rank], the
+    dense products'), and as int32 slot numbers (-1: base; the CUDA kernels')."""
 
     slot_mask: torch.Tensor
+    token_slots: torch.Tensor
+    max_loras: int
+    max_rank: int
     _by_parts: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -50,9 +54,11 @@ class LoraBatch:
         """None when no token uses an adapter (the step runs exactly as without LoRA)."""
         if not (token_slots >= 0).any():
             return None
-        slots = torch.from_numpy(token_slots.astype(np.int64)).to(device)
+        slots = torch.from_numpy(token_slots.astype(np.int32)).to(device)
+        if device.type == "cuda":  # the BGMV kernels read the slot numbers alone
+            return cls(slots, slots, max_loras, max_rank)
         one_hot = (slots.unsqueeze(1) == torch.arange(max_loras, device=device)).to(dtype)  # [T, slots]
-        return cls(one_hot.repeat_interleave(max_rank, dim=1))
+        return cls(one_hot.repeat_interleave(max_rank, dim=1), slots, max_loras, max_rank)
 
     def mask(self, parts: int) -> torch.Tensor:
         """The mask for a fused projection of `parts` parts (columns part-major: part, slot, rank)."""
@@ -65,7 +71,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, table: GroupTable, layer: int, ba
              gemm: PanelGemm | None = None) -> torch.Tensor:
     """y[t] += B[slot_t] @ (A[slot_t] @ x[t]) for every adapted token t, each fused part into its
     columns; in place into `y` (the projection's own output), which it returns. `gemm`: the CPU's
-    packed GEMM, taken for decode-sized batches (torch's is as fast on prefill-sized ones)."""
+    packed GEMM, taken for decode-sized batches (torch's is as fast on prefill-sized ones). On CUDA:
+    the BGMV kernels (triton_lora.py), each token reading its own slot's weights only."""
+    if y.is_cuda:
+        from services.worker.lora import triton_lora  # (imports triton: CUDA only)
+
+        return triton_lora.add_lora(y, x, table.a[layer], table.b[layer], batch.token_slots, table.columns,
+                                    batch.max_loras, batch.max_rank)
     if gemm is not None and table.a_packed is not None and x.shape[0] <= PACKED_GEMM_MAX_ROWS:
         shrunk = gemm.matmul(x, table.a_packed[layer], None)
         shrunk.mul_(batch.mask(table.parts))
