@@ -15,11 +15,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from services.worker.lora.cpu_lora import CpuLora
+
 if TYPE_CHECKING:
     from services.worker.cpu.gemm import PanelGemm
 
-# Up to this many tokens the packed GEMM multiplies the adapters (twice torch's speed at decode
-# sizes, level or behind at prefill sizes).
+# Up to this many tokens the per-token C kernel (cpu/lora_bgmv.c) adds the adapters' products: it
+# reads only each token's own slot and costs one call, about half the dense products' time at one
+# to a few tokens, but its per-column dots fall behind the GEMMs from ~8 tokens. Up to
+# PACKED_GEMM_MAX_ROWS the packed GEMM multiplies them (twice torch's speed at decode sizes, level or
+# behind at prefill sizes), torch's above.
+BGMV_MAX_ROWS = 8
 PACKED_GEMM_MAX_ROWS = 256
 
 
@@ -35,6 +41,12 @@ class GroupTable:
     # decode-sized batches about twice as fast as torch; refreshed whenever a slot changes.
     a_packed: list[torch.Tensor] | None = None
     b_packed: list[torch.Tensor] | None = None
+
+    part_starts: torch.Tensor | None = None  # int32 [parts + 1]: each part's first column, then the end
+
+    def __post_init__(self) -> None:
+        self.part_starts = torch.tensor([start for start, _ in self.columns] + [self.columns[-1][1]],
+                                        dtype=torch.int32, device=self.a.device)
 
 
 @dataclass
@@ -78,6 +90,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, table: GroupTable, layer: int, ba
 
         return triton_lora.add_lora(y, x, table.a[layer], table.b[layer], batch.token_slots, table.columns,
                                     batch.max_loras, batch.max_rank)
+    if x.shape[0] <= BGMV_MAX_ROWS and (kernel := CpuLora.load()) is not None:
+        return kernel.add(y, x, table.a[layer], table.b[layer], batch.token_slots, table.part_starts,
+                          batch.max_loras, batch.max_rank)
     if gemm is not None and table.a_packed is not None and x.shape[0] <= PACKED_GEMM_MAX_ROWS:
         shrunk = gemm.matmul(x, table.a_packed[layer], None)
         shrunk.mul_(batch.mask(table.parts))

@@ -12,7 +12,7 @@ import torch
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.input_batch import InputBatch
 from services.worker.lora.adapter import LoraAdapter, ModuleShape
-from services.worker.lora.apply import PACKED_GEMM_MAX_ROWS, LoraBatch
+from services.worker.lora.apply import BGMV_MAX_ROWS, PACKED_GEMM_MAX_ROWS, LoraBatch
 from services.worker.lora.slots import GROUPS, LoraSlots
 from services.worker.step_validation import InvalidStep, validate_step
 
@@ -63,7 +63,7 @@ def _reference(y: torch.Tensor, x: torch.Tensor, group: str, layer: int, token_s
     return out
 
 
-@pytest.mark.parametrize("rows", [5, PACKED_GEMM_MAX_ROWS + 3])
+@pytest.mark.parametrize("rows", [BGMV_MAX_ROWS - 1, 40, PACKED_GEMM_MAX_ROWS + 3])  # each CPU path
 def test_each_token_gets_its_own_slots_products(rows: int) -> None:
     slots = LoraSlots(LAYERS, SLOTS, MAX_RANK, SHAPES, torch.float32, torch.device("cpu"))
     adapters = {0: _adapter(7, 8, tuple(SHAPES), 0), 2: _adapter(9, 3, ("q_proj", "v_proj", "down_proj"), 1)}
