@@ -36,7 +36,8 @@ from services.text.tokenizer import Tokenizer
 async def create_embedding(ctx: GatewayContext, request: EmbeddingRequest, http_request: Request | None = None
                            ) -> Response:
     arrival_time = time.monotonic()
-    ctx.check_model(request.model)
+    if ctx.check_model(request.model) is not None:  # (a LoRA engine runs the generate runner only)
+        raise invalid_request("LoRA adapters serve generation, not embeddings", param="model")
     await ctx.require_runner("pooling")
     items = _input_items(request.input)
     if not items:

@@ -88,6 +88,8 @@ def test_a_request_naming_an_adapter_runs_with_it_and_the_base_without(stack, ad
     assert not fake.requests[-1].HasField("lora_request")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hello", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="embeddings"):  # never the base model's, silently
+        client.embeddings.create(model="ada", input="hello")
 
 
 def test_models_lists_each_adapter_with_its_parent(stack, adapters) -> None:
