@@ -27,7 +27,9 @@ MAX_INT32 = 2**31 - 1
 def weights_key(req: pb.LoadModelRequest) -> bytes:
     """What the loaded weights depend on: a LoadModel that changes none of it keeps them (a
     reconnecting scheduler, or one that only sizes the batch). A new TP/PP rank, group size or
-    rendezvous means new shards and a new process group: a reload."""
+    rendezvous means new shards and a new process group: a reload. So does turning LoRA on or
+    resizing it (the slot table is built with the model): a key only while enable_lora is set, so
+    a LoadModel without LoRA keeps the weights whatever its LoRA defaults."""
     c = req.config
     key = pb.LoadModelRequest(tensor_parallel_rank=req.tensor_parallel_rank,
                               pipeline_parallel_rank=req.pipeline_parallel_rank,
@@ -35,7 +37,8 @@ def weights_key(req: pb.LoadModelRequest) -> bytes:
                               distributed_init_method=req.distributed_init_method,
                               config=pb.VllmConfig(model_config=c.model_config, parallel_config=c.parallel_config,
                                                    speculative_config=c.speculative_config
-                                                   if c.HasField("speculative_config") else None))
+                                                   if c.HasField("speculative_config") else None,
+                                                   lora_config=c.lora_config if c.lora_config.enable_lora else None))
     return key.SerializeToString(deterministic=True)
 
 

@@ -91,3 +91,16 @@ def test_a_step_without_adapters_has_no_lora_batch() -> None:
     batch = LoraBatch.from_token_slots(np.array([1, -1]), 2, 2, torch.float32, torch.device("cpu"))
     assert batch.slot_mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
     assert batch.mask(2).tolist()[0] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_turning_lora_on_reloads_the_weights() -> None:
+    """The slot table is built with the model: a LoadModel enabling LoRA (or resizing it) on a
+    preloaded worker must rebuild it, while LoRA's defaults without enable_lora change nothing."""
+    from services.worker.worker import weights_key
+
+    def load(**lora) -> pb.LoadModelRequest:
+        return pb.LoadModelRequest(config=pb.VllmConfig(lora_config=pb.LoRAConfig(**lora)))
+
+    assert weights_key(load(max_loras=1)) == weights_key(load(max_loras=3)) == weights_key(pb.LoadModelRequest())
+    assert weights_key(load(enable_lora=True, max_loras=1)) != weights_key(load(max_loras=1))
+    assert weights_key(load(enable_lora=True, max_loras=1)) != weights_key(load(enable_lora=True, max_loras=2))
