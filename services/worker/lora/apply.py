@@ -90,7 +90,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, table: GroupTable, layer: int, ba
 
         return triton_lora.add_lora(y, x, table.a[layer], table.b[layer], batch.token_slots, table.columns,
                                     batch.max_loras, batch.max_rank)
-    if x.shape[0] <= BGMV_MAX_ROWS and (kernel := CpuLora.load()) is not None:
+    if x.shape[0] <= BGMV_MAX_ROWS and x.dtype in CpuLora.DTYPES and (kernel := CpuLora.load()) is not None:
         return kernel.add(y, x, table.a[layer], table.b[layer], batch.token_slots, table.part_starts,
                           batch.max_loras, batch.max_rank)
     if gemm is not None and table.a_packed is not None and x.shape[0] <= PACKED_GEMM_MAX_ROWS:

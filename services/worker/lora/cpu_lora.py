@@ -22,6 +22,8 @@ _failed = False
 
 
 class CpuLora:
+    DTYPES = (torch.float32, torch.bfloat16)  # what lora_bgmv.c reads (fp16 runs the dense products)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.lora_bgmv.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I, _I]
         lib.lora_bgmv.restype = None
@@ -43,7 +45,9 @@ class CpuLora:
         """y[t, part columns] += B_part[slot_t] @ (A_part[slot_t] @ x[t]) in place; `part_starts`:
         int32 [parts + 1], the parts' first columns and the end."""
         assert y.stride(1) == 1 and x.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
-        assert y.dtype == x.dtype == a.dtype == b.dtype and token_slots.dtype == torch.int32
+        same = y.dtype == x.dtype == a.dtype == b.dtype
+        if not (same and y.dtype in self.DTYPES and token_slots.dtype == torch.int32):
+            raise TypeError(f"lora_bgmv takes fp32 or bf16 tensors of one dtype and int32 slots, got {y.dtype}")
         parts = part_starts.numel() - 1
         self.lib.lora_bgmv(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
                            token_slots.data_ptr(), x.shape[0], x.shape[1], y.shape[1], parts, num_slots, rank,

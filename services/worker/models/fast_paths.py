@@ -115,7 +115,7 @@ def c_step_for(model: nn.Module, meta: AttentionMetadata) -> CpuDecodeStep | Pac
     """The C step that runs this batch's whole decoder, or None: the eager layers do. The small
     decode step first: for the few requests it takes it beats the packed one. A step with LoRA
     adapters runs the eager layers, which add the adapters' products."""
-    if meta.lora is not None:
+    if getattr(meta, "lora", None) is not None:
         return None
     return next((step for step in (model.decode_step, model.packed_step)
                  if step is not None and step.applies(meta)), None)
