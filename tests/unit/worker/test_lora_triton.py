@@ -5,43 +5,23 @@ TRITON_INTERPRET=1 on CPU tensors (small shapes: the interpreter is slow)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from support.triton_device import DEVICE, fresh_process_only, needs_device, run_in_fresh_interpreter
 
-# Before triton is first imported (see test_triton_kernels.py).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from services.worker.attention import triton_kernels  # noqa: E402
-from services.worker.lora import triton_lora  # noqa: E402
-from services.worker.lora.adapter import LoraAdapter, ModuleShape  # noqa: E402
-from services.worker.lora.slots import GROUPS, LoraSlots  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
-INTERPRETED = triton_kernels.is_interpreted()
-STALE_TRITON = os.environ.get("TRITON_INTERPRET") == "1" and not (
-    INTERPRETED and triton_kernels.interpreter_consistent())
-DEVICE = None if STALE_TRITON else "cpu" if INTERPRETED else "cuda" if torch.cuda.is_available() else None
-needs_device = pytest.mark.skipif(DEVICE is None, reason="triton was imported before TRITON_INTERPRET was set "
-                                  "(the fresh-process test runs this file) or there is no CUDA")
+from services.worker.lora import triton_lora
+from services.worker.lora.adapter import LoraAdapter, ModuleShape
+from services.worker.lora.slots import GROUPS, LoraSlots
 
 SHAPES = {"q_proj": ModuleShape(48, 48), "k_proj": ModuleShape(48, 16), "v_proj": ModuleShape(48, 16),
           "o_proj": ModuleShape(48, 48), "gate_proj": ModuleShape(48, 80), "up_proj": ModuleShape(48, 80),
           "down_proj": ModuleShape(80, 48)}
 
 
-@pytest.mark.skipif(not STALE_TRITON, reason="the kernels run in this process")
+@fresh_process_only
 def test_in_fresh_interpreter_process() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_fresh_interpreter(__file__)
 
 
 @needs_device

@@ -8,34 +8,17 @@ interpreter is slow); with CUDA, compiled on the GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-
-# Before triton is first imported (see test_triton_kernels.py).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from support.triton_device import DEVICE, fresh_process_only, needs_device, run_in_fresh_interpreter
 
 # The reference; a bare GPU machine (scripts/gpu_check.py) may lack gguf-py: then nothing here runs.
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from services.worker.attention import triton_kernels  # noqa: E402
 from services.worker.quant import triton_gemm  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
-INTERPRETED = triton_kernels.is_interpreted()
-STALE_TRITON = os.environ.get("TRITON_INTERPRET") == "1" and not (
-    INTERPRETED and triton_kernels.interpreter_consistent())
-DEVICE = None if STALE_TRITON else "cpu" if INTERPRETED else "cuda" if torch.cuda.is_available() else None
-needs_device = pytest.mark.skipif(DEVICE is None, reason="triton was imported before TRITON_INTERPRET was set "
-                                  "(the fresh-process test runs this file) or there is no CUDA")
 
 # Where each format keeps its f16 scales (byte offsets in a block): drawn finite, the rest random.
 F16_FIELDS = {GGMLQuantizationType.Q4_0: (0,), GGMLQuantizationType.Q4_1: (0, 2), GGMLQuantizationType.Q8_0: (0,),
@@ -59,12 +42,9 @@ def reference(x: torch.Tensor, raw: np.ndarray, qtype: GGMLQuantizationType) -> 
     return x.cpu().double() @ w.double().T
 
 
-@pytest.mark.skipif(not STALE_TRITON, reason="the kernel runs in this process")
+@fresh_process_only
 def test_in_fresh_interpreter_process() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_fresh_interpreter(__file__)
 
 
 @needs_device

@@ -19,28 +19,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from support.triton_device import DEVICE, ROOT, fresh_process_only, needs_device, run_in_fresh_interpreter
 
-# Before triton is first imported (see test_triton_kernels.py).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from services.worker.attention import triton_kernels  # noqa: E402
-from services.worker.models import triton_ops  # noqa: E402
-from services.worker.models.layer_ops import TORCH_OPS, TritonOps  # noqa: E402
-from services.worker.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
-INTERPRETED = triton_kernels.is_interpreted()
-STALE_TRITON = os.environ.get("TRITON_INTERPRET") == "1" and not (
-    INTERPRETED and triton_kernels.interpreter_consistent())
-DEVICE = None if STALE_TRITON else "cpu" if INTERPRETED else "cuda" if torch.cuda.is_available() else None
-needs_device = pytest.mark.skipif(DEVICE is None, reason="triton was imported before TRITON_INTERPRET was set "
-                                  "(the fresh-process test runs this file) or there is no CUDA")
+from services.worker.models import triton_ops
+from services.worker.models.layer_ops import TORCH_OPS, TritonOps
+from services.worker.models.layers import RMSNorm, RotaryEmbedding
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
@@ -71,12 +58,9 @@ def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype, std: float = 1
     return (std * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
 
 
-@pytest.mark.skipif(not STALE_TRITON, reason="the kernels run in this process")
+@fresh_process_only
 def test_in_fresh_interpreter_process() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_fresh_interpreter(__file__, timeout_s=600)
 
 
 SHAPES = pytest.mark.parametrize(("rows", "width"), [(1, 576), (7, 576), (3, 100)])  # 576: SmolLM2's hidden
