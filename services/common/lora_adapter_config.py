@@ -12,8 +12,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.message_limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS  # noqa: F401 (re-exported)
-
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The decoder's linear layers an adapter may target (HF's module names).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from services.common.config import VllmConfig
 from services.common.kv_transfer_params import check_params
-from services.common.lora_adapter_config import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS
+from services.common.message_limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS
 from services.common.metric_buckets import ITERATION_TOKENS_BUCKETS, BucketCounts
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb

@@ -16,12 +16,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from services.common.config import MAX_LORA_RANK_LIMIT
-from services.common.lora_adapter_config import (
-    MAX_LORA_NAME_CHARS,
-    MAX_LORA_PATH_CHARS,
-    AdapterConfigError,
-    read_adapter_config,
-)
+from services.common.lora_adapter_config import AdapterConfigError, read_adapter_config
+from services.common.message_limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.errors import OpenAIError, invalid_request
 
