@@ -68,11 +68,12 @@ class PanelGemm:
         return (weight.dtype in self.dtypes and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
                 and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0))
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] → the packed copy (same size and dtype; gemm.c's layout)."""
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] → the packed copy (same size and dtype; gemm.c's layout), into `out` when given."""
         assert self.supports(weight)
         weight = weight.detach().contiguous()
-        packed = torch.empty_like(weight)
+        packed = torch.empty_like(weight) if out is None else out
+        assert packed.shape == weight.shape and packed.dtype == weight.dtype and packed.is_contiguous()
         self.lib.gemm_pack(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1],
                            int(weight.dtype == torch.bfloat16))
         return packed

@@ -3,8 +3,8 @@
  * but one: at decode sizes their dispatches and the slots' wasted products cost more than the
  * products a token needs. Built at first use by lora/cpu_lora.py (cpu/cbuild.py).
  *
- * Tables (lora/apply.py GroupTable, one layer): A [P * S * R, K] part-major (part, slot, rank
- * rows), B [N, P * S * R] block-diagonal over the P fused parts; part p owns output columns
+ * Tables (lora/apply.py GroupTable, one layer): A [P * S * R (+ zero rows), K] part-major (part,
+ * slot, rank rows), B [N, b_stride] block-diagonal over the P fused parts; part p owns output columns
  * [part_starts[p], part_starts[p + 1]). fp32 or bf16 (is_bf16: y, x, A and B alike); products
  * and sums in fp32, y rounded once. A token with slot -1 (the base model) is not touched. */
 #include "vec.h"
@@ -22,9 +22,8 @@ static inline float dot_any(const void *a, int64_t a_off, const float *restrict 
 }
 
 void lora_bgmv(void *y, int64_t y_stride, const void *x, int64_t x_stride, const void *a, const void *b,
-               const int32_t *slots, int T, int K, int N, int P, int S, int R, const int32_t *part_starts,
-               int is_bf16, int nthreads) {
-    const int64_t width = (int64_t)P * S * R; /* B's row length */
+               int64_t b_stride, const int32_t *slots, int T, int K, int N, int P, int S, int R,
+               const int32_t *part_starts, int is_bf16, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (T > 1)
     for (int t = 0; t < T; t++) {
         const int s = slots[t];
@@ -38,7 +37,7 @@ void lora_bgmv(void *y, int64_t y_stride, const void *x, int64_t x_stride, const
         for (int p = 0; p < P; p++) {
             const int64_t col0 = (int64_t)(p * S + s) * R;
             for (int c = part_starts[p]; c < part_starts[p + 1]; c++) {
-                const float delta = dot_any(b, c * width + col0, u + p * R, R, is_bf16);
+                const float delta = dot_any(b, c * b_stride + col0, u + p * R, R, is_bf16);
                 if (is_bf16) {
                     uint16_t *yc = (uint16_t *)y + t * y_stride + c;
                     *yc = f32_to_bf16(bf16_to_f32(*yc) + delta);

@@ -33,14 +33,15 @@ PACKED_GEMM_MAX_ROWS = 256
 class GroupTable:
     """One fused projection's slot table (services/worker/lora/slots.py fills it)."""
 
-    a: torch.Tensor                 # [layers, parts * slots * max_rank, in]
-    b: torch.Tensor                 # [layers, out, parts * slots * max_rank]
+    a: torch.Tensor                 # [layers, width, in]: parts * slots * max_rank rows, then zero rows
+    b: torch.Tensor                 # [layers, out, width]
     parts: int
     columns: list[tuple[int, int]]  # per part: its output column range in the fused projection
-    # CPU: a and b per layer packed for gemm.c (None where it does not take them), which multiplies
-    # decode-sized batches about twice as fast as torch; refreshed whenever a slot changes.
-    a_packed: list[torch.Tensor] | None = None
-    b_packed: list[torch.Tensor] | None = None
+    # CPU: a and b packed for gemm.c (None where it does not take them), which multiplies
+    # decode-sized batches about twice as fast as torch, and which the packed C step reads (by
+    # address: repacked in place whenever a slot changes).
+    a_packed: torch.Tensor | None = None
+    b_packed: torch.Tensor | None = None
 
     part_starts: torch.Tensor | None = None  # int32 [parts + 1]: each part's first column, then the end
 
@@ -51,14 +52,15 @@ class GroupTable:
 
 @dataclass
 class LoraBatch:
-    """The step's tokens' slots: as a mask over every slot's rank columns ([T, slots x rank], the
-    dense products'), and as int32 slot numbers (-1: base; the CUDA kernels')."""
+    """The step's tokens' slots as int32 slot numbers (-1: base; the kernels' and the packed C
+    step's), and as a mask over every slot's rank columns (the dense products', made when first
+    asked for)."""
 
-    slot_mask: torch.Tensor
     token_slots: torch.Tensor
     max_loras: int
     max_rank: int
-    _by_parts: dict[int, torch.Tensor] = field(default_factory=dict)
+    dtype: torch.dtype
+    _by_shape: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def from_token_slots(cls, token_slots: np.ndarray, max_loras: int, max_rank: int, dtype: torch.dtype,
@@ -67,16 +69,22 @@ class LoraBatch:
         if not (token_slots >= 0).any():
             return None
         slots = torch.from_numpy(token_slots.astype(np.int32)).to(device)
-        if device.type == "cuda":  # the BGMV kernels read the slot numbers alone
-            return cls(slots, slots, max_loras, max_rank)
-        one_hot = (slots.unsqueeze(1) == torch.arange(max_loras, device=device)).to(dtype)  # [T, slots]
-        return cls(one_hot.repeat_interleave(max_rank, dim=1), slots, max_loras, max_rank)
+        return cls(slots, max_loras, max_rank, dtype)
 
-    def mask(self, parts: int) -> torch.Tensor:
-        """The mask for a fused projection of `parts` parts (columns part-major: part, slot, rank)."""
-        if parts not in self._by_parts:
-            self._by_parts[parts] = self.slot_mask.repeat(1, parts)
-        return self._by_parts[parts]
+    @property
+    def slot_mask(self) -> torch.Tensor:
+        """[T, slots x rank]: ones in the token's own slot's rank columns."""
+        one_hot = (self.token_slots.unsqueeze(1) == torch.arange(self.max_loras, device=self.token_slots.device))
+        return one_hot.to(self.dtype).repeat_interleave(self.max_rank, dim=1)
+
+    def mask(self, parts: int, width: int | None = None) -> torch.Tensor:
+        """The mask for a fused projection of `parts` parts (columns part-major: part, slot, rank),
+        zeros in the table's padding columns up to `width`."""
+        width = parts * self.max_loras * self.max_rank if width is None else width
+        if (parts, width) not in self._by_shape:
+            mask = self.slot_mask.repeat(1, parts)
+            self._by_shape[parts, width] = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))
+        return self._by_shape[parts, width]
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, table: GroupTable, layer: int, batch: LoraBatch,
@@ -93,12 +101,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, table: GroupTable, layer: int, ba
     if x.shape[0] <= BGMV_MAX_ROWS and x.dtype in CpuLora.DTYPES and (kernel := CpuLora.load()) is not None:
         return kernel.add(y, x, table.a[layer], table.b[layer], batch.token_slots, table.part_starts,
                           batch.max_loras, batch.max_rank)
+    width = table.a.shape[1]
     if gemm is not None and table.a_packed is not None and x.shape[0] <= PACKED_GEMM_MAX_ROWS:
         shrunk = gemm.matmul(x, table.a_packed[layer], None)
-        shrunk.mul_(batch.mask(table.parts))
+        shrunk.mul_(batch.mask(table.parts, width))
         return y.add_(gemm.matmul(shrunk, table.b_packed[layer], None))
     shrunk = x @ table.a[layer].t()
-    shrunk.mul_(batch.mask(table.parts))
+    shrunk.mul_(batch.mask(table.parts, width))
     if y.is_contiguous():
         return y.addmm_(shrunk, table.b[layer].t())
     return y.add_(shrunk @ table.b[layer].t())

@@ -25,7 +25,7 @@ class CpuLora:
     DTYPES = (torch.float32, torch.bfloat16)  # what lora_bgmv.c reads (fp16 runs the dense products)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        lib.lora_bgmv.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _I, _I]
+        lib.lora_bgmv.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I, _I, _I, _I, _I, _I, _P, _I, _I]
         lib.lora_bgmv.restype = None
         self.lib = lib
 
@@ -50,6 +50,7 @@ class CpuLora:
             raise TypeError(f"lora_bgmv takes fp32 or bf16 tensors of one dtype and int32 slots, got {y.dtype}")
         parts = part_starts.numel() - 1
         self.lib.lora_bgmv(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(),
+                           b.stride(0),
                            token_slots.data_ptr(), x.shape[0], x.shape[1], y.shape[1], parts, num_slots, rank,
                            part_starts.data_ptr(), int(y.dtype == torch.bfloat16), torch.get_num_threads())
         return y

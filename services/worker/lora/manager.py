@@ -44,6 +44,9 @@ class LoraManager:
         for index, layer in enumerate(model.layers):
             layer.self_attn.lora = self.slots.layer(index)
             layer.mlp.lora = self.slots.layer(index)
+        # the packed C step adds the adapters' products itself where it can read the tables
+        if getattr(model, "packed_step", None) is not None:
+            model.packed_step.bind_lora(self.slots)
         self.cache: OrderedDict[int, LoraAdapter] = OrderedDict()
 
     def _adapter(self, request: pb.LoRARequest) -> LoraAdapter:

@@ -6,13 +6,14 @@ it does not adapt.
 Layer groups follow the decoder's fused projections: `qkv` (q|k|v columns of qkv_proj), `o`
 (o_proj), `gate_up` (gate|up) and `down`. Per group and layer: A [parts x slots x rank, in]
 (part-major) and B [out, parts x slots x rank], block-diagonal over the parts (part p's output
-columns read only part p's rank columns)."""
+columns read only part p's rank columns); both padded with zeros to a width that is a multiple of
+the packed GEMM's block, so that every table packs for it."""
 
 from __future__ import annotations
 
 import torch
 
-from services.worker.cpu.gemm import PanelGemm
+from services.worker.cpu.gemm import BLOCK, PanelGemm
 from services.worker.lora.adapter import LoraAdapter, ModuleShape
 from services.worker.lora.apply import GroupTable, LoraBatch, add_lora
 
@@ -28,7 +29,7 @@ class LoraSlots:
         self.dtype, self.device = dtype, device
         self.groups: dict[str, GroupTable] = {}
         for group, modules in GROUPS.items():
-            width = len(modules) * max_loras * max_lora_rank
+            width = -(-len(modules) * max_loras * max_lora_rank // BLOCK) * BLOCK
             columns, start = [], 0
             for module in modules:
                 columns.append((start, start + shapes[module].out_features))
@@ -44,11 +45,15 @@ class LoraSlots:
         self._pack()
 
     def _pack(self) -> None:
+        """(Re)pack every table in place: the packed C step holds their addresses."""
         if self.gemm is None:
             return
         for table in self.groups.values():
-            table.a_packed = [self.gemm.pack(a) for a in table.a]
-            table.b_packed = [self.gemm.pack(b) for b in table.b]
+            if table.a_packed is None:
+                table.a_packed, table.b_packed = torch.empty_like(table.a), torch.empty_like(table.b)
+            for layer in range(self.num_layers):
+                self.gemm.pack(table.a[layer], out=table.a_packed[layer])
+                self.gemm.pack(table.b[layer], out=table.b_packed[layer])
 
     def _rank_columns(self, part: int, slot: int) -> slice:
         first = (part * self.max_loras + slot) * self.max_rank

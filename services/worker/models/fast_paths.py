@@ -114,9 +114,11 @@ def use_triton_ops(model: nn.Module) -> bool:
 def c_step_for(model: nn.Module, meta: AttentionMetadata) -> CpuDecodeStep | PackedStep | None:
     """The C step that runs this batch's whole decoder, or None: the eager layers do. The small
     decode step first: for the few requests it takes it beats the packed one. A step with LoRA
-    adapters runs the eager layers, which add the adapters' products."""
+    adapters runs the packed step where it holds the slot tables (`PackedStep.bind_lora`), else
+    the eager layers, which add the adapters' products."""
     if getattr(meta, "lora", None) is not None:
-        return None
+        step = model.packed_step
+        return step if step is not None and step.runs_lora() and step.applies(meta) else None
     return next((step for step in (model.decode_step, model.packed_step)
                  if step is not None and step.applies(meta)), None)
 

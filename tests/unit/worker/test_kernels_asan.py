@@ -18,7 +18,7 @@ from services.worker.cpu import cbuild
 REPO = Path(__file__).resolve().parents[3]
 KERNEL_TESTS = ["test_cpu_decode_kernel.py", "test_cpu_prefill_kernel.py", "test_cpu_decode_step.py",
                 "test_cpu_gemm.py", "test_cpu_ops.py", "test_quant_kernels.py", "test_cpu_moe_kernel.py",
-                "test_moe_packed_step.py", "test_lora_worker.py"]
+                "test_moe_packed_step.py", "test_lora_worker.py", "test_lora_packed_step.py"]
 # Whole-model runs add minutes under ASan and no kernel path the kernel tests miss: the fused ops'
 # (test_cpu_ops covers every op at every level), and SmolLM2's greedy runs with the C steps on and
 # off, dense and on GGUF blocks (test_c_steps_match_the_eager_forward runs both dense steps at every

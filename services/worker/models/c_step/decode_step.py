@@ -32,6 +32,8 @@ from services.worker.attention.base import AttentionMetadata
 from services.worker.cpu import cbuild
 from services.worker.cpu.gemm import HIGHEST_ISA
 from services.worker.cpu.moe_experts import BLOCK as EXPERT_BLOCK
+from services.worker.lora.slots import GROUPS as LORA_SLOT_GROUPS
+from services.worker.lora.slots import LoraSlots
 from services.worker.models.c_step import quant_step
 from services.worker.models.moe import FusedExperts, SparseMoeBlock
 from services.worker.quant import kernels as quant_kernels
@@ -76,7 +78,7 @@ def load_packed_library(level: str | None = None) -> ctypes.CDLL:
     if level not in _packed_libs:
         lib = cbuild.build(_PACKED_SOURCE, ["-ffp-contract=off"], highest=HIGHEST_ISA, level=level)
         lib.packed_step.restype = _I
-        lib.packed_step.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _I]
+        lib.packed_step.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I]
         lib.packed_step_available.restype = _I
         lib.packed_step_available.argtypes = [_I]
         lib.packed_step_max_tokens.restype = _I
@@ -264,6 +266,17 @@ def router_weight(block: SparseMoeBlock) -> torch.Tensor | None:
     return block.gate.weight.detach() if isinstance(block.gate, torch.nn.Linear) else None
 
 
+# lora_step.h's groups, in its order
+LORA_GROUPS = ("qkv", "o", "gate_up", "down")
+assert set(LORA_GROUPS) == set(LORA_SLOT_GROUPS)
+
+
+class _LoraTables(ctypes.Structure):
+    """lora_step.h's LoraTables."""
+    _fields_ = [("a", _P), ("b", _P), ("width", _I * len(LORA_GROUPS)), ("parts", _I * len(LORA_GROUPS)),
+                ("slots", _I), ("rank", _I)]
+
+
 class PackedStep(_CStep):
     """Runs whole steps (decodes, prefill chunks, or both; `packed_step.c`) on the weights the
     linear layers already hold packed for gemm.c, and the experts packed for their kernel: no
@@ -292,6 +305,26 @@ class PackedStep(_CStep):
             self._model.renormalize, self._model.weights_fp32 = int(moe.renormalize), int(moe.spec.fp32_weights)
         self.lib = lib
         self.max_tokens = int(lib.packed_step_max_tokens())
+        self._lora: _LoraTables | None = None
+
+    def bind_lora(self, slots: LoraSlots) -> bool:
+        """Run steps whose tokens use adapters too, adding the products of `slots`' tables (read by
+        address: they are repacked in place). False where the tables are not packed for gemm.c
+        in the model's dtype: such steps stay with the eager layers."""
+        tables = [slots.groups[group] for group in LORA_GROUPS]
+        if any(t.a_packed is None or t.a_packed.dtype != self.dtype for t in tables):
+            return False
+        self._lora_ptrs = [(_P * (slots.num_layers * len(LORA_GROUPS)))(
+            *[getattr(t, packed)[layer].data_ptr() for layer in range(slots.num_layers) for t in tables])
+            for packed in ("a_packed", "b_packed")]
+        self._lora = _LoraTables(a=ctypes.addressof(self._lora_ptrs[0]), b=ctypes.addressof(self._lora_ptrs[1]),
+                                 width=(_I * len(tables))(*[t.a.shape[1] for t in tables]),
+                                 parts=(_I * len(tables))(*[t.parts for t in tables]),
+                                 slots=slots.max_loras, rank=slots.max_rank)
+        return True
+
+    def runs_lora(self) -> bool:
+        return self._lora is not None
 
     @staticmethod
     def supports(model: torch.nn.Module, lib: ctypes.CDLL) -> bool:
@@ -325,7 +358,12 @@ class PackedStep(_CStep):
 
     def _call(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> int:
         bt = meta.block_table
+        lora = getattr(meta, "lora", None)
+        if lora is not None and self._lora is None:
+            raise RuntimeError("a step with LoRA adapters on a packed step without the slot tables")
         return self.lib.packed_step(ctypes.addressof(self._model), x.shape[0], bt.shape[0], x.data_ptr(),
                                     positions.data_ptr(), meta.slot_mapping.data_ptr(),
                                     meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), bt.data_ptr(),
-                                    bt.stride(0), out.data_ptr(), torch.get_num_threads())
+                                    bt.stride(0), ctypes.addressof(self._lora) if lora is not None else None,
+                                    lora.token_slots.data_ptr() if lora is not None else None, out.data_ptr(),
+                                    torch.get_num_threads())

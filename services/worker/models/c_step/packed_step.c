@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "gemm_tile.h"
+#include "lora_step.h"
 #include "moe_route.h"
 #include "moe_share.h"
 #include "paged_attend.h"
@@ -49,12 +50,13 @@ typedef struct {
  * paged attention; out: [T, hidden], the final norm's output. The layers' projection pointers
  * are gemm_pack's copies (every output size a multiple of NB); head_dim a multiple of 8. A layer
  * with a router runs its experts (one rank holding every expert, no shared expert) where a
- * dense layer runs its MLP.
+ * dense layer runs its MLP. lora (or NULL): the adapters' slot tables, token_slots [T] each
+ * token's slot (-1: the base model; NULL: no token of the step uses an adapter).
  * Returns 0, -1 when T or B is out of range, -2 when memory could not be allocated, -3 when
  * this build has no step for the dtype. */
 int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t *positions, const int64_t *slots,
                 const int32_t *query_start, const int32_t *seq_lens, const int32_t *block_table, int64_t bt_stride,
-                void *out, int nthreads) {
+                const LoraTables *lora, const int32_t *token_slots, void *out, int nthreads) {
     if (T < 1 || T > MAX_TOKENS || B < 1 || B > T) return -1;
     if (!packed_step_available(md->bf16)) return -3;
 #ifdef __AVX512F__
@@ -104,8 +106,16 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
                                          moe_scratch_bytes(T, K, E, H, md->moe_ip, md->moe_hp, bf16, nthreads)
                                    : 0;
     char *moe_mem = E > 0 ? aligned_alloc(64, moe_align64(moe_bytes)) : NULL;
-    if (buf.mem == NULL || (E > 0 && moe_mem == NULL)) {
-        free(buf.mem), free(moe_mem), free(units);
+    /* the adapters' scratch: every slot's rank columns, and a projection's products, per token */
+    if (token_slots == NULL) lora = NULL;
+    int lora_width = 0, widest_out = QKV > 2 * I ? QKV : 2 * I;
+    widest_out = widest_out > H ? widest_out : H;
+    for (int g = 0; lora != NULL && g < LORA_GROUPS; g++)
+        lora_width = lora->width[g] > lora_width ? lora->width[g] : lora_width;
+    char *lora_mem = lora != NULL ? malloc((size_t)T * (lora_width + widest_out) * es) : NULL;
+    void *const shrunk = lora_mem, *const lo = lora_mem ? lora_mem + (size_t)T * lora_width * es : NULL;
+    if (buf.mem == NULL || (E > 0 && moe_mem == NULL) || (lora != NULL && lora_mem == NULL)) {
+        free(buf.mem), free(moe_mem), free(units), free(lora_mem);
         return -2;
     }
     int64_t *expert_ids = (int64_t *)moe_mem;
@@ -143,6 +153,7 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
                     add_rms_norm_row(ht, rt, w[W_IN_NORM], H, md->eps, bf16);
             }
             gemm_share(h, w[W_QKV], w[B_QKV], qkv, T, H, QKV, bf16, tid, nth);
+            if (lora) lora_share(lora, LORA_QKV, layer, token_slots, h, H, qkv, QKV, T, shrunk, lo, bf16, tid, nth);
 #pragma omp barrier
             /* each token: its heads' norms (Qwen3), RoPE on its q and k heads, its K/V into the
              * cache; every token's before any attention (a prefill tile reads its chunk's keys) */
@@ -180,6 +191,7 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
                 }
             }
             gemm_share(att, w[W_O], w[B_O], h, T, NH * D, H, bf16, tid, nth);
+            if (lora) lora_share(lora, LORA_O, layer, token_slots, att, NH * D, h, H, T, shrunk, lo, bf16, tid, nth);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++)
@@ -199,6 +211,7 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
                 continue;
             }
             gemm_share(h, w[W_GATE_UP], w[B_GATE_UP], gu, T, H, 2 * I, bf16, tid, nth);
+            if (lora) lora_share(lora, LORA_GATE_UP, layer, token_slots, h, H, gu, 2 * I, T, shrunk, lo, bf16, tid, nth);
 #pragma omp barrier
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -206,6 +219,7 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
                 silu_mul_row(g, g + (size_t)I * es, (char *)act + (size_t)t * I * es, I, bf16);
             }
             gemm_share(act, w[W_DOWN], w[B_DOWN], h, T, I, H, bf16, tid, nth);
+            if (lora) lora_share(lora, LORA_DOWN, layer, token_slots, act, I, h, H, T, shrunk, lo, bf16, tid, nth);
 #pragma omp barrier
         }
 #pragma omp for schedule(static)
@@ -217,10 +231,11 @@ int packed_step(const StepModel *md, int T, int B, const void *x, const int64_t 
     free(buf.mem);
     free(moe_mem);
     free(units);
+    free(lora_mem);
     return 0;
 #else
     (void)x, (void)positions, (void)slots, (void)query_start, (void)seq_lens, (void)block_table, (void)bt_stride;
-    (void)out, (void)nthreads;
+    (void)lora, (void)token_slots, (void)out, (void)nthreads;
     return -3;
 #endif
 }
