@@ -10,8 +10,8 @@ from services.common.proto import myvllm_pb2 as pb
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """lora_name: the adapter's name (it keys the prefix cache); lora_int_id: its id, >= 1, one per
-    adapter; lora_path: its PEFT directory."""
+    """lora_name: the adapter's name; lora_int_id: its id, >= 1, one per adapter (the two key the
+    prefix cache); lora_path: its PEFT directory."""
 
     lora_name: str
     lora_int_id: int

@@ -7,7 +7,7 @@ services/common/block_hash.py, shared with the gateway.
 
 from __future__ import annotations
 
-from services.common.block_hash import NONE_HASH, extend_hashes, hash_block_tokens
+from services.common.block_hash import NONE_HASH, adapter_key, extend_hashes, hash_block_tokens
 from services.engine.block_pool import BlockPool, KVBlock
 from services.engine.request import Request
 
@@ -17,8 +17,9 @@ __all__ = ["NONE_HASH", "KVCacheManager", "extend_block_hashes", "hash_block_tok
 def extend_block_hashes(request: Request, block_size: int) -> None:
     """Hash every full block of `request` not hashed yet (services/common/block_hash.py: the
     gateway computes the same hashes to route by cached prefix)."""
+    lora = request.lora_request
     extend_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt,
-                  request.lora_request.lora_name if request.lora_request is not None else None)
+                  adapter_key(lora.lora_name, lora.lora_int_id) if lora is not None else None)
 
 
 class KVCacheManager:

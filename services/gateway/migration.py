@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from services.client.grpc_client import AsyncClient, RequestRejected, SchedulerUnavailable
+from services.common.block_hash import adapter_key
 from services.common.grpc_utils import cancelled_from_outside
 from services.common.proto import myvllm_pb2 as pb
 from services.gateway.router import Replica, ReplicaRouter
@@ -79,8 +80,9 @@ class ResumableRequest:
 
     def route_prompt(self) -> RoutePrompt:
         """What cache-aware routing hashes: the prompt, keyed by its salt and adapter."""
+        lora = self.lora_request
         return RoutePrompt(self.prompt_token_ids, self.cache_salt,
-                           self.lora_request.lora_name if self.lora_request is not None else "")
+                           adapter_key(lora.lora_name, lora.lora_int_id) if lora is not None else "")
     _aborted: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property

@@ -74,12 +74,11 @@ class RoutingConfig:
 @dataclass
 class RoutePrompt:
     """What cache-aware routing needs of a request: its prompt token ids, cache salt and LoRA
-    adapter (its blocks are keyed by the adapter's name); block hashes are computed once per block
-    size."""
+    adapter's key (`block_hash.adapter_key`); block hashes are computed once per block size."""
 
     token_ids: Sequence[int]
     cache_salt: str = ""
-    lora_name: str = ""
+    lora_key: str = ""
     _hashes: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
 
     def hashes(self, block_size: int) -> list[bytes]:
@@ -88,7 +87,7 @@ class RoutePrompt:
         if block_size not in self._hashes:
             usable = (len(self.token_ids) - 1) // block_size * block_size
             self._hashes[block_size] = block_hashes(self.token_ids[:max(usable, 0)], block_size, self.cache_salt,
-                                                    self.lora_name)
+                                                    self.lora_key)
         return self._hashes[block_size]
 
 

@@ -471,6 +471,8 @@ class ModelRunner:
         constrained rows' bitmask needs the previous step's tokens) stops before sampling and
         returns None; the next message, `grammar_bitmask_only` with the same step id, brings
         the bitmask and gets the step's output."""
+        if self.lora is not None:
+            so = self.lora.skip_left_out(so)
         validate_step(so, self.input_batch, self.num_kv_blocks, self.vocab_size,  # before anything is applied
                       self.pooling_limits, self.lora.config.max_loras if self.lora is not None else 0)
         if so.grammar_bitmask_only:

@@ -48,6 +48,18 @@ class LoraManager:
         if getattr(model, "packed_step", None) is not None:
             model.packed_step.bind_lora(self.slots)
         self.cache: OrderedDict[int, LoraAdapter] = OrderedDict()
+        # Requests left out of a step because their adapter failed to load, with that step's id.
+        # With async scheduling the next step was scheduled before the failure was reported and
+        # continues them as cached requests this worker never held: they are skipped there.
+        self.left_out: dict[str, int] = {}
+
+    def skip_left_out(self, so: pb.SchedulerOutput) -> pb.SchedulerOutput:
+        """`so` without the requests left out of an earlier step (forgotten two steps later: by
+        then the scheduler has ended them and schedules them no more)."""
+        self.left_out = {rid: step for rid, step in self.left_out.items() if so.step_id - step <= 2}
+        if not self.left_out or not any(r.request_id in self.left_out for r in so.cached_requests):
+            return so
+        return without_requests(so, set(self.left_out))
 
     def _adapter(self, request: pb.LoRARequest) -> LoraAdapter:
         adapter = self.cache.get(request.lora_int_id)
@@ -97,14 +109,25 @@ def load_step_adapters(manager: LoraManager, so: pb.SchedulerOutput, batch: Inpu
             failed[r.request_id] = str(e)[:MAX_ERROR_CHARS]
     if not failed:
         return so, []
+    manager.left_out.update((rid, so.step_id) for rid in failed)
+    return without_requests(so, set(failed)), [pb.LoRALoadFailure(request_id=rid, error=error)
+                                               for rid, error in failed.items()]
+
+
+def without_requests(so: pb.SchedulerOutput, request_ids: set[str]) -> pb.SchedulerOutput:
+    """A copy of `so` without these requests' new or cached entries and scheduled tokens (their
+    grammar bitmask rows, keyed by request id, then match no row of the batch). A malformed `so`
+    (tokens not parallel to the entries) is returned as it is, for validate_step to refuse."""
+    entries = [(True, r) for r in so.new_requests] + [(False, r) for r in so.cached_requests]
+    if len(entries) != len(so.num_scheduled_tokens):
+        return so
     kept = pb.SchedulerOutput()
     kept.CopyFrom(so)
     del kept.new_requests[:]
+    del kept.cached_requests[:]
     del kept.num_scheduled_tokens[:]
-    num_new = len(so.new_requests)
-    for i, r in enumerate(so.new_requests):
-        if r.request_id not in failed:
-            kept.new_requests.append(r)
-            kept.num_scheduled_tokens.append(so.num_scheduled_tokens[i])
-    kept.num_scheduled_tokens.extend(so.num_scheduled_tokens[num_new:])
-    return kept, [pb.LoRALoadFailure(request_id=rid, error=error) for rid, error in failed.items()]
+    for (new, r), tokens in zip(entries, so.num_scheduled_tokens, strict=True):
+        if r.request_id not in request_ids:
+            (kept.new_requests if new else kept.cached_requests).append(r)
+            kept.num_scheduled_tokens.append(tokens)
+    return kept

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.block_hash import block_hashes
+from services.common.block_hash import adapter_key, block_hashes
 from services.common.lora_adapter_config import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -54,9 +54,9 @@ def test_missing_files_and_broken_json_are_refused(tmp_path: Path) -> None:
 
 def test_the_adapter_keys_the_block_hashes_apart_from_base_salt_and_other_adapters() -> None:
     tokens = list(range(64))
-    base, a, b = block_hashes(tokens, 16), block_hashes(tokens, 16, lora_name="a"), block_hashes(tokens, 16,
-                                                                                                 lora_name="b")
-    assert len({base[0], a[0], b[0]}) == 3 and len({base[-1], a[-1], b[-1]}) == 3
+    base, a, b = (block_hashes(tokens, 16, lora_key=key) for key in (None, adapter_key("a", 1), adapter_key("b", 2)))
+    a_again = block_hashes(tokens, 16, lora_key=adapter_key("a", 3))  # the name, other weights
+    assert len({base[0], a[0], b[0], a_again[0]}) == 4 and len({base[-1], a[-1], b[-1], a_again[-1]}) == 4
     for salt in ("\x00lora:a", "\u00fea", "\xfea"):  # no salt can pose as an adapter
         assert block_hashes(tokens, 16, cache_salt=salt) != a
-    assert block_hashes(tokens, 16, "s", "a") == block_hashes(tokens, 16, "s", "a")
+    assert block_hashes(tokens, 16, "s", adapter_key("a", 1)) == block_hashes(tokens, 16, "s", adapter_key("a", 1))

@@ -9,7 +9,7 @@ import itertools
 import pytest
 from support.schedulers import scheduler_for
 
-from services.common.block_hash import block_hashes
+from services.common.block_hash import adapter_key, block_hashes
 from services.common.config import LoRAConfig, VllmConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.engine_core import EngineCore
@@ -136,7 +136,7 @@ def test_the_request_carries_its_adapter_to_the_worker() -> None:
 # --------------------------------------------------------------------------- prefix cache
 
 
-def test_block_hashes_are_keyed_by_the_adapter_name_as_the_gateway_keys_them() -> None:
+def test_block_hashes_are_keyed_by_the_adapter_as_the_gateway_keys_them() -> None:
     sched = make_scheduler()
     requests = {name: make_request(name, lora, prompt_len=12, first_token=500)
                 for name, lora in (("base", None), ("x", X), ("y", Y))}
@@ -146,7 +146,7 @@ def test_block_hashes_are_keyed_by_the_adapter_name_as_the_gateway_keys_them() -
     assert len({h[0] for h in hashes.values()}) == 3  # the first block differs, so every later one does
     assert len({h[2] for h in hashes.values()}) == 3
     tokens = list(range(500, 512))
-    assert hashes["x"] == block_hashes(tokens, BS, None, "x")
+    assert hashes["x"] == block_hashes(tokens, BS, None, adapter_key("x", 1))
     assert hashes["base"] == block_hashes(tokens, BS)
 
 
@@ -159,6 +159,10 @@ def test_one_adapters_kv_serves_only_requests_of_that_adapter() -> None:
     so, _ = step(sched)
     cached = {d.request_id: d.num_computed_tokens for d in so.new_requests}
     assert cached == {"x2": 12, "y": 0, "base": 0}
+    # the name loaded again for other weights (another path: another id) shares nothing either
+    sched.add_request(make_request("x-new", adapter("x", 7), prompt_len=13, max_tokens=1, first_token=500))
+    so, _ = step(sched)
+    assert [(d.request_id, d.num_computed_tokens) for d in so.new_requests] == [("x-new", 0)]
 
 
 def test_kv_events_carry_the_adapter_keyed_hashes() -> None:
@@ -178,7 +182,7 @@ def test_kv_events_carry_the_adapter_keyed_hashes() -> None:
     sched.kv_cache_manager.block_pool.events = Sink()
     sched.add_request(make_request("x", X, prompt_len=8, max_tokens=1, first_token=500))
     step(sched)
-    assert stored == block_hashes(list(range(500, 508)), BS, None, "x")
+    assert stored == block_hashes(list(range(500, 508)), BS, None, adapter_key("x", 1))
 
 
 # --------------------------------------------------------------------------- slots
@@ -271,7 +275,7 @@ def test_an_adapter_the_worker_could_not_load_fails_its_requests_only() -> None:
     assert "bad" not in sched.requests
     assert sched.lora.users == [0, 1]
     # Its blocks are free and their hashes gone: its KV was never computed.
-    for block_hash in block_hashes(list(range(500, 509)), BS, None, "x"):
+    for block_hash in block_hashes(list(range(500, 509)), BS, None, adapter_key("x", 1)):
         assert sched.kv_cache_manager.block_pool.get_cached_block(block_hash) is None
     # The worker left it out of the step (it never held it): nothing to drop; the rest keeps going.
     so, outs = step(sched)
@@ -281,6 +285,27 @@ def test_an_adapter_the_worker_could_not_load_fails_its_requests_only() -> None:
             break
         step(sched)
     assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.block_pool.num_blocks - 1
+
+
+def test_a_failure_reported_after_the_next_step_was_scheduled_uncaches_both_steps_blocks() -> None:
+    # Async scheduling: the next step (the prompt's second chunk) is scheduled before the worker
+    # reports that the adapter failed; neither chunk's blocks hold KV.
+    sched = scheduler_for(num_blocks=64, block_size=BS, max_num_batched_tokens=8, max_model_len=256,
+                          async_scheduling=True, lora_config=LoRAConfig(enable_lora=True, max_loras=2))
+    sched.add_request(make_request("bad", X, prompt_len=16, first_token=700))
+    first = sched.schedule()
+    second = sched.schedule()
+    assert scheduled_ids(second) == {"bad"}
+    pool = sched.kv_cache_manager.block_pool
+    hashes = block_hashes(list(range(700, 716)), BS, None, adapter_key("x", 1))
+    assert all(pool.get_cached_block(h) is not None for h in hashes)
+    runner = pb.ModelRunnerOutput(step_id=first.step_id)
+    runner.lora_load_failures.add(request_id="bad", error="no such adapter")
+    outs = sched.update_from_output(first, runner)
+    assert [o.request_id for o in outs] == ["bad"] and outs[0].error_kind == pb.INVALID_REQUEST
+    assert all(pool.get_cached_block(h) is None for h in hashes)
+    assert sched.update_from_output(second, pb.ModelRunnerOutput(step_id=second.step_id)) == []
+    assert pool.num_free_blocks == pool.num_blocks - 1 and sched.lora.users == [0, 0]
 
 
 def test_a_failure_for_a_request_aborted_meanwhile_is_ignored() -> None:

@@ -16,7 +16,9 @@ import openai
 import pytest
 from support.fake_scheduler import FakeScheduler, FakeSchedulerServer
 
+from services.common.block_hash import adapter_key, block_hashes
 from services.common.lora_adapter_config import CONFIG_FILE, WEIGHTS_FILE
+from services.common.proto import myvllm_pb2 as pb
 from services.gateway.lora_registry import (
     RUNTIME_UPDATES_ENV,
     LoraModule,
@@ -24,6 +26,7 @@ from services.gateway.lora_registry import (
     lora_int_id,
     parse_lora_module,
 )
+from services.gateway.migration import ResumableRequest
 from services.gateway.options import GatewayOptions
 from services.gateway.routing import RoutePrompt
 from services.gateway.server import BackgroundGateway
@@ -153,5 +156,10 @@ def test_module_forms_and_start_up_refusals(adapters) -> None:
 
 
 def test_prefix_routing_hashes_an_adapters_prompt_apart() -> None:
+    """A request's routing hashes are keyed by its adapter's name and id as the scheduler keys its
+    blocks (tests/unit/engine/test_lora_scheduling.py checks that side against block_hashes)."""
     tokens = list(range(100))
-    assert RoutePrompt(tokens).hashes(16) != RoutePrompt(tokens, lora_name="ada").hashes(16)
+    lora = pb.LoRARequest(lora_name="ada", lora_int_id=7, lora_path="/a")
+    routed = ResumableRequest("r", tokens, pb.SamplingParams(), cache_salt="s", lora_request=lora).route_prompt()
+    assert routed.hashes(16) == block_hashes(tokens[:96], 16, "s", adapter_key("ada", 7))
+    assert routed.hashes(16) != RoutePrompt(tokens, "s").hashes(16)

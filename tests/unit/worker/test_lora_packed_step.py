@@ -101,3 +101,38 @@ def test_the_packed_step_adds_the_adapters_as_the_eager_layers(tiny_model_dir, a
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale)
         else:  # other orders of sums flip a few bf16 roundings
             torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.03 * scale)
+
+
+def test_a_request_left_out_for_its_adapter_is_skipped_in_the_step_already_scheduled(tiny_model_dir,
+                                                                                    tmp_path) -> None:
+    """Async scheduling: the step after the one whose adapter failed was scheduled before the
+    failure was reported and continues the request as one the worker holds. The worker skips it
+    there (the other requests run) instead of refusing the whole step."""
+    from services.common.proto import myvllm_pb2 as pb
+
+    runner = runner_for(tiny_model_dir("llama"), dtype="float32", seed=0, enable_lora=True, max_loras=2,
+                        max_lora_rank=8)
+    runner.init_kv_cache(NUM_BLOCKS, BLOCK)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"], "lora_alpha": 8}')
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    sp = pb.SamplingParams(temperature=0.0, max_tokens=8)
+    lora = pb.LoRARequest(lora_name="broken", lora_int_id=5, lora_path=str(broken))
+    first = pb.SchedulerOutput(step_id=1, new_requests=[
+        pb.NewRequestData(request_id="good", prompt_token_ids=[5, 6, 7, 8], sampling=sp, block_ids=[1]),
+        pb.NewRequestData(request_id="bad", prompt_token_ids=[5, 6, 7, 8], sampling=sp, block_ids=[2],
+                          lora_request=lora, lora_slot=0)], num_scheduled_tokens=[4, 4])
+    out = runner.execute(first)
+    assert [f.request_id for f in out.lora_load_failures] == ["bad"]
+    assert list(out.request_ids) == ["good"]
+    second = pb.SchedulerOutput(step_id=2, cached_requests=[
+        pb.CachedRequestData(request_id="good", num_computed_tokens=4),
+        pb.CachedRequestData(request_id="bad", num_computed_tokens=4)], num_scheduled_tokens=[1, 1])
+    out = runner.execute(second)
+    assert list(out.request_ids) == ["good"] and not out.lora_load_failures
+    # a request id the worker never left out is still refused as unknown
+    third = pb.SchedulerOutput(step_id=3, cached_requests=[
+        pb.CachedRequestData(request_id="other", num_computed_tokens=4)], num_scheduled_tokens=[1])
+    with pytest.raises(Exception, match="cached_requests"):
+        runner.execute(third)
