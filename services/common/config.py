@@ -164,6 +164,8 @@ MAX_NUM_SEQS_LIMIT = 16384
 MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
 # vLLM's largest supported LoRA rank (its max_lora_rank choices end at 512).
 MAX_LORA_RANK_LIMIT = 512
+# The KV tier's backends (vLLM's --kv-offloading-backend; its "lmcache" is a separate package).
+KV_OFFLOADING_BACKENDS = ("native",)
 
 
 class JoinSizes(argparse.Action):
@@ -257,7 +259,8 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    """How the KV cache is laid out and sized (the scheduler's)."""
+    """How the KV cache is laid out and sized (the scheduler's; the worker reads the KV tier's
+    fields)."""
 
     block_size: int = field(default=16, metadata=flag(help="tokens per KV cache block"))
     enable_prefix_caching: bool = field(default=True, metadata=flag(
@@ -276,6 +279,21 @@ class CacheConfig:
         help="CUDA: the fraction of the GPU's memory (0-1] for this engine, weights and KV cache together; the KV "
              "cache gets what the weights leave of it (default: 0.8 of the memory free once the model is loaded; "
              "--kv-cache-memory, if given, wins; on CPU it does not apply, see --kv-cache-memory)"))
+    # A second KV tier (vLLM's KV offloading): blocks evicted from the pool are kept there, keyed
+    # by the prefix cache's chained hash, and loaded back on a prefix hit instead of recomputed.
+    # "native": files in a directory on local disk (kv_offloading_dir), which outlive the worker.
+    kv_offloading_size: float | None = field(default=None, metadata=flag(
+        example=0.5,
+        help="GiB of KV blocks evicted from the cache to keep in a second tier and load back on a prefix hit "
+             "(default: no tier); with --kv-offloading-backend native, files under --kv-offloading-dir that "
+             "outlive a worker restart"))
+    kv_offloading_backend: str | None = field(default=None, metadata=flag(
+        choices=KV_OFFLOADING_BACKENDS,
+        help="the KV tier's backend (default: native when --kv-offloading-size is given)"))
+    kv_offloading_dir: str | None = field(default=None, metadata=flag(
+        example="/tmp/kv-tier",
+        help="the native KV tier's directory, one per engine (default: ~/.cache/myvllm/kv-tier/<model "
+             "digest>-dp<rank>)"))
 
 
 @dataclass
@@ -447,6 +465,7 @@ class VllmConfig:
                              f"{c.gpu_memory_utilization}")
         if c.block_size < 1:
             raise ValueError(f"block_size must be positive, got {c.block_size}")
+        self._check_kv_offloading()
         if not 1 <= s.max_num_seqs <= MAX_NUM_SEQS_LIMIT:
             raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS_LIMIT}], got {s.max_num_seqs}")
         if not 1 <= s.max_num_batched_tokens <= MAX_NUM_BATCHED_TOKENS_LIMIT:
@@ -467,6 +486,37 @@ class VllmConfig:
         if self.expert_parallel_group:
             self._check_expert_parallel_group()
         self._check_lora()
+
+    @property
+    def kv_offloading(self) -> bool:
+        """Whether the engine keeps a second KV tier (--kv-offloading-size)."""
+        return self.cache_config.kv_offloading_size is not None
+
+    def _check_kv_offloading(self) -> None:
+        c = self.cache_config
+        if c.kv_offloading_size is None:
+            if c.kv_offloading_backend is not None or c.kv_offloading_dir is not None:
+                raise ValueError("--kv-offloading-backend and --kv-offloading-dir need --kv-offloading-size")
+            return
+        if not c.kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size (--kv-offloading-size) must be positive GiB, got "
+                             f"{c.kv_offloading_size}")
+        if c.kv_offloading_backend is None:
+            c.kv_offloading_backend = "native"
+        if c.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend (--kv-offloading-backend) must be one of "
+                             f"{KV_OFFLOADING_BACKENDS}, got {c.kv_offloading_backend!r} (LMCache is not bundled)")
+        refused = [(self.model_config.runner == "pooling", "runner 'pooling'"),
+                   (not c.enable_prefix_caching, "--no-enable-prefix-caching (the tier is keyed by the prefix "
+                    "cache's hashes)"),
+                   (self.kv_transfer_config is not None, "--kv-transfer-config (one KV connector per engine)"),
+                   (self.parallel_config.tensor_parallel_size > 1 or self.parallel_config.pipeline_parallel_size > 1,
+                    "tensor or pipeline parallelism (a tier holds one rank's whole KV)"),
+                   (self.speculative_config is not None and self.speculative_config.method == "draft_model",
+                    "speculative_config method draft_model (the draft's own KV is not kept)")]
+        for hit, what in refused:
+            if hit:
+                raise ValueError(f"kv_offloading_size (--kv-offloading-size) does not combine with {what} yet")
 
     def _check_lora(self) -> None:
         lora = self.lora_config

@@ -7,12 +7,14 @@ a hash go to the head (reused first) and hashed blocks go to the tail (kept long
 list is an LRU of cached blocks). A block handed out again loses its hash.
 
 Every change to the hash map (a hash cached, one dropped, all cleared) is told to `events`
-when set: the scheduler publishes them as KV events so gateways can route by cached prefix.
+when set: the scheduler publishes them as KV events so gateways can route by cached prefix. A
+cached block evicted to be reused is told to `on_evict` when set, before it loses its hash: the
+KV tier (services/engine/kv_tier.py) keeps its KV.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 
@@ -108,6 +110,7 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self.events: KvEventSink | None = None
+        self.on_evict: Callable[[int, bytes], None] | None = None  # (block id, its hash)
 
     @property
     def num_free_blocks(self) -> int:
@@ -133,7 +136,11 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVBlock) -> None:
-        """A block handed out again loses its hash (and its cache entry)."""
+        """A block handed out again loses its hash (and its cache entry), offered first to
+        `on_evict` when it is the block cached under that hash."""
+        if self.on_evict is not None and block.block_hash is not None \
+                and self.cached_blocks.get(block.block_hash) is block:
+            self.on_evict(block.block_id, block.block_hash)
         self.uncache(block)
 
     def uncache(self, block: KVBlock) -> None:

@@ -1,6 +1,7 @@
-"""The scheduler's part of prefill/decode disaggregation: requests whose prompt KV a remote load
-fills, ended requests whose blocks a transfer still uses, and producers' final outputs held until
-their save is reported. Inert without a KV connector (no kv_transfer_config)."""
+"""The scheduler's part of prefill/decode disaggregation and of the KV tier: requests whose prompt
+KV a load fills (from a producer, or from the tier), ended requests whose blocks a transfer still
+uses, and producers' final outputs held until their save is reported. Inert without a KV
+connector (no kv_transfer_config, no --kv-offloading-size)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from services.common.message_limits import STEP_BUDGET_BYTES
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_connector import KVConnectorScheduler
+from services.engine.kv_tier import KVTierScheduler
 from services.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -20,13 +22,19 @@ logger = logging.getLogger(__name__)
 
 class KVTransferHooks:
     def __init__(self, config: KVTransferConfig | None, kv_cache_manager: KVCacheManager,
-                 requeue: Callable[[Request], None], producer_address: str | None = None) -> None:
-        """`requeue`: puts a request back at the head of the waiting queue (the policy's place)."""
+                 requeue: Callable[[Request], None], producer_address: str | None = None,
+                 offloading: bool = False) -> None:
+        """`requeue`: puts a request back at the head of the waiting queue (the policy's place);
+        `offloading`: the engine keeps a KV tier (its connector, in place of a P/D one)."""
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.requeue = requeue
-        self.connector = KVConnectorScheduler(config, self.block_size, producer_address) \
-            if config is not None else None
+        self.connector: KVConnectorScheduler | KVTierScheduler | None = None
+        if config is not None:
+            self.connector = KVConnectorScheduler(config, self.block_size, producer_address)
+        elif offloading:
+            self.connector = KVTierScheduler(self.block_size)
+            kv_cache_manager.block_pool.on_evict = self.connector.offer
         # Requests whose blocks a remote load fills (they hold blocks, not a batch slot), and ended
         # requests whose blocks wait for a transfer to end (a producer's save, an aborted
         # consumer's load) before they are freed.

@@ -68,7 +68,7 @@ class Scheduler:
         self.grammar = GrammarHooks(structured_output, self.abort_requests, self._finish)
         self.spec = SpecDecodeHooks(config.speculative_config, max_model_len, self.async_scheduling)
         self.kv = KVTransferHooks(config.kv_transfer_config, self.kv_cache_manager, self._requeue,
-                                  kv_producer_address)
+                                  kv_producer_address, config.kv_offloading)
         self.lora = LoraSlots(config.lora_config.max_loras if config.lora_config.enable_lora else 0)
         self.sizer = StepSizer(self.block_size, self.spec.num_lookahead_slots, self.grammar.row_bytes,
                                self.pipeline_parallel,

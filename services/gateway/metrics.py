@@ -272,12 +272,29 @@ class GatewayMetrics:
                    stats.prefix_cache_queries, vllm=True)
         scrape.add("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits,
                    vllm=True)
-        # Where cached prompt tokens came from: this engine's blocks (device) or a prefill replica's,
-        # loaded by the KV connector (p2p); there are no host, disk or other tiers.
-        cached = {"device": stats.prefix_cache_hits, "p2p": stats.kv_transfer_loaded_tokens}
+        # Where cached prompt tokens came from: this engine's blocks (device), a prefill replica's,
+        # loaded by the KV connector (p2p), or the KV tier's files (disk).
+        cached = {"device": stats.prefix_cache_hits, "p2p": stats.kv_transfer_loaded_tokens,
+                  "disk": stats.kv_tier_hits}
         scrape.add_labelled("counter", "prompt_tokens_cached_by_source", "Prompt tokens not computed, by where "
-                            "their KV came from: device (the prefix cache), p2p (loaded from a prefill replica).",
+                            "their KV came from: device (the prefix cache), p2p (loaded from a prefill replica), "
+                            "disk (loaded from the KV tier).",
                             "source", ((source, cached.get(source, 0)) for source in CACHE_HIT_SOURCES), vllm=True)
+        # The KV tier (--kv-offloading-size): vLLM's names for a connector's lookups, and ours for the rest.
+        scrape.add("counter", "external_prefix_cache_queries", "Prompt tokens past the prefix cache's hits looked "
+                   "up in the KV tier.", stats.kv_tier_queries, vllm=True)
+        scrape.add("counter", "external_prefix_cache_hits", "Of those, tokens whose KV was loaded from the KV tier.",
+                   stats.kv_tier_hits, vllm=True)
+        scrape.add_labelled("counter", "kv_tier_loads", "KV tier loads: done (ok) and refused (failed: a file "
+                            "missing, corrupt or foreign; the request computed its prompt).", "outcome",
+                            (("ok", stats.kv_tier_loads), ("failed", stats.kv_tier_load_failures)))
+        scrape.add("gauge", "kv_tier_blocks", "KV blocks the tier holds.", stats.kv_tier_blocks)
+        scrape.add_labelled("counter", "kv_tier_offered_blocks", "Blocks evicted from the KV cache and offered to "
+                            "the tier: stored, or dropped (its write queue was full).", "outcome",
+                            (("stored", stats.kv_tier_stored_blocks), ("dropped", stats.kv_tier_offers_dropped)))
+        scrape.add("counter", "kv_tier_loaded_bytes", "KV bytes loaded from the tier.", stats.kv_tier_loaded_bytes)
+        scrape.add("counter", "kv_tier_load_seconds", "Time the workers' load threads spent reading the tier.",
+                   stats.kv_tier_load_seconds)
         scrape.add("counter", "num_preemptions", "Requests preempted by the scheduler.", stats.num_preemptions,
                    vllm=True)
         if stats.max_lora:

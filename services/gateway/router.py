@@ -57,7 +57,9 @@ PRODUCER_ROLES = ("kv_producer", "kv_both")
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
 KV_TRANSFER_STATS = ("kv_transfer_saves", "kv_transfer_loads", "kv_transfer_load_failures",
                      "kv_transfer_loaded_tokens", "kv_transfer_saved_bytes", "kv_transfer_loaded_bytes",
-                     "kv_transfer_save_seconds", "kv_transfer_load_seconds")
+                     "kv_transfer_save_seconds", "kv_transfer_load_seconds", "kv_tier_queries", "kv_tier_hits",
+                     "kv_tier_loads", "kv_tier_load_failures", "kv_tier_blocks", "kv_tier_offered_blocks",
+                     "kv_tier_stored_blocks", "kv_tier_offers_dropped", "kv_tier_loaded_bytes", "kv_tier_load_seconds")
 
 
 @dataclass

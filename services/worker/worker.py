@@ -16,6 +16,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.worker.cpu.malloc_tuning import release_freed_memory
 from services.worker.kv_connector import KVConnectorWorker, make_connector, model_id
 from services.worker.kv_segment import KVLayout
+from services.worker.kv_tier import FileTier, default_tier_dir, tier_capacity_bytes
 from services.worker.model_runner import ModelRunner
 from services.worker.step_validation import InvalidStep
 
@@ -49,9 +50,11 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.info: pb.ModelInfo | None = None
         self._loaded_key: bytes | None = None
-        # P/D disaggregation: the KV connector's settings, and its transport once the cache exists.
+        # P/D disaggregation: the KV connector's settings, and its transport once the cache exists;
+        # or the KV tier (--kv-offloading-size), which takes the connector's place.
         self.kv_transfer_config: KVTransferConfig | None = None
-        self.kv_connector: KVConnectorWorker | None = None
+        self.kv_connector: KVConnectorWorker | FileTier | None = None
+        self.data_parallel_rank = 0
 
     def load_model(self, req: pb.LoadModelRequest) -> pb.ModelInfo:
         """Load the weights, unless the same weights are already loaded (then only the batch
@@ -60,6 +63,7 @@ class Worker:
         max_num_seqs = c.scheduler_config.max_num_seqs
         self.kv_transfer_config = KVTransferConfig.from_proto(c.kv_transfer_config) \
             if c.HasField("kv_transfer_config") else None
+        self.data_parallel_rank = req.data_parallel_rank
         if self.runner is not None and self._loaded_key == weights_key(req):
             if self.runner.max_num_seqs != max_num_seqs:
                 self.runner.set_max_num_seqs(max_num_seqs)
@@ -103,14 +107,20 @@ class Worker:
         runner = self._loaded()
         self._close_kv_connector()  # (its transfers would write into the old cache)
         runner.init_kv_cache(req.num_blocks, req.block_size)
-        if self.kv_transfer_config is not None:
+        cache = self.info.config.cache_config
+        if self.kv_transfer_config is not None or cache.kv_offloading_size > 0:
             layers = runner.model.attention_layers()
             kv_dtype = layers[0].kv_cache.dtype
             layout = KVLayout(model_id=model_id(runner.model_dir, kv_dtype), dtype=kv_dtype, num_layers=len(layers),
                               block_size=req.block_size, num_kv_heads=layers[0].num_kv_heads,
                               head_dim=layers[0].head_dim)
-            self.kv_connector = make_connector(self.kv_transfer_config, layout, [layer.kv_cache for layer in layers],
-                                               self.token)
+            caches = [layer.kv_cache for layer in layers]
+            if self.kv_transfer_config is not None:
+                self.kv_connector = make_connector(self.kv_transfer_config, layout, caches, self.token)
+            else:
+                directory = cache.kv_offloading_dir or default_tier_dir(layout.model_id, req.block_size,
+                                                                        self.data_parallel_rank)
+                self.kv_connector = FileTier(directory, tier_capacity_bytes(cache.kv_offloading_size), layout, caches)
         return pb.Empty()
 
     def execute(self, so: pb.SchedulerOutput) -> pb.ModelRunnerOutput | None:
@@ -121,7 +131,8 @@ class Worker:
         meta = so.kv_connector_metadata if so.HasField("kv_connector_metadata") else None
         if meta is not None:
             if connector is None:
-                raise InvalidStep("kv_connector_metadata", "this worker has no KV connector (--kv-transfer-config)")
+                raise InvalidStep("kv_connector_metadata", "this worker has no KV connector (--kv-transfer-config) "
+                                  "or KV tier (--kv-offloading-size)")
             connector.check(meta)
             connector.start_loads(meta)
         out = runner.execute(so)

@@ -14,9 +14,11 @@ def scheduler_for(num_blocks: int, block_size: int = 16, max_num_seqs: int = 256
                    enable_prefix_caching: bool = True, policy: str = "fcfs", async_scheduling: bool = False,
                    pipeline_parallel: bool = False, structured_output: StructuredOutputManager | None = None,
                    speculative_config: Any = None, kv_transfer_config: Any = None,
-                   kv_producer_address: str | None = None, lora_config: LoRAConfig | None = None) -> Scheduler:
+                   kv_producer_address: str | None = None, lora_config: LoRAConfig | None = None,
+                   kv_offloading_size: float | None = None) -> Scheduler:
     config = VllmConfig(
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                                 kv_offloading_size=kv_offloading_size),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          scheduling_policy=policy, async_scheduling=async_scheduling),
         parallel_config=ParallelConfig(pipeline_parallel_size=2 if pipeline_parallel else 1),
