@@ -8,8 +8,8 @@ list is an LRU of cached blocks). A block handed out again loses its hash.
 
 Every change to the hash map (a hash cached, one dropped, all cleared) is told to `events`
 when set: the scheduler publishes them as KV events so gateways can route by cached prefix. A
-cached block evicted to be reused is told to `on_evict` when set, before it loses its hash: the
-KV tier (services/engine/kv_tier.py) keeps its KV.
+cached block evicted to be reused is told to `on_evict` when set, before it loses its hash, and
+a block newly cached to `on_cache`: the KV tier (services/engine/kv_tier.py) keeps their KV.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ class BlockPool:
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self.events: KvEventSink | None = None
         self.on_evict: Callable[[int, bytes], None] | None = None  # (block id, its hash)
+        self.on_cache: Callable[[int, bytes], None] | None = None  # a block newly cached: (id, hash)
 
     @property
     def num_free_blocks(self) -> int:
@@ -170,6 +171,8 @@ class BlockPool:
             self.cached_blocks[block_hash] = block
             if self.events is not None:
                 self.events.stored(block_hash, parent_hash)
+            if self.on_cache is not None:
+                self.on_cache(block.block_id, block_hash)
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference per block; blocks reaching 0 rejoin the free list.

@@ -2,9 +2,12 @@
 the pool, keyed by the prefix cache's chained block hashes, in the KV connector's shape (the
 scheduler's hooks in sched_kv_transfer.py drive it as they drive a P/D consumer).
 
-- Offers: a cached block the pool evicts to reuse (BlockPool.on_evict) is offered to the tier: the
-  step's metadata names it, and its worker copies its KV out before the step's forward writes new
-  KV into it, then writes it to the tier off the step.
+- Stores: a block the pool caches (BlockPool.on_cache: a step fills it) is named in that step's
+  metadata; the worker copies its KV out after the forward and writes it to the tier off the step
+  (write-through: a prefix outlives the worker, not only the pool's eviction).
+- Offers: a cached block the pool evicts to reuse (BlockPool.on_evict) that the tier does not hold
+  (its store was dropped, or not reported yet) is offered: its worker copies its KV out before
+  the step's forward writes new KV into it.
 - Hits: a waiting request's blocks past its pool hits whose hashes the tier holds (never the block
   of the prompt's last token: it is computed to sample) are allocated and loaded there instead of
   computed; the request waits for the load (WAITING_FOR_REMOTE_KVS), then runs with those tokens
@@ -30,6 +33,8 @@ class KVTierScheduler:
         self._loads: list[pb.KVLoad] = []
         self._offer_ids: list[int] = []
         self._offer_hashes: list[bytes] = []
+        self._store_ids: list[int] = []
+        self._store_hashes: list[bytes] = []
         self._failed: set[str] = set()       # requests whose tier load failed: they compute, never ask again
         # What happened, for stats (/metrics) and tests.
         self.num_queries = 0        # prompt tokens past pool hits looked up in the tier
@@ -51,6 +56,13 @@ class KVTierScheduler:
             self._offer_ids.append(block_id)
             self._offer_hashes.append(block_hash)
             self.num_offered += 1
+
+    def store(self, block_id: int, block_hash: bytes) -> None:
+        """The pool caches `block_id` (BlockPool.on_cache): this step fills it; keep its KV in the
+        tier too, unless the tier has it already."""
+        if block_hash not in self.blocks:
+            self._store_ids.append(block_id)
+            self._store_hashes.append(block_hash)
 
     # ------------------------------------------------------------------ hits and loads
 
@@ -131,8 +143,8 @@ class KVTierScheduler:
 
     @property
     def has_pending(self) -> bool:
-        """Loads in flight or to send, offers to send: the worker must see steps until then."""
-        return bool(self.loading or self._loads or self._offer_ids)
+        """Loads in flight or to send, stores and offers to send: the worker must see steps until then."""
+        return bool(self.loading or self._loads or self._offer_ids or self._store_ids)
 
     def build_connector_meta(self) -> pb.KVConnectorMetadata | None:
         """This step's metadata (None when nothing is pending: while loads are in flight an empty
@@ -140,12 +152,15 @@ class KVTierScheduler:
         if not self.has_pending:
             return None
         meta = pb.KVConnectorMetadata(loads=self._loads, offload_block_ids=self._offer_ids,
-                                      offload_block_hashes=self._offer_hashes)
+                                      offload_block_hashes=self._offer_hashes, store_block_ids=self._store_ids,
+                                      store_block_hashes=self._store_hashes)
         self._loads, self._offer_ids, self._offer_hashes = [], [], []
+        self._store_ids, self._store_hashes = [], []
         return meta
 
     def reset(self) -> None:
         """The worker is gone, and its loads with it (the tier's files stay: the view stays too, and
         a restarted worker reports what it finds)."""
         self._loads, self._offer_ids, self._offer_hashes = [], [], []
+        self._store_ids, self._store_hashes = [], []
         self.loading.clear()

@@ -35,6 +35,7 @@ class KVTransferHooks:
         elif offloading:
             self.connector = KVTierScheduler(self.block_size)
             kv_cache_manager.block_pool.on_evict = self.connector.offer
+            kv_cache_manager.block_pool.on_cache = self.connector.store
         # Requests whose blocks a remote load fills (they hold blocks, not a batch slot), and ended
         # requests whose blocks wait for a transfer to end (a producer's save, an aborted
         # consumer's load) before they are freed.

@@ -176,9 +176,11 @@ class KVConnectorWorker:
         for load in meta.loads:
             self._loads[load.request_id] = self._load_pool.submit(self._load, load)
 
-    def start_saves(self, meta: pb.KVConnectorMetadata) -> None:
+    def start_saves(self, meta: pb.KVConnectorMetadata, left_out: frozenset[int] = frozenset()) -> None:
         """After the step's forward (its KV is written, or queued on the device before anything the
-        transfer thread queues): gather the saved blocks and write them out on the transfer thread."""
+        transfer thread queues): gather the saved blocks and write them out on the transfer thread.
+        (`left_out`: blocks of requests the step left out; a P/D save is its request's, which the
+        scheduler ends, so it is discarded unread.)"""
         for save in meta.saves:
             self._saves[save.request_id] = self._pool.submit(
                 self._save, save.handle, list(save.block_ids), list(save.block_hashes))

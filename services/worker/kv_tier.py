@@ -4,8 +4,9 @@ chained prefix hash, and loaded back into the cache on a prefix hit (services/en
 is the scheduler's side). The files outlive the worker: a restarted worker finds them and reports
 them, so requests migrated to it load their prefixes instead of recomputing them.
 
-- Offers: before the step's forward (which may write new KV into the evicted blocks), their KV is
-  copied out of the cache; a writer thread writes each as a one-block segment (kv_segment.py: the
+- Stores and offers: after the step's forward, the blocks it filled; before it (the forward may
+  write new KV into them), the blocks the pool evicted that the tier lacks. Their KV is copied
+  out of the cache; a writer thread writes each as a one-block segment (kv_segment.py: the
   model's identity, dtype and layout, the block's hash and a CRC-32 in its header; owner-only,
   written under a temporary name and renamed). The copies waiting for the writer are bounded
   (MAX_PENDING_BYTES): past it an offer is dropped and counted, never waited for.
@@ -81,6 +82,7 @@ class FileTier:
         self._removed: list[bytes] = []
         self._dropped = 0
         self._pending_bytes = 0
+        self._writing: set[bytes] = set()  # hashes copied out, not written yet
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-write")
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
         self._loads: dict[str, Future[Transfer]] = {}
@@ -122,9 +124,11 @@ class FileTier:
         """InvalidStep unless every block id and hash of `meta` is well formed (before anything runs)."""
         if meta.saves or meta.discard_handles:
             raise InvalidStep("kv_connector_metadata", "P/D saves or discards sent to a KV tier")
-        if len(meta.offload_block_ids) != len(meta.offload_block_hashes):
-            raise InvalidStep("kv_connector_metadata.offload_block_ids", "differs in length from offload_block_hashes")
-        entries = [("offload_block_ids", meta.offload_block_ids, meta.offload_block_hashes)]
+        for ids, hashes in (("offload_block_ids", "offload_block_hashes"), ("store_block_ids", "store_block_hashes")):
+            if len(getattr(meta, ids)) != len(getattr(meta, hashes)):
+                raise InvalidStep(f"kv_connector_metadata.{ids}", f"differs in length from {hashes}")
+        entries = [("offload_block_ids", meta.offload_block_ids, meta.offload_block_hashes),
+                   ("store_block_ids", meta.store_block_ids, meta.store_block_hashes)]
         entries += [(f"loads[{i}]", e.block_ids, e.block_hashes) for i, e in enumerate(meta.loads)]
         for where, ids, hashes in entries:
             if where.startswith("loads") and (not ids or len(ids) != len(hashes)):
@@ -145,8 +149,13 @@ class FileTier:
         for load in meta.loads:
             self._loads[load.request_id] = self._loader.submit(self._load, load)
 
-    def start_saves(self, meta: pb.KVConnectorMetadata) -> None:
-        """(The tier saves evicted blocks, before the forward: start_loads.)"""
+    def start_saves(self, meta: pb.KVConnectorMetadata, left_out: frozenset[int] = frozenset()) -> None:
+        """After the step's forward: copy out the blocks it filled, but those of requests the step
+        left out (`left_out`: their KV was never computed)."""
+        keep = [(b, h) for b, h in zip(meta.store_block_ids, meta.store_block_hashes, strict=True)
+                if b not in left_out]
+        if keep:
+            self._offer([b for b, _ in keep], [h for _, h in keep])
 
     def report(self, out: pb.ModelRunnerOutput) -> None:
         """Put the loads that ended and the tier's changes since the last answer into `out`."""
@@ -167,7 +176,8 @@ class FileTier:
 
     def _offer(self, block_ids: list[int], hashes: list[bytes]) -> None:
         per_block = self.layout.num_layers * self.layout.block_bytes_per_layer
-        keep = [(b, h) for b, h in zip(block_ids, hashes, strict=True) if h not in self._files]
+        keep = [(b, h) for b, h in zip(block_ids, hashes, strict=True)
+                if h not in self._files and h not in self._writing]
         room = max(0, (MAX_PENDING_BYTES - self._pending_bytes) // per_block)
         if len(keep) > room:
             with self._lock:
@@ -180,6 +190,7 @@ class FileTier:
             layers = [kv.index_select(1, index).to("cpu") for kv in self.kv_caches]
         with self._lock:
             self._pending_bytes += len(keep) * per_block
+            self._writing.update(h for _, h in keep)
         self._writer.submit(self._write, [h for _, h in keep], layers, per_block)
 
     # ------------------------------------------------------------------ the writer thread
@@ -204,6 +215,7 @@ class FileTier:
         finally:
             with self._lock:
                 self._pending_bytes -= len(hashes) * per_block
+                self._writing.difference_update(hashes)
 
     def _evict_over_capacity(self) -> None:
         """(Under the lock, or before the threads start.) Delete the least recent files past the capacity."""

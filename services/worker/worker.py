@@ -136,8 +136,10 @@ class Worker:
             connector.check(meta)
             connector.start_loads(meta)
         out = runner.execute(so)
-        if meta is not None and meta.saves:
-            connector.start_saves(meta)
+        if meta is not None and (meta.saves or meta.store_block_ids):
+            failed = {f.request_id for f in out.lora_load_failures} if out is not None else set()
+            connector.start_saves(meta, frozenset(b for r in so.new_requests if r.request_id in failed
+                                                  for b in r.block_ids))
         if out is not None and connector is not None:
             connector.report(out)
         return out

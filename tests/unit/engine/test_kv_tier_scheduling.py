@@ -127,3 +127,26 @@ def test_a_failed_load_computes_the_prompt_once_and_a_removed_block_is_not_asked
     sched.add_request(c)
     so = sched.schedule()
     assert not so.kv_connector_metadata.loads
+
+
+def test_blocks_a_step_fills_are_stored_through_unless_the_tier_has_them() -> None:
+    sched = make(num_blocks=40)
+    a = request("a", 100, prompt_len=13)
+    sched.add_request(a)
+    so = sched.schedule()
+    meta = so.kv_connector_metadata
+    assert list(meta.store_block_hashes) == list(a.block_hashes[:3])  # the full blocks this step fills
+    assert list(meta.store_block_ids) == sched.kv_cache_manager.block_ids("a")[:3]
+    assert not meta.offload_block_ids
+    sched.update_from_output(so, pb.ModelRunnerOutput(step_id=so.step_id, request_ids=["a"], sampled_token_ids=[7],
+                                                      kv_tier_stored=list(a.block_hashes[:3])))
+    # The same prompt again, its blocks loaded from the tier and cached: nothing is stored again.
+    sched.kv_cache_manager.block_pool.reset_prefix_cache()
+    b = request("b", 100, prompt_len=13)
+    sched.add_request(b)
+    stored = []
+    for _ in range(6):
+        so = run(sched, pb.ModelRunnerOutput(finished_recving=["b"]) if "b" in sched.kv.connector.loading else None)
+        stored += so.kv_connector_metadata.store_block_hashes
+    assert sched.stats()["kv_tier_loads"] == 1 and not sched.has_unfinished_requests()
+    assert not set(stored) & set(a.block_hashes[:3])

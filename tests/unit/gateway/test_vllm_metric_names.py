@@ -21,11 +21,6 @@ RECORDED = Path(__file__).resolve().parents[2] / "data" / "vllm_metrics_0.32.txt
 NOT_APPLICABLE = {
     "vllm:mm_cache_queries": "the multi-modal input cache: no multi-modal models are served",
     "vllm:mm_cache_hits": "the multi-modal input cache: no multi-modal models are served",
-    "vllm:external_prefix_cache_queries": "a KV connector's cross-instance prefix cache (LMCache-style lookups); "
-                                          "ours hands a prompt's KV from a prefill replica to a decode replica only, "
-                                          "served as prompt_tokens_cached_by_source{source=p2p} and "
-                                          "myvllm:kv_transfer_*",
-    "vllm:external_prefix_cache_hits": "as external_prefix_cache_queries",
     "vllm:estimated_flops_per_gpu": "vLLM's analytic per-GPU FLOP estimate of each step (its model-FLOPs "
                                     "utilization logging); nothing here models a step's FLOPs",
     "vllm:estimated_read_bytes_per_gpu": "as estimated_flops_per_gpu: an analytic estimate of memory traffic",

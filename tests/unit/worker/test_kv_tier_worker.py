@@ -154,3 +154,19 @@ def test_malformed_metadata_is_refused_before_anything_runs(tmp_path) -> None:
         with pytest.raises(InvalidStep, match="kv_connector_metadata"):
             tier.check(meta)
     assert os.listdir(tmp_path) == []
+
+
+def test_blocks_a_step_filled_are_stored_after_its_forward_but_not_a_left_out_requests(tmp_path) -> None:
+    kv = caches()
+    tier = FileTier(str(tmp_path), 1 << 30, LAYOUT, kv)
+    meta = pb.KVConnectorMetadata(store_block_ids=[1, 2, 3], store_block_hashes=[h(1), h(2), h(3)])
+    tier.check(meta)
+    tier.start_loads(meta)  # (before the forward: nothing of them is copied yet)
+    for t in kv:
+        t[:, 1:4] += 1  # the forward writes their KV
+    after = [t[:, [1, 2]].clone() for t in kv]
+    tier.start_saves(meta, left_out=frozenset({3}))
+    out = settle(tier)
+    assert list(out.kv_tier_stored) == [h(1), h(2)]
+    load(tier, "r", [8, 9], [h(1), h(2)])
+    assert all(torch.equal(t[:, [8, 9]], a) for t, a in zip(kv, after, strict=True))
