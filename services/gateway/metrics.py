@@ -364,12 +364,13 @@ class GatewayMetrics:
 
     def _prompt_token_sources(self, scrape: _Scrape, stats: pb.Stats | None) -> None:
         """vLLM's prompt_tokens_by_source: the gateway's prompt and cache-hit counts, and the
-        tokens the replicas loaded from prefill replicas (their Stats); the rest were computed."""
-        loaded = stats.kv_transfer_loaded_tokens if stats is not None else 0
+        tokens the replicas loaded from prefill replicas or their KV tier (their Stats); the rest
+        were computed."""
+        loaded = stats.kv_transfer_loaded_tokens + stats.kv_tier_hits if stats is not None else 0
         computed = max(self.prompt_tokens - self.prompt_tokens_cached - loaded, 0)
         scrape.add_labelled("counter", "prompt_tokens_by_source", "Prompt tokens by source: computed here "
                             "(local_compute), served by the prefix cache (local_cache_hit), loaded from a prefill "
-                            "replica (external_kv_transfer).", "source",
+                            "replica or the KV tier (external_kv_transfer).", "source",
                             zip(PROMPT_TOKEN_SOURCES, (computed, self.prompt_tokens_cached, loaded), strict=True),
                             vllm=True)
 
