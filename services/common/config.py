@@ -284,9 +284,9 @@ class CacheConfig:
     # "native": files in a directory on local disk (kv_offloading_dir), which outlive the worker.
     kv_offloading_size: float | None = field(default=None, metadata=flag(
         example=0.5,
-        help="GiB of KV blocks evicted from the cache to keep in a second tier and load back on a prefix hit "
-             "(default: no tier); with --kv-offloading-backend native, files under --kv-offloading-dir that "
-             "outlive a worker restart"))
+        help="GiB of KV blocks to keep in a second tier beyond the KV cache and load back on a prefix hit "
+             "(default: no tier); backend native: files under --kv-offloading-dir, which outlive a worker restart "
+             "(on a GPU without --kv-offloading-dir: pinned host memory)"))
     kv_offloading_backend: str | None = field(default=None, metadata=flag(
         choices=KV_OFFLOADING_BACKENDS,
         help="the KV tier's backend (default: native when --kv-offloading-size is given)"))

@@ -1,8 +1,10 @@
-"""The KV tier's worker side (--kv-offloading-size, backend "native"): KV blocks the scheduler's
-pool evicted, kept as files in a directory on local disk, one file per block, named by the block's
-chained prefix hash, and loaded back into the cache on a prefix hit (services/engine/kv_tier.py
-is the scheduler's side). The files outlive the worker: a restarted worker finds them and reports
-them, so requests migrated to it load their prefixes instead of recomputing them.
+"""The KV tier's worker side (--kv-offloading-size, backend "native"): KV blocks kept beyond the
+pool, addressed by their chained prefix hash, and loaded back into the cache on a prefix hit
+(services/engine/kv_tier.py is the scheduler's side). Two storages: `FileTier`, a directory on
+local disk, one file per block (the CPU default, and wherever --kv-offloading-dir is given): the
+files outlive the worker, so requests migrated to a restarted worker load their prefixes instead
+of recomputing them; `HostTier`, pinned host memory (a GPU's default, as vLLM's native CPU
+offloading), gone with the worker.
 
 - Stores and offers: after the step's forward, the blocks it filled; before it (the forward may
   write new KV into them), the blocks the pool evicted that the tier lacks. Their KV is copied
@@ -61,62 +63,39 @@ def default_tier_dir(model_digest: str, block_size: int, data_parallel_rank: int
     return os.path.join(cache, "myvllm", "kv-tier", f"{model_digest[:16]}-bs{block_size}-dp{data_parallel_rank}")
 
 
-class FileTier:
-    """The worker's KV tier: its files, their LRU, the writer and load threads, the reports."""
+class KVTier:
+    """What both storages share: the LRU by bytes, the writer and load threads, the checks of a
+    step's metadata, the reports. A storage keeps a block (`_put`, its bytes), gives it back
+    checked (`_get`, SegmentError otherwise) and deletes it (`_delete`)."""
 
-    def __init__(self, directory: str, capacity_bytes: int, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
-        self.directory = directory
+    def __init__(self, capacity_bytes: int, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
         self.capacity_bytes = capacity_bytes
         self.layout = layout
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, heads, head_dim]
         self.num_blocks = kv_caches[0].shape[1] if kv_caches else 0
-        self.file_limit = max_segment_bytes(layout, 1)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.lstat(directory)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            raise ValueError(f"--kv-offloading-dir {directory} is not a directory this user owns")
         self._lock = threading.Lock()
-        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recent first
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> its bytes, least recent first
         self._bytes = 0
         self._stored: list[bytes] = []    # reports since the last answer
         self._removed: list[bytes] = []
         self._dropped = 0
         self._pending_bytes = 0
-        self._writing: set[bytes] = set()  # hashes copied out, not written yet
+        self._writing: set[bytes] = set()  # hashes copied out, not kept yet
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-write")
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
         self._loads: dict[str, Future[Transfer]] = {}
-        self._scan()
 
-    def path(self, block_hash: bytes) -> str:
-        return os.path.join(self.directory, block_hash.hex() + SUFFIX)
+    def _put(self, block_hash: bytes, layers: list[torch.Tensor]) -> int:
+        raise NotImplementedError
 
-    def _scan(self) -> None:
-        """Adopt the files a previous worker left (oldest first), reported as stored with the next
-        answer; remove half-written ones and what is too large to be a block of this layout."""
-        found = []
-        for name in os.listdir(self.directory):
-            full = os.path.join(self.directory, name)
-            if TMP_MARK in name:
-                unlink_quietly(full)  # a write its worker never finished
-                continue
-            if not _NAME_RE.match(name):
-                continue
-            try:
-                st = os.lstat(full)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > self.file_limit:
-                continue  # (never loaded: read_segment refuses it too)
-            found.append((st.st_mtime, bytes.fromhex(name[:-len(SUFFIX)]), st.st_size))
-        for _, block_hash, size in sorted(found):
-            self._files[block_hash] = size
-            self._bytes += size
-        self._stored.extend(self._files)
-        self._evict_over_capacity()
-        if found:
-            logger.info("KV tier %s: %d block(s) (%.1f MiB) from before", self.directory, len(self._files),
-                        self._bytes / 2**20)
+    def _get(self, block_hash: bytes) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _delete(self, block_hash: bytes) -> None:
+        raise NotImplementedError
+
+    def _touch(self, block_hash: bytes) -> None:
+        """(A storage that keeps the LRU order across restarts records a use.)"""
 
     # ------------------------------------------------------------------ one step
 
@@ -199,9 +178,8 @@ class FileTier:
         try:
             for i, block_hash in enumerate(hashes):
                 try:
-                    size = write_segment(self.path(block_hash), self.layout, [t[:, i:i + 1] for t in layers],
-                                         [block_hash])
-                except OSError as e:  # a full or failing disk: the block is not kept
+                    size = self._put(block_hash, [t[:, i:i + 1] for t in layers])
+                except (OSError, RuntimeError) as e:  # a full disk, no pinned memory: the block is not kept
                     logger.warning("KV tier: writing a block failed (%s)", e)
                     continue
                 with self._lock:
@@ -222,7 +200,7 @@ class FileTier:
         while self._bytes > self.capacity_bytes and self._files:
             block_hash, size = self._files.popitem(last=False)
             self._bytes -= size
-            unlink_quietly(self.path(block_hash))
+            self._delete(block_hash)
             self._removed.append(block_hash)
 
     def _forget(self, block_hash: bytes) -> None:
@@ -232,7 +210,7 @@ class FileTier:
             if size is not None:
                 self._bytes -= size
             self._removed.append(block_hash)
-        unlink_quietly(self.path(block_hash))
+        self._delete(block_hash)
 
     # ------------------------------------------------------------------ the load thread
 
@@ -241,7 +219,7 @@ class FileTier:
         blocks: list[list[torch.Tensor]] = []
         for block_hash in load.block_hashes:
             try:
-                blocks.append(read_segment(self.path(block_hash), self.layout, 0, [block_hash], max_blocks=1))
+                blocks.append(self._get(block_hash))
             except SegmentError as e:
                 logger.warning("KV tier block %s refused: %s", block_hash.hex()[:16], e)
                 self._forget(block_hash)
@@ -254,16 +232,12 @@ class FileTier:
         except Exception:  # noqa: BLE001 - any failure: the request computes its prompt itself
             logger.exception("KV tier: copying loaded blocks into the cache failed")
             return Transfer(False, 0, time.perf_counter() - start)
-        now = time.time()
         with self._lock:
             for block_hash in load.block_hashes:
                 if block_hash in self._files:
                     self._files.move_to_end(block_hash)
         for block_hash in load.block_hashes:
-            try:
-                os.utime(self.path(block_hash), (now, now))  # (the LRU order, for a restarted worker)
-            except OSError:
-                pass
+            self._touch(block_hash)
         num_bytes = sum(t.numel() * t.element_size() for b in blocks for t in b)
         return Transfer(True, num_bytes, time.perf_counter() - start)
 
@@ -280,6 +254,92 @@ class FileTier:
         """Finish the writes in flight (their blocks are kept) and stop the threads."""
         self._writer.shutdown(wait=True)
         self._loader.shutdown(wait=True)
+
+
+class FileTier(KVTier):
+    """Blocks as files in a directory on local disk: they outlive the worker."""
+
+    def __init__(self, directory: str, capacity_bytes: int, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
+        super().__init__(capacity_bytes, layout, kv_caches)
+        self.directory = directory
+        self.file_limit = max_segment_bytes(layout, 1)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise ValueError(f"--kv-offloading-dir {directory} is not a directory this user owns")
+        self._scan()
+
+    def path(self, block_hash: bytes) -> str:
+        return os.path.join(self.directory, block_hash.hex() + SUFFIX)
+
+    def _scan(self) -> None:
+        """Adopt the files a previous worker left (oldest first), reported as stored with the next
+        answer; remove half-written ones and what is too large to be a block of this layout."""
+        found = []
+        for name in os.listdir(self.directory):
+            full = os.path.join(self.directory, name)
+            if TMP_MARK in name:
+                unlink_quietly(full)  # a write its worker never finished
+                continue
+            if not _NAME_RE.match(name):
+                continue
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > self.file_limit:
+                continue  # (never loaded: read_segment refuses it too)
+            found.append((st.st_mtime, bytes.fromhex(name[:-len(SUFFIX)]), st.st_size))
+        for _, block_hash, size in sorted(found):
+            self._files[block_hash] = size
+            self._bytes += size
+        self._stored.extend(self._files)
+        self._evict_over_capacity()
+        if found:
+            logger.info("KV tier %s: %d block(s) (%.1f MiB) from before", self.directory, len(self._files),
+                        self._bytes / 2**20)
+
+    def _put(self, block_hash: bytes, layers: list[torch.Tensor]) -> int:
+        return write_segment(self.path(block_hash), self.layout, layers, [block_hash])
+
+    def _get(self, block_hash: bytes) -> list[torch.Tensor]:
+        return read_segment(self.path(block_hash), self.layout, 0, [block_hash], max_blocks=1)
+
+    def _delete(self, block_hash: bytes) -> None:
+        unlink_quietly(self.path(block_hash))
+
+    def _touch(self, block_hash: bytes) -> None:
+        now = time.time()
+        try:
+            os.utime(self.path(block_hash), (now, now))  # (the LRU order, for a restarted worker)
+        except OSError:
+            pass
+
+
+class HostTier(KVTier):
+    """Blocks in host memory (pinned where the cache is on a GPU, so that copies to it run
+    asynchronously): vLLM's native CPU offloading. Gone with the worker."""
+
+    def __init__(self, capacity_bytes: int, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
+        super().__init__(capacity_bytes, layout, kv_caches)
+        self._pin = bool(kv_caches) and kv_caches[0].is_cuda
+        self._blocks: dict[bytes, list[torch.Tensor]] = {}
+
+    def _put(self, block_hash: bytes, layers: list[torch.Tensor]) -> int:
+        kept = [t.clone().pin_memory() if self._pin else t.clone() for t in layers]
+        with self._lock:
+            self._blocks[block_hash] = kept
+        return sum(t.numel() * t.element_size() for t in kept)
+
+    def _get(self, block_hash: bytes) -> list[torch.Tensor]:
+        with self._lock:
+            layers = self._blocks.get(block_hash)
+        if layers is None:
+            raise SegmentError("not in the host tier (dropped since)")
+        return layers
+
+    def _delete(self, block_hash: bytes) -> None:
+        self._blocks.pop(block_hash, None)
 
 
 def tier_capacity_bytes(size_gib: float) -> int:

@@ -16,7 +16,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.worker.cpu.malloc_tuning import release_freed_memory
 from services.worker.kv_connector import KVConnectorWorker, make_connector, model_id
 from services.worker.kv_segment import KVLayout
-from services.worker.kv_tier import FileTier, default_tier_dir, tier_capacity_bytes
+from services.worker.kv_tier import FileTier, HostTier, KVTier, default_tier_dir, tier_capacity_bytes
 from services.worker.model_runner import ModelRunner
 from services.worker.step_validation import InvalidStep
 
@@ -53,7 +53,7 @@ class Worker:
         # P/D disaggregation: the KV connector's settings, and its transport once the cache exists;
         # or the KV tier (--kv-offloading-size), which takes the connector's place.
         self.kv_transfer_config: KVTransferConfig | None = None
-        self.kv_connector: KVConnectorWorker | FileTier | None = None
+        self.kv_connector: KVConnectorWorker | KVTier | None = None
         self.data_parallel_rank = 0
 
     def load_model(self, req: pb.LoadModelRequest) -> pb.ModelInfo:
@@ -117,6 +117,8 @@ class Worker:
             caches = [layer.kv_cache for layer in layers]
             if self.kv_transfer_config is not None:
                 self.kv_connector = make_connector(self.kv_transfer_config, layout, caches, self.token)
+            elif caches[0].is_cuda and not cache.kv_offloading_dir:  # (vLLM's native CPU offloading)
+                self.kv_connector = HostTier(tier_capacity_bytes(cache.kv_offloading_size), layout, caches)
             else:
                 directory = cache.kv_offloading_dir or default_tier_dir(layout.model_id, req.block_size,
                                                                         self.data_parallel_rank)

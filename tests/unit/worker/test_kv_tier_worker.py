@@ -1,6 +1,6 @@
 """The KV tier's worker side (services/worker/kv_tier.py) on small CPU caches: an evicted block's KV
-is copied out before the step's forward and written to the directory; a load puts it back bit for
-bit; a corrupted, foreign or vanished file is refused (never loaded), deleted and reported gone;
+is copied out before the step's forward and written to the directory (or kept in host memory); a
+load puts it back bit for bit; a corrupted, foreign or vanished file is refused (never loaded), deleted and reported gone;
 the capacity evicts the least recently used files; a restarted worker adopts the files (and drops
 half-written ones); malformed metadata is refused before anything runs."""
 
@@ -14,7 +14,7 @@ import torch
 
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.kv_segment import TMP_MARK, KVLayout
-from services.worker.kv_tier import FileTier
+from services.worker.kv_tier import FileTier, HostTier
 from services.worker.step_validation import InvalidStep
 
 LAYOUT = KVLayout(model_id="m" * 32, dtype=torch.float32, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
@@ -170,3 +170,20 @@ def test_blocks_a_step_filled_are_stored_after_its_forward_but_not_a_left_out_re
     assert list(out.kv_tier_stored) == [h(1), h(2)]
     load(tier, "r", [8, 9], [h(1), h(2)])
     assert all(torch.equal(t[:, [8, 9]], a) for t, a in zip(kv, after, strict=True))
+
+
+def test_the_host_memory_tier_keeps_blocks_within_its_capacity() -> None:
+    kv = caches()
+    per_block = LAYOUT.num_layers * LAYOUT.block_bytes_per_layer
+    tier = HostTier(2 * per_block, LAYOUT, kv)
+    before = [t[:, [1, 2, 3]].clone() for t in kv]
+    offer(tier, [1, 2], [h(1), h(2)])
+    for t in kv:
+        t[:, 1:4] = 0
+    assert list(settle(tier).kv_tier_stored) == [h(1), h(2)]
+    tier.start_saves(pb.KVConnectorMetadata(store_block_ids=[3], store_block_hashes=[h(3)]))
+    out = settle(tier)  # a third block: the least recent goes
+    assert list(out.kv_tier_stored) == [h(3)] and list(out.kv_tier_removed) == [h(1)]
+    assert list(load(tier, "r", [7], [h(2)]).finished_recving) == ["r"]
+    assert all(torch.equal(t[:, 7], b[:, 1]) for t, b in zip(kv, before, strict=True))
+    assert list(load(tier, "s", [8], [h(1)]).failed_recving) == ["s"]  # dropped: refused, never half-loaded
