@@ -168,6 +168,12 @@ MAX_LORA_RANK_LIMIT = 512
 KV_OFFLOADING_BACKENDS = ("native",)
 
 
+def kv_tier_medium(device: str, kv_offloading_dir: str | None) -> str:
+    """Where the native KV tier keeps blocks (KV events' `medium`): "CPU", pinned host memory, on
+    a GPU without --kv-offloading-dir (vLLM's native CPU offloading); "DISK", files, otherwise."""
+    return "CPU" if device == "cuda" and not kv_offloading_dir else "DISK"
+
+
 class JoinSizes(argparse.Action):
     """--cuda-graph-sizes 1 2 4 or 1,2,4: kept as one "1,2,4" string (VllmConfig parses it), so
     that serve forwards it to the worker as one argument."""

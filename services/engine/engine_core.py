@@ -6,12 +6,13 @@ worker (a direct call or a gRPC stream) is the caller's business.
 
 from __future__ import annotations
 
-from services.common.config import VllmConfig
+from services.common.config import VllmConfig, kv_tier_medium
 from services.common.kv_transfer_params import check_params
 from services.common.message_limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS
 from services.common.metric_buckets import ITERATION_TOKENS_BUCKETS, BucketCounts
 from services.common.pooling_config import GENERATE_ONLY_MESSAGE, POOLING_ONLY_MESSAGE, dimensions_error
 from services.common.proto import myvllm_pb2 as pb
+from services.engine.kv_tier import KVTierScheduler
 from services.engine.lora_slots import lora_adapters
 from services.engine.request import Request
 from services.engine.request_limits import InvalidRequest, validate_generate_request
@@ -37,6 +38,9 @@ class EngineCore:
             request_timeout_s=config.structured_outputs_config.request_timeout_s)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, self.structured_output,
                                    kv_producer_address)
+        tier = self.scheduler.kv.connector
+        if isinstance(tier, KVTierScheduler):  # (the worker picks its storage by the same rule)
+            tier.medium = kv_tier_medium(model_info.device, config.cache_config.kv_offloading_dir)
         self.num_steps = 0
         self.num_dummy_steps = 0  # lockstep steps with nothing scheduled (services/engine/step_loop.py)
         self.iteration_tokens = BucketCounts(ITERATION_TOKENS_BUCKETS)  # tokens per step

@@ -19,14 +19,28 @@ scheduler's hooks in sched_kv_transfer.py drive it as they drive a P/D consumer)
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from services.common.proto import myvllm_pb2 as pb
 from services.engine.kv_cache_manager import extend_block_hashes
 from services.engine.request import Request
 
 
+class TierEventSink(Protocol):
+    """Where the tier's changes go as KV events (services/scheduler/kv_events.py's log)."""
+
+    def tier_stored(self, block_hash: bytes, medium: str) -> None: ...
+
+    def tier_removed(self, block_hash: bytes) -> None: ...
+
+
 class KVTierScheduler:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        # Where the view's changes go as KV events (services/scheduler/kv_events.py), and the medium
+        # they name (config.kv_tier_medium: the engine core sets both).
+        self.events: TierEventSink | None = None
+        self.medium = "DISK"
         self.blocks: set[bytes] = set()      # hashes the tier holds, as its worker last reported
         self.loading: dict[str, int] = {}    # request id -> tokens its load brings, until reported
         self.saving: set[str] = set()        # (no request's save: the tier keeps blocks, not requests)
@@ -126,6 +140,11 @@ class KVTierScheduler:
         """Follow the worker's reports of what the tier holds; count its loads' bytes and seconds."""
         self.blocks.update(runner_output.kv_tier_stored)
         self.blocks.difference_update(runner_output.kv_tier_removed)
+        if self.events is not None:
+            for block_hash in runner_output.kv_tier_stored:
+                self.events.tier_stored(block_hash, self.medium)
+            for block_hash in runner_output.kv_tier_removed:
+                self.events.tier_removed(block_hash)
         self.num_stored += len(runner_output.kv_tier_stored)
         self.num_offers_dropped += runner_output.kv_tier_offers_dropped
         self.loaded_bytes += runner_output.kv_loaded_bytes

@@ -1,4 +1,5 @@
-"""KV events: this scheduler's prefix-cache changes, streamed to gateways (SubscribeKvEvents).
+"""KV events: this scheduler's prefix-cache changes, and its KV tier's (their `medium` set),
+streamed to gateways (SubscribeKvEvents).
 
 The block pool reports each change as it happens (`stored`, `removed`, `cleared`); the
 engine loop calls `flush` once per step, which turns what piled up into one numbered
@@ -39,6 +40,7 @@ class KvEventLog:
         self.seq = 0
         self._pending: list[pb.KvEvent] = []
         self._cached: dict[bytes, bytes] = {}  # hash -> parent hash: what a snapshot sends
+        self._tier: dict[bytes, str] = {}      # the KV tier's hashes -> their medium (a cleared cache keeps them)
         self._subscribers: set[_Subscriber] = set()
 
     # ------------------------------------------------------------------ KvEventSink
@@ -54,12 +56,30 @@ class KvEventLog:
             self._pending.append(pb.KvEvent(removed=block_hash))
 
     def cleared(self) -> None:
+        """Every KV-cache hash dropped (the tier's stay)."""
         self._cached.clear()
-        if self._subscribers:
-            self._pending = [pb.KvEvent(cleared=True)]  # what came before it no longer matters
+        if self._subscribers:  # what came before it no longer matters, but the tier's changes
+            self._pending = [e for e in self._pending if e.WhichOneof("kind") == "tier_removed"
+                             or (e.WhichOneof("kind") == "stored" and e.stored.medium)]
+            self._pending.insert(0, pb.KvEvent(cleared=True))
 
-    def _stored(self, block_hash: bytes, parent_hash: bytes) -> pb.KvBlockStored:
-        return pb.KvBlockStored(block_hash=block_hash, parent_hash=parent_hash, block_size=self.block_size)
+    # ------------------------------------------------------------------ the KV tier's changes
+
+    def tier_stored(self, block_hash: bytes, medium: str) -> None:
+        """The KV tier holds `block_hash` now (services/engine/kv_tier.py, from its worker's reports)."""
+        if self._tier.get(block_hash) == medium:
+            return
+        self._tier[block_hash] = medium
+        if self._subscribers:
+            self._pending.append(pb.KvEvent(stored=self._stored(block_hash, b"", medium)))
+
+    def tier_removed(self, block_hash: bytes) -> None:
+        if self._tier.pop(block_hash, None) is not None and self._subscribers:
+            self._pending.append(pb.KvEvent(tier_removed=block_hash))
+
+    def _stored(self, block_hash: bytes, parent_hash: bytes, medium: str = "") -> pb.KvBlockStored:
+        return pb.KvBlockStored(block_hash=block_hash, parent_hash=parent_hash, block_size=self.block_size,
+                                medium=medium)
 
     # ------------------------------------------------------------------ fan-out
 
@@ -89,8 +109,9 @@ class KvEventLog:
     def snapshot(self) -> pb.KvEventBatch:
         """Every hash cached now, as of batch `seq` (pending changes included: replaying them
         from the next batch is harmless)."""
-        return pb.KvEventBatch(seq=self.seq, snapshot=True, block_size=self.block_size,
-                               events=[pb.KvEvent(stored=self._stored(h, p)) for h, p in self._cached.items()])
+        events = [pb.KvEvent(stored=self._stored(h, p)) for h, p in self._cached.items()]
+        events += [pb.KvEvent(stored=self._stored(h, b"", medium)) for h, medium in self._tier.items()]
+        return pb.KvEventBatch(seq=self.seq, snapshot=True, block_size=self.block_size, events=events)
 
     async def subscribe(self) -> AsyncIterator[pb.KvEventBatch]:
         """The snapshot, then every batch, until the caller stops iterating. Raises

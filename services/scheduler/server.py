@@ -39,6 +39,7 @@ from services.common.proto import myvllm_pb2 as pb
 from services.common.proto import myvllm_pb2_grpc as pb_grpc
 from services.common.redis_registry import KV_ADDRESS_FIELD, is_group_name
 from services.engine.engine_core import EngineCore
+from services.engine.kv_tier import KVTierScheduler
 from services.engine.spec_decode import drafts_per_step
 from services.engine.step_loop import StepLoop
 from services.engine.worker_setup import set_up_workers
@@ -118,6 +119,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         # (Its worker's address as this scheduler dials it: GrpcConnector consumers fetch from there.)
         self.core = EngineCore(self.config, info, num_blocks, kv_producer_address=self.worker.links[0].address)
         self.core.scheduler.kv_cache_manager.block_pool.events = self.kv_events
+        if isinstance(self.core.scheduler.kv.connector, KVTierScheduler):
+            self.core.scheduler.kv.connector.events = self.kv_events  # (the tier's blocks too)
         self.steps = StepLoop(self.core, self.worker, self._route, self._after_step)
         if self.wave is not None:
             self.wave.attach(self.steps)

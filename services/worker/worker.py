@@ -10,7 +10,7 @@ import gc
 import logging
 import time
 
-from services.common.config import VllmConfig
+from services.common.config import VllmConfig, kv_tier_medium
 from services.common.kv_transfer_config import KVTransferConfig
 from services.common.proto import myvllm_pb2 as pb
 from services.worker.cpu.malloc_tuning import release_freed_memory
@@ -117,7 +117,7 @@ class Worker:
             caches = [layer.kv_cache for layer in layers]
             if self.kv_transfer_config is not None:
                 self.kv_connector = make_connector(self.kv_transfer_config, layout, caches, self.token)
-            elif caches[0].is_cuda and not cache.kv_offloading_dir:  # (vLLM's native CPU offloading)
+            elif kv_tier_medium(caches[0].device.type, cache.kv_offloading_dir) == "CPU":
                 self.kv_connector = HostTier(tier_capacity_bytes(cache.kv_offloading_size), layout, caches)
             else:
                 directory = cache.kv_offloading_dir or default_tier_dir(layout.model_id, req.block_size,

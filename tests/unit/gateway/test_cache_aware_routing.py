@@ -129,6 +129,41 @@ def test_index_follows_stored_removed_and_cleared() -> None:
     asyncio.run(scenario())
 
 
+def test_the_kv_tiers_blocks_reach_the_index_with_their_medium_and_outlive_a_cleared_cache() -> None:
+    from services.engine.kv_tier import KVTierScheduler
+
+    async def scenario() -> None:
+        manager, log = _manager(9)
+        tier = KVTierScheduler(B)
+        tier.events, tier.medium = log, "DISK"
+        stream = log.subscribe()
+        index = PrefixIndex()
+        index.apply(await anext(stream))
+        a = _request("a", list(range(3 * B + 1)))
+        manager.allocate_slots(a, a.num_tokens)
+        tier.observe(pb.ModelRunnerOutput(kv_tier_stored=a.block_hashes[:3]))  # the worker stored them too
+        log.flush()
+        batch = await anext(stream)
+        assert {e.stored.medium for e in batch.events} == {"", "DISK"}
+        index.apply(batch)
+        assert index.tier == set(a.block_hashes[:3]) == index.hashes
+        manager.free(a)
+        manager.block_pool.reset_prefix_cache()  # the worker is lost: its cache, not its tier
+        tier.observe(pb.ModelRunnerOutput(kv_tier_removed=a.block_hashes[2:3]))
+        log.flush()
+        index.apply(await anext(stream))
+        assert index.hashes == set() and index.tier == set(a.block_hashes[:2])
+        assert index.num_leading_blocks(a.block_hashes[:3]) == 2  # routing counts the tier's blocks
+        late = PrefixIndex()  # a gateway subscribing now gets them in its snapshot
+        fresh = log.subscribe()
+        late.apply(await anext(fresh))
+        assert late.tier == index.tier and late.hashes == set()
+        await stream.aclose()
+        await fresh.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_index_resyncs_after_a_dropped_subscription() -> None:
     async def scenario() -> None:
         manager, log = _manager(64, max_queued_batches=2)
