@@ -1,8 +1,9 @@
 """The KV tier's two measurements, each against the same server without a tier, same run:
 
   replay   48 two-turn conversations (each with its own 448-token context) whose prefixes total
-           about 3x the KV pool, replayed twice at concurrency 1: the second pass's TTFT p50 with
-           the tier against without it, and whether every greedy text is the same.
+           about 3x the KV pool, turns interleaved across conversations, replayed twice at
+           concurrency 1: the second pass's TTFT p50 with the tier against without it, and
+           whether every greedy text is the same.
   restart  12 streams with 512-token prompts in flight when the worker is killed (-9): the prompt
            tokens the restarted worker computes for the migrated requests (the gateway resumes
            each with its prompt and the tokens it had), from /metrics, with the tier against
@@ -110,15 +111,14 @@ def replay(model: str) -> None:
             passes = []
             for _ in range(2):
                 ttfts, texts = [], []
-                for context, (q1, q2) in zip(contexts, questions, strict=True):
-                    ttft, chunks = serve.stream(context + q1, 16)
-                    ttfts.append(ttft)
-                    texts.append("".join(chunks))
-                    # turn 2 carries turn 1 and its answer (re-tokenized by the engine's own ids: the
-                    # answer's text is not re-encoded here; the second question follows the first)
-                    ttft, chunks = serve.stream(context + q1 + q2, 16)
-                    ttfts.append(ttft)
-                    texts.append("".join(chunks))
+                # Every conversation's first turn, then every second turn (which carries the first:
+                # the second question follows it), as many tenants' conversations interleave: a
+                # conversation's prefix has been evicted from the pool by the others' when it goes on.
+                for turn in range(2):
+                    for context, (q1, q2) in zip(contexts, questions, strict=True):
+                        ttft, chunks = serve.stream(context + q1 + (q2 if turn else []), 16)
+                        ttfts.append(ttft)
+                        texts.append("".join(chunks))
                 passes.append((ttfts, texts))
             metrics = serve.metrics()
         finally:
