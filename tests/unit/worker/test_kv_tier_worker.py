@@ -1,8 +1,8 @@
 """The KV tier's worker side (services/worker/kv_tier.py) on small CPU caches: an evicted block's KV
 is copied out before the step's forward and written to the directory (or kept in host memory); a
-load puts it back bit for bit; a corrupted, foreign or vanished file is refused (never loaded), deleted and reported gone;
-the capacity evicts the least recently used files; a restarted worker adopts the files (and drops
-half-written ones); malformed metadata is refused before anything runs."""
+load puts it back bit for bit; a corrupted, foreign or vanished file is refused (never loaded),
+deleted and reported gone; the capacity evicts the least recently used files; a restarted worker
+adopts the files (and drops half-written ones); malformed metadata is refused before anything runs."""
 
 from __future__ import annotations
 
