@@ -79,6 +79,18 @@ class Transfer(NamedTuple):
     seconds: float
 
 
+def report_loads(loads: dict[str, Future[Transfer]], out: pb.ModelRunnerOutput) -> None:
+    """Move the loads that ended from `loads` into `out` (finished or failed, bytes, seconds): a
+    P/D consumer's and the KV tier's alike."""
+    for rid, future in list(loads.items()):
+        if future.done():
+            del loads[rid]
+            done = future.result()
+            (out.finished_recving if done.ok else out.failed_recving).append(rid)
+            out.kv_loaded_bytes += done.num_bytes
+            out.kv_load_seconds += done.seconds
+
+
 def default_shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -194,13 +206,7 @@ class KVConnectorWorker:
                 done = future.result()
                 out.kv_saved_bytes += done.num_bytes
                 out.kv_save_seconds += done.seconds
-        for rid, future in list(self._loads.items()):
-            if future.done():
-                del self._loads[rid]
-                done = future.result()
-                (out.finished_recving if done.ok else out.failed_recving).append(rid)
-                out.kv_loaded_bytes += done.num_bytes
-                out.kv_load_seconds += done.seconds
+        report_loads(self._loads, out)
 
     # ------------------------------------------------------------------ the transfer thread
 

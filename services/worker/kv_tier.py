@@ -34,7 +34,7 @@ import torch
 
 from services.common.kv_transfer_params import HASH_BYTES
 from services.common.proto import myvllm_pb2 as pb
-from services.worker.kv_connector import Transfer
+from services.worker.kv_connector import Transfer, report_loads
 from services.worker.kv_segment import (
     TMP_MARK,
     KVLayout,
@@ -138,13 +138,7 @@ class KVTier:
 
     def report(self, out: pb.ModelRunnerOutput) -> None:
         """Put the loads that ended and the tier's changes since the last answer into `out`."""
-        for rid, future in list(self._loads.items()):
-            if future.done():
-                del self._loads[rid]
-                done = future.result()
-                (out.finished_recving if done.ok else out.failed_recving).append(rid)
-                out.kv_loaded_bytes += done.num_bytes
-                out.kv_load_seconds += done.seconds
+        report_loads(self._loads, out)
         with self._lock:  # (what is held now: a block stored and dropped since is reported gone)
             out.kv_tier_stored.extend(dict.fromkeys(h for h in self._stored if h in self._files))
             out.kv_tier_removed.extend(dict.fromkeys(h for h in self._removed if h not in self._files))
