@@ -289,8 +289,9 @@ class GatewayMetrics:
                             "missing, corrupt or foreign; the request computed its prompt).", "outcome",
                             (("ok", stats.kv_tier_loads), ("failed", stats.kv_tier_load_failures)))
         scrape.add("gauge", "kv_tier_blocks", "KV blocks the tier holds.", stats.kv_tier_blocks)
-        scrape.add_labelled("counter", "kv_tier_offered_blocks", "Blocks evicted from the KV cache and offered to "
-                            "the tier: stored, or dropped (its write queue was full).", "outcome",
+        scrape.add_labelled("counter", "kv_tier_offered_blocks", "Blocks the KV tier took in (stored: filled by a "
+                            "step or evicted from the KV cache, and those a restarted worker found on disk) or "
+                            "dropped (its write queue was full).", "outcome",
                             (("stored", stats.kv_tier_stored_blocks), ("dropped", stats.kv_tier_offers_dropped)))
         scrape.add("counter", "kv_tier_loaded_bytes", "KV bytes loaded from the tier.", stats.kv_tier_loaded_bytes)
         scrape.add("counter", "kv_tier_load_seconds", "Time the workers' load threads spent reading the tier.",

@@ -74,7 +74,7 @@ class KVTier:
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, heads, head_dim]
         self.num_blocks = kv_caches[0].shape[1] if kv_caches else 0
         self._lock = threading.Lock()
-        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> its bytes, least recent first
+        self._held: OrderedDict[bytes, int] = OrderedDict()  # hash -> its bytes (file or memory), least recent first
         self._bytes = 0
         self._stored: list[bytes] = []    # reports since the last answer
         self._removed: list[bytes] = []
@@ -140,8 +140,8 @@ class KVTier:
         """Put the loads that ended and the tier's changes since the last answer into `out`."""
         report_loads(self._loads, out)
         with self._lock:  # (what is held now: a block stored and dropped since is reported gone)
-            out.kv_tier_stored.extend(dict.fromkeys(h for h in self._stored if h in self._files))
-            out.kv_tier_removed.extend(dict.fromkeys(h for h in self._removed if h not in self._files))
+            out.kv_tier_stored.extend(dict.fromkeys(h for h in self._stored if h in self._held))
+            out.kv_tier_removed.extend(dict.fromkeys(h for h in self._removed if h not in self._held))
             out.kv_tier_offers_dropped += self._dropped
             self._stored, self._removed, self._dropped = [], [], 0
 
@@ -150,7 +150,7 @@ class KVTier:
     def _offer(self, block_ids: list[int], hashes: list[bytes]) -> None:
         per_block = self.layout.num_layers * self.layout.block_bytes_per_layer
         keep = [(b, h) for b, h in zip(block_ids, hashes, strict=True)
-                if h not in self._files and h not in self._writing]
+                if h not in self._held and h not in self._writing]
         room = max(0, (MAX_PENDING_BYTES - self._pending_bytes) // per_block)
         if len(keep) > room:
             with self._lock:
@@ -177,10 +177,10 @@ class KVTier:
                     logger.warning("KV tier: writing a block failed (%s)", e)
                     continue
                 with self._lock:
-                    if block_hash in self._files:
-                        self._bytes -= self._files[block_hash]
-                    self._files[block_hash] = size
-                    self._files.move_to_end(block_hash)
+                    if block_hash in self._held:
+                        self._bytes -= self._held[block_hash]
+                    self._held[block_hash] = size
+                    self._held.move_to_end(block_hash)
                     self._bytes += size
                     self._stored.append(block_hash)
                     self._evict_over_capacity()
@@ -191,8 +191,8 @@ class KVTier:
 
     def _evict_over_capacity(self) -> None:
         """(Under the lock, or before the threads start.) Delete the least recent files past the capacity."""
-        while self._bytes > self.capacity_bytes and self._files:
-            block_hash, size = self._files.popitem(last=False)
+        while self._bytes > self.capacity_bytes and self._held:
+            block_hash, size = self._held.popitem(last=False)
             self._bytes -= size
             self._delete(block_hash)
             self._removed.append(block_hash)
@@ -200,7 +200,7 @@ class KVTier:
     def _forget(self, block_hash: bytes) -> None:
         """A file that failed its checks: deleted, reported gone."""
         with self._lock:
-            size = self._files.pop(block_hash, None)
+            size = self._held.pop(block_hash, None)
             if size is not None:
                 self._bytes -= size
             self._removed.append(block_hash)
@@ -228,8 +228,8 @@ class KVTier:
             return Transfer(False, 0, time.perf_counter() - start)
         with self._lock:
             for block_hash in load.block_hashes:
-                if block_hash in self._files:
-                    self._files.move_to_end(block_hash)
+                if block_hash in self._held:
+                    self._held.move_to_end(block_hash)
         for block_hash in load.block_hashes:
             self._touch(block_hash)
         num_bytes = sum(t.numel() * t.element_size() for b in blocks for t in b)
@@ -285,12 +285,12 @@ class FileTier(KVTier):
                 continue  # (never loaded: read_segment refuses it too)
             found.append((st.st_mtime, bytes.fromhex(name[:-len(SUFFIX)]), st.st_size))
         for _, block_hash, size in sorted(found):
-            self._files[block_hash] = size
+            self._held[block_hash] = size
             self._bytes += size
-        self._stored.extend(self._files)
+        self._stored.extend(self._held)
         self._evict_over_capacity()
         if found:
-            logger.info("KV tier %s: %d block(s) (%.1f MiB) from before", self.directory, len(self._files),
+            logger.info("KV tier %s: %d block(s) (%.1f MiB) from before", self.directory, len(self._held),
                         self._bytes / 2**20)
 
     def _put(self, block_hash: bytes, layers: list[torch.Tensor]) -> int:
