@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from services.common.proto import myvllm_pb2 as pb
+from services.worker.cpu.cpu_ops import CpuOps
 from services.worker.logits_processors import apply_processors
 from services.worker.penalties import PenaltyState
 from services.worker.sampling_metadata import SamplingMetadata
@@ -61,8 +62,13 @@ _NEG_INF = float("-inf")
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, the first index on ties as argmax's: torch.max's indices, which CPU torch
-    finds several times faster than argmax does over a vocabulary of logits (in bf16 most)."""
+    """Each row's argmax, the first index on ties as argmax's (the first NaN's where a row holds
+    one): on CPU the fused ops' C kernel, ~10x faster than torch.max over a vocabulary of
+    logits; elsewhere torch.max's indices (CPU torch's argmax is slower still, in bf16 most)."""
+    if logits.dim() == 2 and logits.stride(-1) == 1 and CpuOps.supports(logits):
+        ops = CpuOps.load()
+        if ops is not None:
+            return ops.argmax(logits)
     return torch.max(logits, dim=-1).indices
 
 

@@ -59,3 +59,60 @@ void rope_neox(void *x, int64_t row_stride, int T, int nheads, int D, const int6
         rope_row((char *)x + (size_t)t * row_stride * es, nheads, D, cos_table + positions[t] * (int64_t)D,
                  sin_table + positions[t] * (int64_t)D, is_bf16);
 }
+
+static inline int any_lane(i32x8 mask) {
+#ifdef __AVX__
+    return _mm256_movemask_ps((__m256)mask) != 0;
+#else
+    int any = 0;
+    for (int k = 0; k < 8; k++) any |= mask[k];
+    return any;
+#endif
+}
+
+/* The first index of row's largest value, or of its first NaN if it holds one: torch.max(dim)'s
+ * index. Two passes over the row (one vocabulary row stays in the L2 between them): the largest
+ * value with 8-lane maxima (and whether any lane saw a NaN), then the first index holding it.
+ * max8 drops NaNs, hence the separate check; -0.0 and 0.0 compare equal, so the first wins. */
+static int64_t argmax_row(const void *row, int n, int bf16) {
+    const float *f = row;
+    const uint16_t *h = row;
+    f32x8 m0 = broadcast8(&(const float){-__builtin_inff()}), m1 = m0;
+    i32x8 nan = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const f32x8 a = bf16 ? load8_bf16(h + i) : load8(f + i), b = bf16 ? load8_bf16(h + i + 8) : load8(f + i + 8);
+        m0 = max8(m0, a), m1 = max8(m1, b);
+        nan |= (a != a) | (b != b);
+    }
+    float best = -__builtin_inff();
+    int has_nan = 0;
+    for (int j = 0; j < 8; j++) {
+        best = m0[j] > best ? m0[j] : best;
+        best = m1[j] > best ? m1[j] : best;
+        has_nan |= nan[j];
+    }
+    for (int j = i; j < n; j++) {
+        const float v = bf16 ? bf16_to_f32(h[j]) : f[j];
+        has_nan |= v != v;
+        best = v > best ? v : best;
+    }
+    const f32x8 target = broadcast8(&best);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) { /* the first block of 8 that holds it, then its lane */
+        const f32x8 v = bf16 ? load8_bf16(h + j) : load8(f + j);
+        if (any_lane(has_nan ? v != v : v == target)) break;
+    }
+    for (; j < n; j++) {
+        const float v = bf16 ? bf16_to_f32(h[j]) : f[j];
+        if (has_nan ? v != v : v == best) return j;
+    }
+    return 0; /* every value -inf: torch.max answers the first */
+}
+
+/* ids[m] = argmax_row(x[m]) for M rows of N values, `stride` elements apart (int64 ids). */
+void argmax_rows(const void *x, int64_t stride, int M, int N, int64_t *ids, int is_bf16, int nthreads) {
+    const size_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if ((int64_t)M * N >= 4 * PARALLEL_MIN_ELEMENTS)
+    for (int m = 0; m < M; m++) ids[m] = argmax_row((const char *)x + (size_t)m * stride * es, N, is_bf16);
+}

@@ -166,3 +166,44 @@ def test_bf16_residual_add_rounds_specials_and_ties_like_torch() -> None:
     torch.testing.assert_close(residual, x + delta, rtol=0, atol=0, equal_nan=True)
     assert residual[0, 6:8].isinf().all()
     assert residual[0, 8:10].eq(1.0).all() and residual[0, 10:12].eq(1.015625).all()  # ties to even
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [5, 16, 1045, 49152])
+def test_argmax_is_torch_max_index_with_ties_nans_and_infinities(dtype: torch.dtype, cols: int) -> None:
+    """The greedy sampler's argmax: torch.max(dim=-1)'s index at every instruction-set level,
+    for plain rows, rows of ties (the first wins; bf16 rounding makes many), a NaN (the first
+    NaN wins over any value), all -inf, signed zeros, a maximum in the row's tail, and rows
+    read through a stride."""
+    torch.manual_seed(cols)
+    x = (torch.randn(12, cols) * 3).to(dtype)
+    x[1] = x[1].round()  # many equal values: ties everywhere
+    x[2, cols // 2] = float("nan")
+    x[2, cols - 1] = float("nan")
+    x[2, 0] = float("inf")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[4, cols // 3] = -0.0
+    x[5, cols - 1] = 100.0  # in the tail past the last full 16-value block
+    x[6, 0] = x[6, cols - 1] = 100.0
+    x[7, :] = 1.0
+    x[8, min(3, cols - 1)] = float("inf")
+    x[8, cols - 1] = float("inf")
+    want = torch.max(x, dim=-1).indices
+    for level in levels_here(cpu_ops.HIGHEST_ISA):
+        build = CpuOps.build(level)
+        assert torch.equal(build.argmax(x), want), level
+        wide = torch.zeros(12, cols + 7, dtype=dtype)
+        wide[:, :cols] = x
+        assert torch.equal(build.argmax(wide[:, :cols]), want), level
+
+
+def test_greedy_sampler_takes_the_c_argmax_on_cpu(monkeypatch) -> None:
+    """greedy_ids runs the C kernel for CPU logits (and only falls back to torch.max elsewhere)."""
+    from services.worker import sampler
+
+    calls = []
+    monkeypatch.setattr(CpuOps, "argmax", lambda self, logits: calls.append(logits.shape) or torch.max(logits, -1)[1])
+    logits = torch.randn(3, 100)
+    assert torch.equal(sampler.greedy_ids(logits), torch.max(logits, dim=-1).indices)
+    assert calls == [(3, 100)]
