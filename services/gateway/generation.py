@@ -76,6 +76,7 @@ class _Run:
     arrival_time: float
     route_prompt: RoutePrompt     # the prompt the replica was chosen for
     predicted_cached_tokens: int  # of route_prompt on `replica`, by its KV events at routing time
+    sent_on: float                # the load report of `replica` the send was counted on (note_finished)
 
 
 async def _run_choice(run: _Run, choice: ChoiceRequest, timer: RequestTimer,
@@ -185,6 +186,7 @@ async def _merge_choices(run: _Run, choices: list[ChoiceRequest]) -> AsyncGenera
         # Cancelling a choice task aborts its engine request (no-op for finished ones).
         for task in tasks:
             task.cancel()
+        run.router.note_finished(run.replica, run.sent_on)
 
 
 async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metrics: GatewayMetrics,
@@ -201,9 +203,9 @@ async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metr
     arrival_time = time.monotonic() if arrival_time is None else arrival_time
     # The replica is chosen for the first prompt (a completions batch may carry several).
     prompt = choices[0].engine.route_prompt() if choices else RoutePrompt([])
-    replica = await connect_some_replica(router, prompt)
+    replica, sent_on = await connect_some_replica(router, prompt)
     run = _Run(router, replica, metrics, migration or MigrationPolicy(), arrival_time, prompt,
-               router.cached_tokens(replica, prompt))
+               router.cached_tokens(replica, prompt), sent_on)
     merged = _merge_choices(run, choices)
 
     async def abort_all() -> None:
@@ -224,14 +226,16 @@ async def start_routed(router: ReplicaRouter, choices: list[ChoiceRequest], metr
     return _prepend(first, merged, watcher)
 
 
-async def connect_some_replica(router: ReplicaRouter, prompt: RoutePrompt) -> Replica:
-    """The picked replica, once its stream is open; the next one while they turn out down."""
+async def connect_some_replica(router: ReplicaRouter, prompt: RoutePrompt) -> tuple[Replica, float]:
+    """The picked replica, once its stream is open (the next one while they turn out down), and
+    the load report its send was counted on (`ReplicaRouter.note_finished`)."""
     tried: set[str] = set()
     while True:
         replica = router.pick(exclude=tried, prompt=prompt)
+        sent_on = replica.load_ts
         try:
             await replica.client.connect()
-            return replica
+            return replica, sent_on
         except SchedulerUnavailable as e:
             router.mark_down(replica, e)
             tried.add(replica.address)

@@ -219,13 +219,24 @@ class ReplicaRouter:
             return 0
         return index.num_leading_blocks(prompt.hashes(index.block_size)) * index.block_size
 
-    def note_sent(self, replica: Replica) -> None:
-        """Count a request routed to `replica` (until its next load update)."""
+    def note_sent(self, replica: Replica) -> float:
+        """Count a request routed to `replica` (until its next load update); returns the load
+        report it is counted on top of, for `note_finished`."""
         replica.sent_since_update += 1
         self.routed[replica.address] += 1
         if self.replicas.get(replica.address) is replica:
             self.replicas.pop(replica.address)
             self.replicas[replica.address] = replica  # move to the end: round-robin among equals
+        return replica.load_ts
+
+    @staticmethod
+    def note_finished(replica: Replica, sent_on: float) -> None:
+        """A request `note_sent` counted on top of load report `sent_on` has ended: while that is
+        still the replica's latest report, the request no longer waits there, so it stops counting
+        (sequential requests ending between two reports would otherwise weigh as a queue, and
+        cache-aware routing would send the next one away from its cached prefix)."""
+        if replica.load_ts == sent_on and replica.sent_since_update > 0:
+            replica.sent_since_update -= 1
 
     def ranked(self, avoid: set[str] = frozenset()) -> list[Replica]:
         """Every known replica, best first: healthy before down, lowest score first, and the

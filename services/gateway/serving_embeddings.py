@@ -48,7 +48,7 @@ async def create_embedding(ctx: GatewayContext, request: EmbeddingRequest, http_
                                           ctx.prompt_bound(max_model_len))
     pooling = pb.PoolingParams(dimensions=request.dimensions or 0)
     request_id = f"embd-{uuid.uuid4().hex}"
-    replica = await connect_some_replica(ctx.router, RoutePrompt(prompts[0]))
+    replica, sent_on = await connect_some_replica(ctx.router, RoutePrompt(prompts[0]))
     tasks = [asyncio.create_task(_embed_one(ctx, replica, f"{request_id}-{i}", ids, pooling, arrival_time))
              for i, ids in enumerate(prompts)]
 
@@ -63,6 +63,7 @@ async def create_embedding(ctx: GatewayContext, request: EmbeddingRequest, http_
     finally:  # (one failed, or the client left: the others end too)
         watcher.stop()
         await cancel_all()
+        ctx.router.note_finished(replica, sent_on)
     data = [EmbeddingData(index=i, embedding=base64.b64encode(e).decode("ascii") if request.encoding_format == "base64"
                           else np.frombuffer(e, dtype="<f4").tolist()) for i, e in enumerate(embeddings)]
     num_tokens = sum(len(p) for p in prompts)
@@ -74,12 +75,15 @@ async def _embed_one(ctx: GatewayContext, replica: Replica, request_id: str, tok
                      pooling: pb.PoolingParams, arrival_time: float) -> bytes:
     """One input's engine request: its embedding, little-endian float32 bytes (its prompt tokens,
     end-to-end latency and finish reason counted in /metrics like any request's)."""
-    ctx.router.note_sent(replica)
+    sent_on = ctx.router.note_sent(replica)
     timer = ctx.metrics.timer(arrival_time)
     final = None
-    async for output in replica.client.generate(token_ids, pb.SamplingParams(), request_id=request_id,
-                                                dp_wave=ctx.router.dp_wave_for(replica), pooling=pooling):
-        final = output
+    try:
+        async for output in replica.client.generate(token_ids, pb.SamplingParams(), request_id=request_id,
+                                                    dp_wave=ctx.router.dp_wave_for(replica), pooling=pooling):
+            final = output
+    finally:
+        ctx.router.note_finished(replica, sent_on)
     if final is not None and final.finish_reason:
         timer.on_prompt(final.num_prompt_tokens)
         timer.on_finish(final.finish_reason)

@@ -352,6 +352,30 @@ def test_router_picks_the_longest_cached_prefix_until_load_is_over_the_bound() -
     assert picks == ["b:2"] * 5 + ["a:1"]
 
 
+def test_requests_that_ended_before_the_next_load_report_stop_counting_as_queued() -> None:
+    """Sequential requests (each ends before the next is sent) within one load-report window:
+    the ones that ended no longer weigh as a queue on the replica holding the prefix, so the
+    next one still goes there (counted as queued, two of them outweighed the saved prefill and
+    the third went to the other replica: the e2e routing test's flake under a busy CPU)."""
+    # a prefill of the whole prompt costs 0.25 s; each queued request ahead one 0.25 s step
+    router = _router("cache-aware", step_s=0.25)
+    for replica in router.replicas.values():
+        replica.update_load(0, 0, ts=2.0, prefill_tokens_per_s=len(PROMPT.token_ids) / 0.25, step_s=0.25)
+    _cache(router, "b:2", PROMPT.hashes(B))
+    picks = []
+    for _ in range(4):
+        replica = router.pick(prompt=PROMPT)
+        picks.append(replica.address)
+        router.note_finished(replica, sent_on=2.0)  # it ended; still no newer load report
+    assert picks == ["b:2"] * 4
+    # A request sent before the latest report is in that report: its end changes nothing.
+    replica = router.pick(prompt=PROMPT)
+    replica.update_load(0, 1, ts=3.0, prefill_tokens_per_s=len(PROMPT.token_ids) / 0.25, step_s=0.25)
+    assert router.pick(prompt=PROMPT) is replica
+    router.note_finished(replica, sent_on=2.0)
+    assert replica.sent_since_update == 1
+
+
 def test_a_replica_whose_index_is_not_synced_counts_as_cold() -> None:
     router = _router("cache-aware")
     _cache(router, "b:2", PROMPT.hashes(B))

@@ -192,7 +192,7 @@ def test_a_choice_that_dies_from_below_ends_the_merged_stream_with_an_error() ->
         replica.client = _ChannelClosedUnderCall()
         engine = ResumableRequest("cmpl-y-0", [1, 2, 3], pb.SamplingParams(max_tokens=3))
         run = _Run(router, replica, GatewayMetrics("m"), MigrationPolicy(), time.monotonic(), RoutePrompt([1, 2, 3]),
-                   0)
+                   0, replica.load_ts)
         merged = _merge_choices(run, [ChoiceRequest(engine, DyingProcessor())])
         with pytest.raises(RuntimeError) as raised:
             await asyncio.wait_for(anext(merged), 10)  # (before: waited for that choice forever)
