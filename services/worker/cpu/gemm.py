@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from services.common.config import cpu_flags
-from services.worker.cpu import cbuild
+from services.worker.cpu import cbuild, huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PanelGemm:
         """[N, K] → the packed copy (same size and dtype; gemm.c's layout), into `out` when given."""
         assert self.supports(weight)
         weight = weight.detach().contiguous()
-        packed = torch.empty_like(weight) if out is None else out
+        packed = huge_pages.empty(weight.shape, weight.dtype) if out is None else out
         assert packed.shape == weight.shape and packed.dtype == weight.dtype and packed.is_contiguous()
         self.lib.gemm_pack(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1],
                            int(weight.dtype == torch.bfloat16))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.cpu import cbuild
+from services.worker.cpu import cbuild, huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class CpuMoeExperts:
         num_experts, hidden, width = w2.shape
         assert w13.shape == (num_experts, 2 * width, hidden)
         width_p, hidden_p = _whole_blocks(width), _whole_blocks(hidden)
-        w13p = w13.new_empty((num_experts, width_p // BLOCK, 2, hidden, BLOCK))
-        w2p = w2.new_empty((num_experts, hidden_p // BLOCK, width_p, BLOCK))
+        w13p = huge_pages.empty((num_experts, width_p // BLOCK, 2, hidden, BLOCK), w13.dtype)
+        w2p = huge_pages.empty((num_experts, hidden_p // BLOCK, width_p, BLOCK), w2.dtype)
         self.lib.moe_pack(w13.data_ptr(), w2.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), num_experts, hidden,
                           width, width_p, hidden_p, int(w13.dtype == torch.bfloat16), torch.get_num_threads())
         return w13p, w2p
