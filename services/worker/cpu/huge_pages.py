@@ -16,6 +16,7 @@ import ctypes.util
 import logging
 import mmap
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +42,9 @@ def _libc_madvise():
 
 
 def enabled() -> bool:
-    return os.environ.get("MYVLLM_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MAP_ANONYMOUS")
+    """Whether large tensors ask for huge pages: on Linux (madvise's advice numbers are its own),
+    unless MYVLLM_HUGE_PAGES=0."""
+    return os.environ.get("MYVLLM_HUGE_PAGES", "1") != "0" and sys.platform == "linux"
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

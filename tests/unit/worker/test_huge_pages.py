@@ -10,7 +10,10 @@ import torch
 from services.worker.cpu import huge_pages
 from services.worker.cpu.gemm import PanelGemm
 
+linux_only = pytest.mark.skipif(not huge_pages.enabled(), reason="huge pages are asked for on Linux only")
 
+
+@linux_only
 def test_a_large_tensor_is_aligned_to_a_huge_page_and_outlives_every_other_reference() -> None:
     t = huge_pages.empty((3, 1024, 1024), torch.float32)  # 12 MiB
     assert t.shape == (3, 1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
@@ -31,6 +34,7 @@ def test_small_tensors_and_the_switch_leave_torchs_allocator(monkeypatch: pytest
     assert big.untyped_storage().nbytes() == huge_pages.MIN_BYTES  # not a mapping with room to align
 
 
+@linux_only
 def test_packed_weights_live_in_the_aligned_mapping_and_multiply_alike() -> None:
     gemm = PanelGemm.load()
     if gemm is None or torch.float32 not in gemm.dtypes:
