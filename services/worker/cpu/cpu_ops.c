@@ -107,7 +107,7 @@ static int64_t argmax_row(const void *row, int n, int bf16) {
         const float v = bf16 ? bf16_to_f32(h[j]) : f[j];
         if (has_nan ? v != v : v == best) return j;
     }
-    return 0; /* every value -inf: torch.max answers the first */
+    return 0; /* an empty row (a row of -inf returns 0 above: -inf == best) */
 }
 
 /* ids[m] = argmax_row(x[m]) for M rows of N values, `stride` elements apart (int64 ids). */

@@ -2,11 +2,12 @@
 
 Why: a decode step reads every packed weight once from memory, and with the 4 KiB pages a
 process gets by default the hardware prefetchers stop at every page boundary and the TLB misses
-every few KiB; the experts' kernel streamed 23-27 GB/s of a machine's 32 there and 26-31 GB/s
-from 2 MiB pages (BENCHMARKS.md, "Mixture-of-experts"). Transparent huge pages are commonly
-enabled only for memory that asks (`madvise` mode), so the memory is mapped here and asks
-(MADV_HUGEPAGE) before anything touches it. Where the kernel has THP off, or the call fails,
-the memory is ordinary pages: nothing else changes. MYVLLM_HUGE_PAGES=0 turns it off.
+every few KiB; the experts' kernel streamed 23-29 GB/s of a machine's 32 there at one token and
+36-38 GB/s from 2 MiB pages (BENCHMARKS.md, "Against the roofline, and vLLM, on one CPU").
+Transparent huge pages are commonly enabled only for memory that asks (`madvise` mode), so the
+memory is mapped here and asks (MADV_HUGEPAGE) before anything touches it. Where the kernel has
+THP off, or the call fails, the memory is ordinary pages: nothing else changes.
+MYVLLM_HUGE_PAGES=0 turns it off.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import mmap
 import os
 import sys
@@ -50,10 +52,7 @@ def enabled() -> bool:
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor; from MIN_BYTES up, in an anonymous mapping aligned to 2 MiB
     that asked for huge pages before its first touch (the tensor keeps the mapping alive)."""
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not enabled():
         return torch.empty(tuple(shape), dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
